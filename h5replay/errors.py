@@ -1,0 +1,82 @@
+"""Every exception h5replay raises on purpose.
+
+Callers catch one root, or one branch, and never parse messages::
+
+    H5ReplayError
+    ├── ConfigError                 (also ValueError)   a setting or argument is invalid
+    ├── SpaceMismatchError          (also ValueError)   a value does not fit the space: names key and expectation
+    ├── ReadOnlyError                                   a write on a storage opened read-only
+    ├── StorageError                                    HDF5 failure or unusable file; the original is __cause__
+    │   └── FormatVersionError                          the file was written by an unknown h5replay format
+    ├── SegmentStateError           (also RuntimeError) a segment writer used after commit/abort, or misused
+    ├── ProtocolError                                   malformed message, unknown kind, version mismatch
+    ├── ClosedError                 (also RuntimeError) *you* called close() on it
+    ├── RemoteError                                     the server refused a request; `.code` says why
+    └── ServerUnavailableError      (also TimeoutError) no reply within `timeout`, or the server went away
+
+An index out of range raises the built-in `IndexError`, as numpy and h5py do.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "H5ReplayError",
+    "ConfigError",
+    "SpaceMismatchError",
+    "ReadOnlyError",
+    "StorageError",
+    "FormatVersionError",
+    "SegmentStateError",
+    "ProtocolError",
+    "ClosedError",
+    "RemoteError",
+    "ServerUnavailableError",
+]
+
+
+class H5ReplayError(Exception):
+    """Root of every error h5replay raises on purpose."""
+
+
+class ConfigError(H5ReplayError, ValueError):
+    """A setting or argument is invalid (capacity, chunks, compression, paths...)."""
+
+
+class SpaceMismatchError(H5ReplayError, ValueError):
+    """A value does not fit the space; the message names the key and what was expected."""
+
+
+class ReadOnlyError(H5ReplayError):
+    """A write was attempted on a storage or buffer opened read-only."""
+
+
+class StorageError(H5ReplayError):
+    """The HDF5 layer failed or the file is unusable; the h5py error is kept as __cause__."""
+
+
+class FormatVersionError(StorageError):
+    """The file records an h5replay format version this code does not know."""
+
+
+class SegmentStateError(H5ReplayError, RuntimeError):
+    """A segment writer was used after commit or abort, or committed where it cannot go."""
+
+
+class ProtocolError(H5ReplayError):
+    """A wire message is malformed, of an unknown kind, or of another protocol version."""
+
+
+class ClosedError(H5ReplayError, RuntimeError):
+    """The object was closed by its owner and cannot be used any more."""
+
+
+class RemoteError(H5ReplayError):
+    """The server answered a request with an error; `code` is a protocol error code."""
+
+    def __init__(self, message: str, code: str = "internal") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class ServerUnavailableError(H5ReplayError, TimeoutError):
+    """The server did not answer within the timeout, or went away."""

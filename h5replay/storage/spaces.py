@@ -1,0 +1,507 @@
+"""Box / Binary / Text / Dict spaces: what a sample looks like, how it is checked, its JSON form.
+
+Pure code: no files, no sockets. The storage and the wire protocol both use the two halves of a
+leaf's contract:
+
+* ``encode_batch(value, num_rows, key)`` checks a user batch (leading axis ``num_rows``) and returns
+  the array that is written to HDF5 (``storage_dtype``), or raises ``SpaceMismatchError`` naming the
+  key and what was expected. Nothing is written before every leaf has been encoded.
+* ``decode_batch(stored)`` turns stored rows back into what the user sees (``str`` for text).
+
+Text is stored as fixed-length UTF-8 byte fields sized for ``max_length`` characters (4 bytes each),
+because variable-length strings cannot be written under HDF5's SWMR mode.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+
+from h5replay.errors import ConfigError, SpaceMismatchError
+
+__all__ = [
+    "Space",
+    "LeafSpace",
+    "BoxSpace",
+    "BinarySpace",
+    "TextSpace",
+    "DictSpace",
+    "space_from_json",
+    "space_from_gymnasium",
+]
+
+_UTF8_MAX_BYTES_PER_CHAR = 4
+_SAMPLE_ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 éüß中文🙂"
+
+
+def _where(key: str) -> str:
+    return f"field '{key}'" if key else "the value"
+
+
+def _shape_tuple(shape: Any, what: str) -> tuple[int, ...]:
+    if isinstance(shape, (int, np.integer)):
+        shape = (int(shape),)
+    try:
+        out = tuple(int(d) for d in shape)
+    except TypeError as exc:
+        raise ConfigError(f"{what} must be a tuple of ints, got {shape!r}") from exc
+    if any(d < 0 for d in out):
+        raise ConfigError(f"{what} must not have negative dimensions, got {out}")
+    return out
+
+
+def _float_to_json(x: float) -> float | str:
+    if math.isfinite(x):
+        return x
+    return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+
+
+def _bound_to_json(bound: np.ndarray) -> Any:
+    """A bound array as JSON: one number when uniform, else nested lists; inf as a string."""
+    flat = bound.reshape(-1)
+    if flat.size and np.all(flat == flat[0]):
+        return _float_to_json(float(flat[0])) if bound.dtype.kind == "f" else int(flat[0])
+    if bound.dtype.kind == "f":
+        return np.vectorize(_float_to_json, otypes=[object])(bound).tolist() if bound.size else []
+    return bound.tolist()
+
+
+def _bound_from_json(obj: Any) -> Any:
+    if isinstance(obj, str):
+        return float(obj)
+    if isinstance(obj, list):
+        return [_bound_from_json(x) for x in obj]
+    return obj
+
+
+class Space(ABC):
+    """A set of values one row may hold. Subclasses are immutable after construction."""
+
+    shape: tuple[int, ...] | None
+    dtype: np.dtype[Any] | None
+
+    @abstractmethod
+    def contains(self, value: Any) -> bool:
+        """True when `value` is one valid sample of this space."""
+
+    @abstractmethod
+    def sample(self, rng: np.random.Generator | None = None) -> Any:
+        """One random sample of this space."""
+
+    @abstractmethod
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-serialisable description that `space_from_json` turns back into an equal space."""
+
+    @abstractmethod
+    def leaves(self, prefix: str = "") -> Iterator[tuple[str, LeafSpace]]:
+        """(path, leaf) for every leaf, in storage order; paths join dict keys with '/'."""
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Space) and self.to_json() == other.to_json()
+
+    def __hash__(self) -> int:
+        return hash(repr(self.to_json()))
+
+
+class LeafSpace(Space):
+    """A space stored as one HDF5 dataset: rows of `shape`, written as `storage_dtype`."""
+
+    shape: tuple[int, ...]
+
+    @property
+    @abstractmethod
+    def storage_dtype(self) -> np.dtype[Any]:
+        """The numpy dtype of the stored rows."""
+
+    @abstractmethod
+    def encode_batch(self, value: Any, num_rows: int | None = None, key: str = "") -> np.ndarray:
+        """Check a batch and return it as a C-contiguous array of `storage_dtype`.
+
+        Raises:
+            SpaceMismatchError: the batch does not fit; the message names `key`.
+        """
+
+    def decode_batch(self, stored: np.ndarray) -> np.ndarray:
+        """Stored rows as the user sees them (identity except for text)."""
+        return stored
+
+    def validate_stored(self, arr: np.ndarray, num_rows: int | None = None, key: str = "") -> np.ndarray:
+        """Check a batch that is already in `storage_dtype` (as it arrives off the wire).
+
+        Raises:
+            SpaceMismatchError: wrong dtype, shape or row count, or bytes the dtype cannot hold.
+        """
+        if arr.dtype != self.storage_dtype:
+            raise SpaceMismatchError(
+                f"{_where(key)} arrived as {arr.dtype} but the space stores {self.storage_dtype}"
+            )
+        self._check_rows(arr, num_rows, key)
+        self._check_stored_values(arr, key)
+        return arr
+
+    def _check_stored_values(self, arr: np.ndarray, key: str) -> None:
+        """Subclasses reject byte patterns their dtype admits but the space does not."""
+
+    def encode_one(self, value: Any, key: str = "") -> np.ndarray:
+        """One sample as a stored batch of one row."""
+        return self.encode_batch(self._as_batch_of_one(value), 1, key)
+
+    def decode_one(self, stored_row: Any) -> Any:
+        """One stored row (no leading axis) as the user sees it."""
+        return stored_row
+
+    def _as_batch_of_one(self, value: Any) -> Any:
+        return np.asarray(value)[None]
+
+    def leaves(self, prefix: str = "") -> Iterator[tuple[str, LeafSpace]]:
+        yield prefix, self
+
+    @property
+    def row_bytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.storage_dtype.itemsize
+
+    def _check_rows(self, arr: np.ndarray, num_rows: int | None, key: str) -> None:
+        if arr.ndim != 1 + len(self.shape) or arr.shape[1:] != self.shape:
+            raise SpaceMismatchError(
+                f"{_where(key)} has shape {arr.shape[1:] if arr.ndim else arr.shape} per row "
+                f"(batch shape {arr.shape}) but the space expects {self.shape}; check the actor's spaces"
+            )
+        if num_rows is not None and arr.shape[0] != num_rows:
+            raise SpaceMismatchError(
+                f"{_where(key)} has {arr.shape[0]} rows but the other fields have {num_rows}"
+            )
+
+
+class BoxSpace(LeafSpace):
+    """Real or integer arrays of a fixed shape, with elementwise bounds [low, high]."""
+
+    def __init__(self, low: Any, high: Any, shape: Any = None, dtype: Any = np.float32) -> None:
+        try:
+            self.dtype = np.dtype(dtype)
+        except TypeError as exc:
+            raise ConfigError(f"BoxSpace dtype {dtype!r} is not a numpy dtype") from exc
+        if self.dtype.kind not in "fiu":
+            raise ConfigError(f"BoxSpace dtype must be a real float or integer type, got {self.dtype}")
+        low_arr, high_arr = np.asarray(low, dtype=np.float64), np.asarray(high, dtype=np.float64)
+        if shape is None:
+            shape = np.broadcast_shapes(low_arr.shape, high_arr.shape)
+        self.shape = _shape_tuple(shape, "BoxSpace shape")
+        try:
+            low_arr = np.broadcast_to(low_arr, self.shape)
+            high_arr = np.broadcast_to(high_arr, self.shape)
+        except ValueError as exc:
+            raise ConfigError(f"BoxSpace bounds do not broadcast to shape {self.shape}") from exc
+        if np.any(np.isnan(low_arr)) or np.any(np.isnan(high_arr)):
+            raise ConfigError("BoxSpace bounds must not be NaN")
+        if np.any(low_arr > high_arr):
+            raise ConfigError("BoxSpace low must be <= high everywhere")
+        if self.dtype.kind in "iu":
+            info = np.iinfo(self.dtype)
+            low_arr = np.clip(low_arr, info.min, info.max).astype(self.dtype)
+            high_arr = np.clip(high_arr, info.min, info.max).astype(self.dtype)
+        else:
+            low_arr, high_arr = low_arr.astype(self.dtype), high_arr.astype(self.dtype)
+        self.low: np.ndarray = np.array(low_arr)
+        self.high: np.ndarray = np.array(high_arr)
+        self.low.flags.writeable = False
+        self.high.flags.writeable = False
+
+    @property
+    def storage_dtype(self) -> np.dtype[Any]:
+        return self.dtype  # type: ignore[return-value]
+
+    def contains(self, value: Any) -> bool:
+        try:
+            arr = np.asarray(value)
+        except (TypeError, ValueError):
+            return False
+        if arr.shape != self.shape or arr.dtype.kind not in "biuf":
+            return False
+        if not np.can_cast(arr.dtype, self.dtype, "same_kind"):
+            return False
+        return bool(np.all(arr >= self.low) and np.all(arr <= self.high))
+
+    def sample(self, rng: np.random.Generator | None = None) -> np.ndarray:
+        rng = rng or np.random.default_rng()
+        if self.dtype.kind in "iu":
+            return rng.integers(self.low, self.high, endpoint=True, dtype=self.dtype)
+        low, high = self.low.astype(np.float64), self.high.astype(np.float64)
+        lo_fin, hi_fin = np.isfinite(low), np.isfinite(high)
+        out = rng.normal(size=self.shape)
+        both = lo_fin & hi_fin
+        out = np.where(both, rng.uniform(np.where(both, low, 0), np.where(both, high, 1), self.shape), out)
+        out = np.where(lo_fin & ~hi_fin, np.where(lo_fin, low, 0) + rng.exponential(size=self.shape), out)
+        out = np.where(~lo_fin & hi_fin, np.where(hi_fin, high, 0) - rng.exponential(size=self.shape), out)
+        return np.clip(out, low, high).astype(self.dtype)
+
+    def encode_batch(self, value: Any, num_rows: int | None = None, key: str = "") -> np.ndarray:
+        try:
+            arr = np.asarray(value)
+        except (TypeError, ValueError) as exc:
+            raise SpaceMismatchError(f"{_where(key)} is not an array of numbers: {exc}") from exc
+        if arr.dtype.kind not in "biuf":
+            raise SpaceMismatchError(
+                f"{_where(key)} has dtype {arr.dtype} but the space expects {self.dtype}"
+            )
+        self._check_rows(arr, num_rows, key)
+        if arr.dtype == self.dtype:
+            return np.ascontiguousarray(arr)
+        if not np.can_cast(arr.dtype, self.dtype, "same_kind"):
+            raise SpaceMismatchError(
+                f"{_where(key)} has dtype {arr.dtype}, which cannot be cast to the space's "
+                f"{self.dtype} without changing kind; convert it first"
+            )
+        if arr.dtype.kind in "iu" and self.dtype.kind in "iu":
+            info = np.iinfo(self.dtype)
+            if arr.size and (arr.min() < info.min or arr.max() > info.max):
+                raise SpaceMismatchError(f"{_where(key)} has values outside the range of {self.dtype}")
+        out = np.ascontiguousarray(arr, dtype=self.dtype)
+        if arr.dtype.kind == "f" and self.dtype.itemsize < arr.dtype.itemsize:
+            if not np.array_equal(np.isfinite(arr), np.isfinite(out)):
+                raise SpaceMismatchError(f"{_where(key)} has values that overflow {self.dtype}")
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "type": "box",
+            "shape": list(self.shape),
+            "dtype": self.dtype.str if self.dtype.byteorder not in "=|" else self.dtype.name,
+            "low": _bound_to_json(self.low),
+            "high": _bound_to_json(self.high),
+        }
+
+    def __repr__(self) -> str:
+        return f"BoxSpace(shape={self.shape}, dtype={self.dtype})"
+
+
+class BinarySpace(LeafSpace):
+    """Boolean arrays of a fixed shape. Integer arrays holding only 0 and 1 are accepted too."""
+
+    def __init__(self, shape: Any = ()) -> None:
+        self.shape = _shape_tuple(shape, "BinarySpace shape")
+        self.dtype = np.dtype(bool)
+
+    @property
+    def storage_dtype(self) -> np.dtype[Any]:
+        return np.dtype(bool)
+
+    def contains(self, value: Any) -> bool:
+        try:
+            self.encode_one(value)
+        except SpaceMismatchError:
+            return False
+        return True
+
+    def sample(self, rng: np.random.Generator | None = None) -> np.ndarray:
+        rng = rng or np.random.default_rng()
+        return rng.integers(0, 2, size=self.shape).astype(bool)
+
+    def encode_batch(self, value: Any, num_rows: int | None = None, key: str = "") -> np.ndarray:
+        try:
+            arr = np.asarray(value)
+        except (TypeError, ValueError) as exc:
+            raise SpaceMismatchError(f"{_where(key)} is not a boolean array: {exc}") from exc
+        if arr.dtype.kind not in "biu":
+            raise SpaceMismatchError(f"{_where(key)} has dtype {arr.dtype} but the space expects bool")
+        self._check_rows(arr, num_rows, key)
+        if arr.dtype.kind != "b":
+            if arr.size and not np.all((arr == 0) | (arr == 1)):
+                raise SpaceMismatchError(f"{_where(key)} is binary but holds values other than 0 and 1")
+            arr = arr.astype(bool)
+        return np.ascontiguousarray(arr)
+
+    def _check_stored_values(self, arr: np.ndarray, key: str) -> None:
+        if arr.size and np.any(arr.view(np.uint8) > 1):
+            raise SpaceMismatchError(f"{_where(key)} holds bytes other than 0 and 1 in a boolean field")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"type": "binary", "shape": list(self.shape)}
+
+    def __repr__(self) -> str:
+        return f"BinarySpace(shape={self.shape})"
+
+
+class TextSpace(LeafSpace):
+    """Unicode strings of min_length..max_length characters, without NUL characters."""
+
+    def __init__(self, max_length: int, min_length: int = 0) -> None:
+        if isinstance(max_length, bool) or not isinstance(max_length, (int, np.integer)) or max_length < 1:
+            raise ConfigError(f"TextSpace max_length must be an int >= 1, got {max_length!r}")
+        if isinstance(min_length, bool) or not isinstance(min_length, (int, np.integer)) or not 0 <= min_length <= max_length:
+            raise ConfigError(f"TextSpace min_length must be an int in [0, {max_length}], got {min_length!r}")
+        self.max_length, self.min_length = int(max_length), int(min_length)
+        self.shape = ()
+        self.dtype = np.dtype(object)
+
+    @property
+    def storage_dtype(self) -> np.dtype[Any]:
+        return np.dtype(f"S{self.max_length * _UTF8_MAX_BYTES_PER_CHAR}")
+
+    def contains(self, value: Any) -> bool:
+        return isinstance(value, str) and self._problem(value) is None
+
+    def _problem(self, text: str) -> str | None:
+        if not self.min_length <= len(text) <= self.max_length:
+            return f"has {len(text)} characters but the space allows {self.min_length} to {self.max_length}"
+        if "\x00" in text:
+            return "contains a NUL character, which text fields cannot hold"
+        return None
+
+    def sample(self, rng: np.random.Generator | None = None) -> str:
+        rng = rng or np.random.default_rng()
+        n = int(rng.integers(self.min_length, self.max_length, endpoint=True))
+        idx = rng.integers(0, len(_SAMPLE_ALPHABET), size=n)
+        return "".join(_SAMPLE_ALPHABET[i] for i in idx)
+
+    def _as_batch_of_one(self, value: Any) -> Any:
+        return [value]
+
+    def encode_batch(self, value: Any, num_rows: int | None = None, key: str = "") -> np.ndarray:
+        if isinstance(value, (str, bytes)):
+            raise SpaceMismatchError(f"{_where(key)} is a single string; a batch needs a sequence of strings")
+        try:
+            items = list(np.asarray(value, dtype=object).reshape(-1)) if not isinstance(value, list) else value
+            shape = np.shape(value) if not isinstance(value, list) else (len(value),)
+        except (TypeError, ValueError) as exc:
+            raise SpaceMismatchError(f"{_where(key)} is not a sequence of strings: {exc}") from exc
+        if len(shape) != 1:
+            raise SpaceMismatchError(f"{_where(key)} has batch shape {shape}; text rows are scalars, expected (n,)")
+        if num_rows is not None and len(items) != num_rows:
+            raise SpaceMismatchError(f"{_where(key)} has {len(items)} rows but the other fields have {num_rows}")
+        out = np.empty(len(items), dtype=self.storage_dtype)
+        for i, item in enumerate(items):
+            if not isinstance(item, str):
+                raise SpaceMismatchError(f"{_where(key)}[{i}] is {type(item).__name__}, expected str")
+            problem = self._problem(item)
+            if problem is not None:
+                raise SpaceMismatchError(f"{_where(key)}[{i}] {problem}")
+            out[i] = item.encode("utf-8")
+        return out
+
+    def decode_batch(self, stored: np.ndarray) -> np.ndarray:
+        out = np.empty(stored.shape, dtype=object)
+        flat_in, flat_out = stored.reshape(-1), out.reshape(-1)
+        for i, raw in enumerate(flat_in):
+            flat_out[i] = raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
+        return out
+
+    def decode_one(self, stored_row: Any) -> Any:
+        return stored_row.decode("utf-8") if isinstance(stored_row, bytes) else str(stored_row)
+
+    def _check_stored_values(self, arr: np.ndarray, key: str) -> None:
+        for i, raw in enumerate(arr.reshape(-1)):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise SpaceMismatchError(f"{_where(key)}[{i}] is not valid UTF-8: {exc}") from exc
+            problem = self._problem(text)
+            if problem is not None:
+                raise SpaceMismatchError(f"{_where(key)}[{i}] {problem}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"type": "text", "max_length": self.max_length, "min_length": self.min_length}
+
+    def __repr__(self) -> str:
+        return f"TextSpace(max_length={self.max_length}, min_length={self.min_length})"
+
+
+class DictSpace(Space):
+    """A mapping of names to spaces (nested dicts become nested DictSpaces). Keys are kept sorted."""
+
+    def __init__(self, mapping: Mapping[str, Any]) -> None:
+        if not isinstance(mapping, Mapping):
+            raise ConfigError(f"DictSpace takes a mapping of names to spaces, got {type(mapping).__name__}")
+        spaces: dict[str, Space] = {}
+        for key in sorted(mapping):
+            if not isinstance(key, str) or not key or "/" in key or key in (".", ".."):
+                raise ConfigError(f"DictSpace key {key!r} must be a non-empty string without '/'")
+            sub = mapping[key]
+            if isinstance(sub, Mapping):
+                sub = DictSpace(sub)
+            if not isinstance(sub, Space):
+                raise ConfigError(f"DictSpace value for {key!r} must be a space, got {type(sub).__name__}")
+            spaces[key] = sub
+        self.spaces: Mapping[str, Space] = spaces
+        self.shape = None
+        self.dtype = None
+
+    def __getitem__(self, key: str) -> Space:
+        return self.spaces[key]
+
+    def keys(self) -> Any:
+        return self.spaces.keys()
+
+    def contains(self, value: Any) -> bool:
+        if not isinstance(value, Mapping) or set(value) != set(self.spaces):
+            return False
+        return all(space.contains(value[k]) for k, space in self.spaces.items())
+
+    def sample(self, rng: np.random.Generator | None = None) -> dict[str, Any]:
+        rng = rng or np.random.default_rng()
+        return {k: space.sample(rng) for k, space in self.spaces.items()}
+
+    def leaves(self, prefix: str = "") -> Iterator[tuple[str, LeafSpace]]:
+        for key, space in self.spaces.items():
+            yield from space.leaves(f"{prefix}/{key}" if prefix else key)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"type": "dict", "spaces": {k: s.to_json() for k, s in self.spaces.items()}}
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{k!r}: {s!r}" for k, s in self.spaces.items())
+        return f"DictSpace({{{inner}}})"
+
+
+def space_from_json(obj: Any) -> Space:
+    """Rebuild a space from `Space.to_json()` output.
+
+    Raises:
+        ConfigError: `obj` is not a space description this version understands.
+    """
+    if not isinstance(obj, Mapping) or "type" not in obj:
+        raise ConfigError(f"a space description must be a mapping with a 'type', got {obj!r:.200}")
+    kind = obj["type"]
+    try:
+        if kind == "box":
+            return BoxSpace(
+                _bound_from_json(obj["low"]), _bound_from_json(obj["high"]), tuple(obj["shape"]), obj["dtype"]
+            )
+        if kind == "binary":
+            return BinarySpace(tuple(obj["shape"]))
+        if kind == "text":
+            return TextSpace(obj["max_length"], obj.get("min_length", 0))
+        if kind == "dict":
+            spaces = obj["spaces"]
+            if not isinstance(spaces, Mapping):
+                raise ConfigError("a dict space's 'spaces' must be a mapping")
+            return DictSpace({k: space_from_json(v) for k, v in spaces.items()})
+    except (KeyError, TypeError, ValueError) as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(f"invalid {kind!r} space description: {exc!r}") from exc
+    raise ConfigError(f"unknown space type {kind!r}; expected box, binary, text or dict")
+
+
+def space_from_gymnasium(space: Any) -> Space:
+    """Convert a gymnasium Box / MultiBinary / Text / Dict (nested) into an h5replay space.
+
+    Discrete becomes a scalar int64 Box over [start, start + n - 1]. gymnasium is not a dependency;
+    only the objects' attributes are read.
+    """
+    name = type(space).__name__
+    if name == "Dict":
+        return DictSpace({str(k): space_from_gymnasium(v) for k, v in space.spaces.items()})
+    if name == "Box":
+        return BoxSpace(space.low, space.high, tuple(space.shape), space.dtype)
+    if name == "MultiBinary":
+        return BinarySpace(tuple(np.atleast_1d(space.n)) if not isinstance(space.n, int) else (space.n,))
+    if name == "Text":
+        return TextSpace(space.max_length, space.min_length)
+    if name == "Discrete":
+        start = int(space.start)
+        return BoxSpace(start, start + int(space.n) - 1, (), np.int64)
+    raise ConfigError(f"cannot convert gymnasium space {name}; supported: Box, MultiBinary, Text, Dict, Discrete")
