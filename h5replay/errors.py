@@ -9,7 +9,10 @@ Callers catch one root, or one branch, and never parse messages::
     ├── StorageError                                    HDF5 failure or unusable file; the original is __cause__
     │   └── FormatVersionError                          the file was written by an unknown h5replay format
     ├── SegmentStateError           (also RuntimeError) a segment writer used after commit/abort, or misused
+    ├── NotEnoughDataError          (also ValueError)   sampling asks for more than the buffer holds
     ├── ProtocolError                                   malformed message, unknown kind, version mismatch
+    │   ├── UnsupportedVersionError                     the peer speaks another protocol version
+    │   └── LimitExceededError                          a request is over a limit; the message names it
     ├── ClosedError                 (also RuntimeError) *you* called close() on it
     ├── RemoteError                                     the server refused a request; `.code` says why
     └── ServerUnavailableError      (also TimeoutError) no reply within `timeout`, or the server went away
@@ -27,7 +30,10 @@ __all__ = [
     "StorageError",
     "FormatVersionError",
     "SegmentStateError",
+    "NotEnoughDataError",
     "ProtocolError",
+    "UnsupportedVersionError",
+    "LimitExceededError",
     "ClosedError",
     "RemoteError",
     "ServerUnavailableError",
@@ -62,8 +68,20 @@ class SegmentStateError(H5ReplayError, RuntimeError):
     """A segment writer was used after commit or abort, or committed where it cannot go."""
 
 
+class NotEnoughDataError(H5ReplayError, ValueError):
+    """Sampling from an empty buffer, or asking for sequences longer than every episode held."""
+
+
 class ProtocolError(H5ReplayError):
     """A wire message is malformed, of an unknown kind, or of another protocol version."""
+
+
+class UnsupportedVersionError(ProtocolError):
+    """The peer speaks a protocol version this code does not; upgrade one side."""
+
+
+class LimitExceededError(ProtocolError):
+    """A message or request is over a limit (size, frames, rows, open segments, clients)."""
 
 
 class ClosedError(H5ReplayError, RuntimeError):

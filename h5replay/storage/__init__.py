@@ -1,0 +1,49 @@
+"""Storage: spaces, HDF5Storage (one dataset per leaf), streaming segment writers, ReplayBuffer."""
+
+from __future__ import annotations
+
+from h5replay.storage.hdf5 import FORMAT_VERSION, HDF5Storage
+from h5replay.storage.indexing import (
+    CHUNK_TARGET_BYTES,
+    fancy_indexing_to_supported_indexing,
+    fancy_indexing_to_supported_set_indexing,
+    io_reduced_indexing,
+    is_fancy_index,
+    read_sorted_unique_rows,
+    write_rows,
+    write_sorted_unique_rows,
+)
+from h5replay.storage.replay_buffer import CommitInfo, ReplayBuffer
+from h5replay.storage.segment import SegmentWriter
+from h5replay.storage.spaces import (
+    BinarySpace,
+    BoxSpace,
+    DictSpace,
+    Space,
+    TextSpace,
+    space_from_gymnasium,
+    space_from_json,
+)
+
+__all__ = [
+    "BinarySpace",
+    "BoxSpace",
+    "CHUNK_TARGET_BYTES",
+    "CommitInfo",
+    "DictSpace",
+    "FORMAT_VERSION",
+    "HDF5Storage",
+    "ReplayBuffer",
+    "SegmentWriter",
+    "Space",
+    "TextSpace",
+    "fancy_indexing_to_supported_indexing",
+    "fancy_indexing_to_supported_set_indexing",
+    "io_reduced_indexing",
+    "is_fancy_index",
+    "read_sorted_unique_rows",
+    "space_from_gymnasium",
+    "space_from_json",
+    "write_rows",
+    "write_sorted_unique_rows",
+]

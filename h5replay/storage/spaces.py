@@ -47,11 +47,20 @@ def _shape_tuple(shape: Any, what: str) -> tuple[int, ...]:
         shape = (int(shape),)
     try:
         out = tuple(int(d) for d in shape)
-    except TypeError as exc:
+    except (TypeError, ValueError) as exc:
         raise ConfigError(f"{what} must be a tuple of ints, got {shape!r}") from exc
     if any(d < 0 for d in out):
         raise ConfigError(f"{what} must not have negative dimensions, got {out}")
     return out
+
+
+def _bound_array(bound: Any, what: str) -> np.ndarray:
+    """A bound as an array: integer input stays exact (int64 / uint64), anything else is float64."""
+    try:
+        arr = np.asarray(bound)
+        return arr if arr.dtype.kind in "iu" else arr.astype(np.float64)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ConfigError(f"BoxSpace {what} must be numbers, got {bound!r:.200}") from exc
 
 
 def _float_to_json(x: float) -> float | str:
@@ -63,10 +72,12 @@ def _float_to_json(x: float) -> float | str:
 def _bound_to_json(bound: np.ndarray) -> Any:
     """A bound array as JSON: one number when uniform, else nested lists; inf as a string."""
     flat = bound.reshape(-1)
-    if flat.size and np.all(flat == flat[0]):
+    if not flat.size:  # nested lists would lose an empty shape such as (0, 3); any number broadcasts
+        return 0.0 if bound.dtype.kind == "f" else 0
+    if np.all(flat == flat[0]):
         return _float_to_json(float(flat[0])) if bound.dtype.kind == "f" else int(flat[0])
     if bound.dtype.kind == "f":
-        return np.vectorize(_float_to_json, otypes=[object])(bound).tolist() if bound.size else []
+        return np.vectorize(_float_to_json, otypes=[object])(bound).tolist()
     return bound.tolist()
 
 
@@ -111,6 +122,7 @@ class LeafSpace(Space):
     """A space stored as one HDF5 dataset: rows of `shape`, written as `storage_dtype`."""
 
     shape: tuple[int, ...]
+    dtype: np.dtype[Any]
 
     @property
     @abstractmethod
@@ -186,9 +198,14 @@ class BoxSpace(LeafSpace):
             raise ConfigError(f"BoxSpace dtype {dtype!r} is not a numpy dtype") from exc
         if self.dtype.kind not in "fiu":
             raise ConfigError(f"BoxSpace dtype must be a real float or integer type, got {self.dtype}")
-        low_arr, high_arr = np.asarray(low, dtype=np.float64), np.asarray(high, dtype=np.float64)
+        low_arr, high_arr = _bound_array(low, "low"), _bound_array(high, "high")
         if shape is None:
-            shape = np.broadcast_shapes(low_arr.shape, high_arr.shape)
+            try:
+                shape = np.broadcast_shapes(low_arr.shape, high_arr.shape)
+            except ValueError as exc:
+                raise ConfigError(
+                    f"BoxSpace low {low_arr.shape} and high {high_arr.shape} do not broadcast together"
+                ) from exc
         self.shape = _shape_tuple(shape, "BoxSpace shape")
         try:
             low_arr = np.broadcast_to(low_arr, self.shape)
@@ -200,11 +217,14 @@ class BoxSpace(LeafSpace):
         if np.any(low_arr > high_arr):
             raise ConfigError("BoxSpace low must be <= high everywhere")
         if self.dtype.kind in "iu":
+            # Clip as Python numbers: float64 cannot hold int64's max (it rounds up to 2**63 and
+            # the cast wraps), so +-inf bounds on an int64 box used to collapse to one value.
             info = np.iinfo(self.dtype)
-            low_arr = np.clip(low_arr, info.min, info.max).astype(self.dtype)
-            high_arr = np.clip(high_arr, info.min, info.max).astype(self.dtype)
+            low_arr = np.asarray(np.clip(low_arr.astype(object), info.min, info.max), dtype=self.dtype)
+            high_arr = np.asarray(np.clip(high_arr.astype(object), info.min, info.max), dtype=self.dtype)
         else:
-            low_arr, high_arr = low_arr.astype(self.dtype), high_arr.astype(self.dtype)
+            with np.errstate(over="ignore"):  # bounds beyond a float16/32's range become +-inf
+                low_arr, high_arr = low_arr.astype(self.dtype), high_arr.astype(self.dtype)
         self.low: np.ndarray = np.array(low_arr)
         self.high: np.ndarray = np.array(high_arr)
         self.low.flags.writeable = False
@@ -212,23 +232,21 @@ class BoxSpace(LeafSpace):
 
     @property
     def storage_dtype(self) -> np.dtype[Any]:
-        return self.dtype  # type: ignore[return-value]
+        return self.dtype
 
     def contains(self, value: Any) -> bool:
         try:
             arr = np.asarray(value)
-        except (TypeError, ValueError):
-            return False
-        if arr.shape != self.shape or arr.dtype.kind not in "biuf":
-            return False
-        if not np.can_cast(arr.dtype, self.dtype, "same_kind"):
+            self.encode_one(arr)  # shape, kind, same_kind cast, int range, float overflow
+        except (TypeError, ValueError):  # SpaceMismatchError is a ValueError
             return False
         return bool(np.all(arr >= self.low) and np.all(arr <= self.high))
 
     def sample(self, rng: np.random.Generator | None = None) -> np.ndarray:
         rng = rng or np.random.default_rng()
         if self.dtype.kind in "iu":
-            return rng.integers(self.low, self.high, endpoint=True, dtype=self.dtype)
+            # np.asarray: for shape () numpy hands back a scalar, and a Box sample is an ndarray.
+            return np.asarray(rng.integers(self.low, self.high, endpoint=True, dtype=self.dtype))
         low, high = self.low.astype(np.float64), self.high.astype(np.float64)
         lo_fin, hi_fin = np.isfinite(low), np.isfinite(high)
         out = rng.normal(size=self.shape)
@@ -236,7 +254,7 @@ class BoxSpace(LeafSpace):
         out = np.where(both, rng.uniform(np.where(both, low, 0), np.where(both, high, 1), self.shape), out)
         out = np.where(lo_fin & ~hi_fin, np.where(lo_fin, low, 0) + rng.exponential(size=self.shape), out)
         out = np.where(~lo_fin & hi_fin, np.where(hi_fin, high, 0) - rng.exponential(size=self.shape), out)
-        return np.clip(out, low, high).astype(self.dtype)
+        return np.asarray(np.clip(out, low, high), dtype=self.dtype)
 
     def encode_batch(self, value: Any, num_rows: int | None = None, key: str = "") -> np.ndarray:
         try:
@@ -259,10 +277,11 @@ class BoxSpace(LeafSpace):
             info = np.iinfo(self.dtype)
             if arr.size and (arr.min() < info.min or arr.max() > info.max):
                 raise SpaceMismatchError(f"{_where(key)} has values outside the range of {self.dtype}")
-        out = np.ascontiguousarray(arr, dtype=self.dtype)
-        if arr.dtype.kind == "f" and self.dtype.itemsize < arr.dtype.itemsize:
-            if not np.array_equal(np.isfinite(arr), np.isfinite(out)):
-                raise SpaceMismatchError(f"{_where(key)} has values that overflow {self.dtype}")
+        with np.errstate(over="ignore"):  # overflow is reported below, as a SpaceMismatchError
+            out = np.ascontiguousarray(arr, dtype=self.dtype)
+        might_overflow = self.dtype.kind == "f" and not np.can_cast(arr.dtype, self.dtype, "safe")
+        if might_overflow and not np.array_equal(np.isfinite(arr), np.isfinite(out)):
+            raise SpaceMismatchError(f"{_where(key)} has values that overflow {self.dtype}")
         return out
 
     def to_json(self) -> dict[str, Any]:
@@ -416,9 +435,10 @@ class DictSpace(Space):
         if not isinstance(mapping, Mapping):
             raise ConfigError(f"DictSpace takes a mapping of names to spaces, got {type(mapping).__name__}")
         spaces: dict[str, Space] = {}
-        for key in sorted(mapping):
+        for key in mapping:  # check before sorting: sorted() raises TypeError on mixed key types
             if not isinstance(key, str) or not key or "/" in key or key in (".", ".."):
                 raise ConfigError(f"DictSpace key {key!r} must be a non-empty string without '/'")
+        for key in sorted(mapping):
             sub = mapping[key]
             if isinstance(sub, Mapping):
                 sub = DictSpace(sub)

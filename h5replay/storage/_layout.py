@@ -1,0 +1,115 @@
+"""How each leaf is laid out in HDF5: contiguous or whole-row chunks, compression per leaf.
+
+Pure code: turns the `create()` arguments into per-dataset h5py keyword arguments, so the rules of
+the design document live in one place and are testable without a file.
+
+Rules (per leaf):
+  * fixed capacity, no compression, chunks None, not multiprocessing -> contiguous;
+  * chunks None/True with compression, an unbounded storage, or multiprocessing (SWMR readers
+    cannot open contiguous datasets) -> whole-row chunks of about CHUNK_TARGET_BYTES, never less
+    than one row, clamped to a fixed capacity;
+  * an explicit tuple is padded with the row shape;
+  * chunks=False asks for contiguous storage and is refused where it cannot be honoured.
+`compression`, `compression_level` and `chunks` may be mappings keyed by leaf path ("obs/image"),
+by a top-level key ("obs"), or "*" for the rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from h5replay.errors import ConfigError
+from h5replay.storage.indexing import CHUNK_TARGET_BYTES
+
+_COMPRESSIONS = ("gzip", "lzf", "szip")
+
+
+def resolve_option(option: Any, path: str) -> Any:
+    """The value of a per-leaf option for `path`: the most specific mapping key, then '*'."""
+    if not isinstance(option, Mapping):
+        return option
+    parts = path.split("/")
+    for depth in range(len(parts), 0, -1):
+        key = "/".join(parts[:depth])
+        if key in option:
+            value = option[key]
+            return resolve_option(value, "/".join(parts[depth:])) if isinstance(value, Mapping) else value
+    return option.get("*")
+
+
+def whole_row_chunk_rows(row_bytes: int, capacity: int | None) -> int:
+    """Rows per chunk so one chunk holds about CHUNK_TARGET_BYTES of whole rows (at least one)."""
+    rows = max(1, CHUNK_TARGET_BYTES // max(1, row_bytes))
+    if capacity is not None:
+        rows = min(rows, max(1, capacity))
+    return rows
+
+
+def dataset_kwargs(
+    path: str,
+    row_shape: tuple[int, ...],
+    row_bytes: int,
+    capacity: int | None,
+    initial_rows: int,
+    *,
+    compression: Any,
+    compression_level: Any,
+    chunks: Any,
+    multiprocessing: bool,
+) -> dict[str, Any]:
+    """h5py `create_dataset` keyword arguments (shape, maxshape, chunks, compression) for one leaf."""
+    comp = resolve_option(compression, path)
+    level = resolve_option(compression_level, path)
+    chunk = resolve_option(chunks, path)
+    if comp is not None and comp not in _COMPRESSIONS and not isinstance(comp, int):
+        raise ConfigError(f"compression for '{path}' must be one of {_COMPRESSIONS} or None, got {comp!r}")
+    if level is not None and comp is None:
+        raise ConfigError(f"compression_level for '{path}' is set but no compression is chosen for it")
+    if comp == "lzf" and level is not None:
+        raise ConfigError(f"lzf compression for '{path}' takes no level, got {level!r}")
+    if comp == "gzip" and level is not None and (not isinstance(level, int) or not 0 <= level <= 9):
+        raise ConfigError(f"gzip level for '{path}' must be an int in 0..9, got {level!r}")
+
+    shape = (capacity if capacity is not None else initial_rows, *row_shape)
+    kwargs: dict[str, Any] = {"shape": shape}
+    contiguous_possible = capacity is not None and comp is None and not multiprocessing
+    if chunk is False:
+        if not contiguous_possible:
+            reason = (
+                "compression needs chunks" if comp is not None
+                else "an unbounded storage needs chunks" if capacity is None
+                else "SWMR readers cannot open contiguous datasets"
+            )
+            raise ConfigError(f"chunks=False (contiguous) is impossible for '{path}': {reason}")
+        return kwargs
+    if chunk is None and contiguous_possible:
+        return kwargs
+    if chunk is None or chunk is True:
+        chunk_shape: tuple[int, ...] = (whole_row_chunk_rows(row_bytes, capacity), *row_shape)
+    else:
+        try:
+            given = tuple(int(c) for c in chunk)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"chunks for '{path}' must be None, True, False or a tuple, got {chunk!r}") from exc
+        if not given or len(given) > 1 + len(row_shape) or any(c < 1 for c in given):
+            raise ConfigError(f"chunks {given} for '{path}' do not fit rows of shape {row_shape}")
+        chunk_shape = given + row_shape[len(given) - 1 :]
+        if any(0 < r < c for c, r in zip(chunk_shape[1:], row_shape)):
+            raise ConfigError(f"chunks {chunk_shape} for '{path}' are larger than a row of shape {row_shape}")
+        if capacity is not None and chunk_shape[0] > capacity:
+            raise ConfigError(f"chunks {chunk_shape} for '{path}' hold more rows than the capacity {capacity}")
+    # A zero-sized row dimension cannot be chunked by whole rows; let HDF5 guess.
+    kwargs["chunks"] = True if 0 in chunk_shape[1:] else tuple(max(1, c) for c in chunk_shape)
+    kwargs["maxshape"] = (capacity, *row_shape)
+    if comp is not None:
+        kwargs["compression"] = comp
+        if level is not None:
+            kwargs["compression_opts"] = level
+    return kwargs
+
+
+def row_bytes_of(row_shape: tuple[int, ...], dtype: np.dtype[Any]) -> int:
+    return int(np.prod(row_shape, dtype=np.int64)) * dtype.itemsize

@@ -1,0 +1,264 @@
+"""SegmentWriter: streams one segment into the file and publishes it at commit.
+
+A writer keeps at most one block of rows in memory (about `segment_buffer_bytes`). When the
+block fills it is written to a free block of the file's hidden staging datasets
+(`/_h5replay/staging/<leaf>`), so memory stays flat however long the episode grows. `commit`
+copies the staged blocks and the in-memory tail to their final rows; until then nothing of the
+segment is visible through `get`. `abort` returns the blocks to the free list.
+
+The staging datasets are created with the file (SWMR forbids new objects later) and only ever
+grow; a block is a range of `block_rows` rows in every staging dataset. Blocks are handed out
+per process: staging contents do not survive a reopen, and need not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import h5py
+import numpy as np
+
+from h5replay.errors import SegmentStateError, StorageError
+from h5replay.storage import _layout
+from h5replay.storage.indexing import read_slice, write_rows
+from h5replay.storage.spaces import LeafSpace, TextSpace
+
+if TYPE_CHECKING:
+    from h5replay.storage.hdf5 import HDF5Storage
+
+__all__ = ["SegmentWriter"]
+
+STAGING_GROUP = "staging"
+
+
+def create_staging(internal: h5py.Group, leaves: list[tuple[str, LeafSpace]]) -> None:
+    """Create the empty, growable staging dataset of every leaf under `internal`."""
+    group = internal.create_group(STAGING_GROUP)
+    for path, leaf in leaves:
+        chunk_rows = _layout.whole_row_chunk_rows(leaf.row_bytes, None)
+        dtype: Any = (
+            h5py.string_dtype("utf-8", length=leaf.storage_dtype.itemsize)
+            if isinstance(leaf, TextSpace)
+            else leaf.storage_dtype
+        )
+        group.create_dataset(
+            path, shape=(0, *leaf.shape), maxshape=(None, *leaf.shape), chunks=(chunk_rows, *leaf.shape), dtype=dtype
+        )
+
+
+class Staging:
+    """The free list of staging blocks of one open storage."""
+
+    def __init__(self, storage: HDF5Storage) -> None:
+        from h5replay.storage.hdf5 import INTERNAL_GROUP, h5_errors
+
+        self._h5_errors = h5_errors
+        self.storage = storage
+        row_bytes = sum(leaf.row_bytes for _, leaf in storage.leaves)
+        self.block_rows = max(1, storage.segment_buffer_bytes // max(1, row_bytes))
+        with h5_errors("opening the staging area"):
+            group = storage.file[f"{INTERNAL_GROUP}/{STAGING_GROUP}"]
+            self.datasets: dict[str, h5py.Dataset] = {path: group[path] for path, _ in storage.leaves}
+        rows = min(ds.shape[0] for ds in self.datasets.values())
+        self.num_blocks = rows // self.block_rows
+        self._free = list(range(self.num_blocks - 1, -1, -1))
+
+    def allocate(self) -> int:
+        if self._free:
+            return self._free.pop()
+        block = self.num_blocks
+        with self._h5_errors("growing the staging area"):
+            for ds in self.datasets.values():
+                if ds.shape[0] < (block + 1) * self.block_rows:
+                    ds.resize((block + 1) * self.block_rows, axis=0)
+        self.num_blocks += 1
+        return block
+
+    def release(self, blocks: list[int]) -> None:
+        self._free.extend(reversed(blocks))
+
+    def write(self, block: int, arrays: Mapping[str, np.ndarray]) -> None:
+        with self._h5_errors("staging segment rows"):
+            for path, arr in arrays.items():
+                ds = self.datasets[path]
+                if not write_rows(ds, block * self.block_rows, arr):
+                    ds[block * self.block_rows : block * self.block_rows + arr.shape[0]] = arr
+
+    def read(self, block: int, first: int, stop: int) -> dict[str, np.ndarray]:
+        base = block * self.block_rows
+        with self._h5_errors("reading staged rows"):
+            return {path: read_slice(ds, base + first, base + stop) for path, ds in self.datasets.items()}
+
+
+class SegmentWriter:
+    """Builds one segment off to the side; `commit(start_index)` publishes it, `abort()` drops it.
+
+    Memory stays bounded (one block of rows) however long the segment grows. Any number of
+    writers may be open on a storage and commit in any order. Not thread-safe. As a context
+    manager it aborts on exit unless it was committed.
+    """
+
+    def __init__(self, storage: HDF5Storage, staging: Staging) -> None:
+        self.storage = storage
+        self._staging = staging
+        self._block_rows = staging.block_rows
+        self._buffers: dict[str, np.ndarray] | None = None
+        self._buffered = 0
+        self._blocks: list[int] = []
+        self.length = 0
+        self.is_finished = False
+        self._state = "open"  # open | committed | aborted | invalid
+        self._why_invalid = ""
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __repr__(self) -> str:
+        return f"<SegmentWriter {self._state}, {self.length} rows>"
+
+    @property
+    def state(self) -> str:
+        """'open', 'committed', 'aborted' or 'invalid' (its storage was closed)."""
+        return self._state
+
+    def _require_open(self, what: str) -> None:
+        if self._state != "open":
+            reason = self._why_invalid if self._state == "invalid" else f"it was {self._state}"
+            raise SegmentStateError(f"cannot {what} this segment writer: {reason}")
+
+    # ------------------------------------------------------------------ adding rows
+
+    def append(self, value: Any) -> None:
+        """Add one sample. Validated against the space before anything is stored.
+
+        Raises:
+            SpaceMismatchError: the sample does not fit the space (the writer is unchanged).
+            SegmentStateError: the writer was finished, committed or aborted.
+        """
+        self._require_open("append to")
+        if self.is_finished:
+            raise SegmentStateError("cannot append to a finished segment writer")
+        self._push(self.storage.encode_one(value), 1)
+
+    def extend(self, batch: Any) -> None:
+        """Add a batch of samples (a leading axis on every leaf); all or nothing on bad input."""
+        self._require_open("extend")
+        if self.is_finished:
+            raise SegmentStateError("cannot extend a finished segment writer")
+        encoded, n = self.storage.encode_batch(batch)
+        self._push(encoded, n)
+
+    def _push(self, encoded: Mapping[str, np.ndarray], n: int) -> None:
+        if self._buffers is None:
+            # np.empty maps pages lazily: a short segment only touches the rows it uses.
+            self._buffers = {
+                path: np.empty((self._block_rows, *leaf.shape), dtype=leaf.storage_dtype)
+                for path, leaf in self.storage.leaves
+            }
+        offset = 0
+        try:
+            while offset < n:
+                take = min(n - offset, self._block_rows - self._buffered)
+                for path, arr in encoded.items():
+                    self._buffers[path][self._buffered : self._buffered + take] = arr[offset : offset + take]
+                self._buffered += take
+                offset += take
+                self.length += take
+                if self._buffered == self._block_rows:
+                    self._spill()
+        except StorageError:
+            # The file could not take the rows: the segment cannot be completed faithfully.
+            self.abort()
+            raise
+
+    def _spill(self) -> None:
+        assert self._buffers is not None  # for the type checker: _push allocated them
+        block = self._staging.allocate()
+        try:
+            self._staging.write(block, self._buffers)
+        except StorageError:
+            self._staging.release([block])
+            raise
+        self._blocks.append(block)
+        self._buffered = 0
+
+    # ------------------------------------------------------------------ ending
+
+    def finish(self) -> None:
+        """Refuse further rows; the writer can still be committed. Idempotent."""
+        if self._state in ("aborted", "invalid"):
+            self._require_open("finish")
+        self.is_finished = True
+
+    def commit(self, start_index: int) -> None:
+        """Write the segment at rows [start, start + len) (modulo a fixed capacity) and release it.
+
+        A segment longer than the capacity keeps its last `capacity` rows (later rows win, as in
+        numpy). On an unbounded storage `start_index` must be within [0, len(storage)] and the
+        storage grows to hold the segment. Blocks until the rows are written (not flushed).
+
+        Raises:
+            SegmentStateError: already committed or aborted.
+            IndexError: `start_index` leaves a gap in an unbounded storage.
+            StorageError: HDF5 failed; the writer is aborted.
+        """
+        self._require_open("commit")
+        self.storage._require_mutable("commit a segment")
+        start = int(start_index)
+        capacity = self.storage.capacity
+        if capacity is None and not 0 <= start <= len(self.storage):
+            raise IndexError(f"segment start {start} is out of range for an unbounded storage of {len(self.storage)} rows")
+        self.is_finished = True
+        n = self.length
+        skip = n - capacity if capacity is not None and n > capacity else 0
+        try:
+            if capacity is None and start + n > len(self.storage):
+                self.storage.extend_length(start + n - len(self.storage))
+            for k, block in enumerate(self._blocks):
+                first, stop = k * self._block_rows, (k + 1) * self._block_rows
+                if stop <= skip:
+                    continue
+                lo = max(first, skip) - first
+                self.storage.write_ring(start + first + lo, self._staging.read(block, lo, self._block_rows))
+            tail_first = len(self._blocks) * self._block_rows
+            if self._buffered and self._buffers is not None:
+                lo = max(tail_first, skip) - tail_first
+                arrays = {p: b[lo : self._buffered] for p, b in self._buffers.items()}
+                self.storage.write_ring(start + tail_first + lo, arrays)
+        except BaseException:
+            self._release()
+            self._state = "aborted"
+            raise
+        self._release()
+        self._state = "committed"
+
+    def abort(self) -> None:
+        """Drop the segment: nothing of it becomes visible. Idempotent; refused after commit."""
+        if self._state == "committed":
+            raise SegmentStateError("cannot abort a segment writer that was committed")
+        if self._state == "open":
+            self._release()
+            self._state = "aborted"
+        self.is_finished = True
+
+    def _release(self) -> None:
+        if self._blocks:
+            self._staging.release(self._blocks)
+        self._blocks = []
+        self._buffers = None
+        self._buffered = 0
+
+    def _invalidate(self, reason: str) -> None:
+        if self._state == "open":
+            self._blocks = []
+            self._buffers = None
+            self._state = "invalid"
+            self._why_invalid = reason
+
+    def __enter__(self) -> SegmentWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._state == "open":
+            self.abort()
