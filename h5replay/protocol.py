@@ -1,0 +1,930 @@
+"""The wire protocol: every message, its bytes, PROTOCOL_VERSION and the error codes.
+
+This module is the one place that knows the bytes. It is pure (msgpack and numpy only): it must not
+import zmq, open files, or touch storage, and it never pickles anything.
+
+A message is a list of frames. Frame 0 is a msgpack map, the header::
+
+    {"version": 1, "kind": "append", "id": 7,
+     "fields": {"segment_id": 3, "num_rows": 64},
+     "arrays": [["obs/image", "|u1", [64, 84, 84, 3]], ["reward", "<f4", [64]]]}
+
+Each array the header lists follows as its own raw frame (C order, exactly prod(shape) * itemsize
+bytes). A message's own array fields (``indices``, ``starts``, ``segments``: int64) come first in the
+order below, then the leaf arrays keyed by leaf path ('obs/image'; 'data' when the space is a single
+leaf), each in the leaf's storage dtype: bool, int, uint, float, or fixed bytes ``S{k}`` for text.
+
+A reply has kind "reply", ``"ok": true`` and ``"for": <the kind it answers>``. An error reply is
+``{"version", "kind": "reply", "id", "ok": false, "fields": {"code", "message"}, "arrays": []}``;
+that layout never changes between versions, so any client can read a refusal, and ``id`` is nil when
+the request was too broken to read one.
+
+=================  ===========  ===================================  =======================================
+kind               sent by      request fields                       reply fields
+=================  ===========  ===================================  =======================================
+hello              any client   client_name, role                    space (JSON), capacity (int|None),
+                                ('actor' | 'learner')                length, num_episodes, server_version,
+                                                                     protocol_version, limits, read_endpoint
+open_segment       actor        -                                    segment_id
+append             actor        segment_id, num_rows, leaf arrays    segment_length
+commit             actor        segment_id                           start, length, episode_id
+abort              actor        segment_id                           -
+push_episode       actor        num_rows, leaf arrays                start, length, episode_id
+get                learner      indices: int64 (n,)                  num_rows, leaf arrays (n, ...)
+sample             learner      batch_size, seed (int|None)          indices: int64 (b,), leaf arrays (b, ...)
+sample_sequences   learner      batch_size, length, seed (int|None)  starts: int64 (b,), leaf arrays
+                                                                     (b, length, ...)
+segments           learner      -                                    segments: int64 (n, 2) of (start, length)
+info               any client   -                                    stats: {name: scalar}
+heartbeat          any client   -                                    -
+reply              server       answers any request                  on error: code, message
+=================  ===========  ===================================  =======================================
+
+Every request gets exactly one reply with the same ``request_id``. A changed message bumps
+PROTOCOL_VERSION and extends tests/property/test_protocol_roundtrip.py.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import reprlib
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, fields
+from enum import Enum
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, TypeVar, overload
+
+import msgpack
+import numpy as np
+from numpy.typing import NDArray
+
+from h5replay.errors import (
+    ClosedError,
+    ConfigError,
+    LimitExceededError,
+    NotEnoughDataError,
+    ProtocolError,
+    ReadOnlyError,
+    RemoteError,
+    SegmentStateError,
+    ServerUnavailableError,
+    SpaceMismatchError,
+    StorageError,
+    UnsupportedVersionError,
+)
+
+if TYPE_CHECKING:
+    from h5replay.storage.spaces import LeafSpace, Space
+
+__all__ = [
+    "PROTOCOL_VERSION", "ROLES", "Kind", "ErrorCode", "ERROR_CLASSES", "Limits", "DEFAULT_LIMITS",
+    "Message", "Request", "Reply", "Hello", "OpenSegment", "Append", "Commit", "Abort", "PushEpisode",
+    "Get", "Sample", "SampleSequences", "Segments", "Info", "Heartbeat", "HelloReply",
+    "OpenSegmentReply", "AppendReply", "CommitReply", "AbortReply", "PushEpisodeReply", "GetReply",
+    "SampleReply", "SampleSequencesReply", "SegmentsReply", "InfoReply", "HeartbeatReply", "ErrorReply",
+    "encode", "decode", "peek_request_id", "error_to_exception", "exception_to_error", "check_rows",
+    "wire_leaves",
+]
+
+PROTOCOL_VERSION = 1
+ROLES = ("actor", "learner")
+
+Array = NDArray[Any]
+Arrays = Mapping[str, Array]
+
+
+class Kind(str, Enum):
+    """What a message asks for. A reply's header kind is REPLY; its ``for`` names the request kind."""
+
+    HELLO = "hello"
+    OPEN_SEGMENT = "open_segment"
+    APPEND = "append"
+    COMMIT = "commit"
+    ABORT = "abort"
+    PUSH_EPISODE = "push_episode"
+    GET = "get"
+    SAMPLE = "sample"
+    SAMPLE_SEQUENCES = "sample_sequences"
+    SEGMENTS = "segments"
+    INFO = "info"
+    HEARTBEAT = "heartbeat"
+    REPLY = "reply"
+
+
+class ErrorCode(str, Enum):
+    """Why the server refused a request. ERROR_CLASSES says what the client raises for each."""
+
+    BAD_REQUEST = "bad_request"  # malformed message, unknown kind, bad field value
+    UNSUPPORTED_VERSION = "unsupported_version"
+    LIMIT_EXCEEDED = "limit_exceeded"  # the message names the limit
+    SPACE_MISMATCH = "space_mismatch"  # arrays do not fit the space: missing/extra key, dtype, shape, text
+    INDEX_OUT_OF_RANGE = "index_out_of_range"
+    NOT_ENOUGH_DATA = "not_enough_data"  # sampling before the buffer holds enough; retry later
+    UNKNOWN_SEGMENT = "unknown_segment"  # no open segment of that id for this client
+    READ_ONLY = "read_only"  # a learner tried to write, or the store is read-only
+    STORAGE_ERROR = "storage_error"
+    BUSY = "busy"  # try again later
+    SHUTTING_DOWN = "shutting_down"
+    INTERNAL = "internal"  # a server bug; the message has the exception type
+
+
+# The one mapping from an error code to the exception the client raises. An unknown code (from a
+# newer server) raises RemoteError with that code.
+ERROR_CLASSES: Mapping[str, type[Exception]] = {
+    ErrorCode.BAD_REQUEST.value: ProtocolError,
+    ErrorCode.UNSUPPORTED_VERSION.value: UnsupportedVersionError,
+    ErrorCode.LIMIT_EXCEEDED.value: LimitExceededError,
+    ErrorCode.SPACE_MISMATCH.value: SpaceMismatchError,
+    ErrorCode.INDEX_OUT_OF_RANGE.value: IndexError,
+    ErrorCode.NOT_ENOUGH_DATA.value: NotEnoughDataError,
+    ErrorCode.UNKNOWN_SEGMENT.value: SegmentStateError,
+    ErrorCode.READ_ONLY.value: ReadOnlyError,
+    ErrorCode.STORAGE_ERROR.value: StorageError,
+    ErrorCode.BUSY.value: ServerUnavailableError,
+    ErrorCode.SHUTTING_DOWN.value: ServerUnavailableError,
+    ErrorCode.INTERNAL.value: RemoteError,
+}
+
+# The reverse, for the server: most specific class first, so handlers never build codes by hand.
+_CODE_OF_EXCEPTION: tuple[tuple[type[BaseException], ErrorCode], ...] = (
+    (LimitExceededError, ErrorCode.LIMIT_EXCEEDED),
+    (UnsupportedVersionError, ErrorCode.UNSUPPORTED_VERSION),
+    (ProtocolError, ErrorCode.BAD_REQUEST),
+    (ConfigError, ErrorCode.BAD_REQUEST),  # an argument the server cannot use (e.g. a bad seed)
+    (SpaceMismatchError, ErrorCode.SPACE_MISMATCH),
+    (IndexError, ErrorCode.INDEX_OUT_OF_RANGE),
+    (NotEnoughDataError, ErrorCode.NOT_ENOUGH_DATA),
+    (SegmentStateError, ErrorCode.UNKNOWN_SEGMENT),
+    (ReadOnlyError, ErrorCode.READ_ONLY),
+    (StorageError, ErrorCode.STORAGE_ERROR),
+    (ClosedError, ErrorCode.SHUTTING_DOWN),  # the server closed its storage on the way out
+    (ServerUnavailableError, ErrorCode.BUSY),
+)
+_CODES = frozenset(code.value for code in ErrorCode)
+_MAX_ERROR_CHARS = 4096
+
+
+def error_to_exception(code: str, message: str) -> Exception:
+    """The exception a client raises for an error reply (see ERROR_CLASSES)."""
+    cls = ERROR_CLASSES.get(code, RemoteError)
+    return RemoteError(message, code) if cls is RemoteError else cls(message)
+
+
+def exception_to_error(exc: BaseException) -> tuple[ErrorCode, str]:
+    """The (code, message) an error reply carries for an exception raised while serving a request."""
+    message = str(exc) or type(exc).__name__
+    if isinstance(exc, RemoteError) and exc.code in _CODES:
+        return ErrorCode(exc.code), message
+    for cls, code in _CODE_OF_EXCEPTION:
+        if isinstance(exc, cls):
+            return code, message
+    return ErrorCode.INTERNAL, f"{type(exc).__name__}: {message}"
+
+
+_MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one message or one client may not exceed; the server sends its limits in the hello reply.
+
+    ``decode`` enforces the first four; the server enforces the rest. Set the socket's
+    ZMQ_MAXMSGSIZE (which libzmq checks per frame, by disconnecting) no lower than
+    ``max_message_bytes``, so that an oversized message gets an error reply instead.
+    """
+
+    max_message_bytes: int = 256 * _MiB
+    # The hello reply carries the space's JSON, whose bounds may be per-element lists.
+    max_header_bytes: int = 1 * _MiB
+    max_frames: int = 1024
+    # Rows in one append, push_episode, get or sample reply (batch_size * length for sequences).
+    max_rows_per_message: int = 65_536
+    max_rows_per_segment: int = 1_000_000
+    max_open_segments_per_client: int = 16
+    max_clients: int = 256
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if type(value) is not int or value < 1:
+                raise ConfigError(f"Limits.{f.name} must be an int >= 1, got {value!r}")
+
+    def to_json(self) -> dict[str, int]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, obj: Any) -> Limits:
+        """Limits from a hello reply. Unknown names are ignored (a newer server may add limits).
+
+        Raises:
+            ProtocolError: not a map of names to ints >= 1.
+        """
+        if not isinstance(obj, dict):
+            raise ProtocolError(f"field 'limits' must be a map, got {_show(obj)}")
+        values = {}
+        for f in fields(cls):
+            if f.name in obj:
+                value = obj[f.name]
+                if type(value) is not int or value < 1:
+                    raise ProtocolError(f"limit {f.name!r} must be an int >= 1, got {_show(value)}")
+                values[f.name] = value
+        return cls(**values)
+
+
+DEFAULT_LIMITS = Limits()
+
+# ---------------------------------------------------------------------------------------- messages
+
+
+@dataclass(frozen=True)
+class Message:
+    """Base of every message. `request_id` is chosen by the client and echoed in the reply."""
+
+    request_id: int | None
+    KIND: ClassVar[Kind]
+
+    def _validate(self, limits: Limits) -> None:
+        """Checks across fields, after each field has been checked on its own."""
+
+
+@dataclass(frozen=True)
+class Request(Message):
+    """A message a client sends; the server answers it with exactly one Reply."""
+
+    request_id: int
+
+
+@dataclass(frozen=True)
+class Reply(Message):
+    """A message the server sends back. KIND is the kind of request it answers."""
+
+    ok: ClassVar[bool] = True
+
+
+@dataclass(frozen=True)
+class Hello(Request):
+    KIND = Kind.HELLO
+    client_name: str
+    role: str  # one of ROLES
+
+
+@dataclass(frozen=True)
+class OpenSegment(Request):
+    KIND = Kind.OPEN_SEGMENT
+
+
+@dataclass(frozen=True)
+class Append(Request):
+    KIND = Kind.APPEND
+    segment_id: int
+    num_rows: int
+    arrays: Arrays
+
+    def _validate(self, limits: Limits) -> None:
+        _check_leading(self.arrays, self.num_rows)
+
+
+@dataclass(frozen=True)
+class Commit(Request):
+    KIND = Kind.COMMIT
+    segment_id: int
+
+
+@dataclass(frozen=True)
+class Abort(Request):
+    KIND = Kind.ABORT
+    segment_id: int
+
+
+@dataclass(frozen=True)
+class PushEpisode(Request):
+    KIND = Kind.PUSH_EPISODE
+    num_rows: int
+    arrays: Arrays
+
+    def _validate(self, limits: Limits) -> None:
+        _check_leading(self.arrays, self.num_rows)
+
+
+@dataclass(frozen=True)
+class Get(Request):
+    KIND = Kind.GET
+    indices: Array
+
+    def _validate(self, limits: Limits) -> None:
+        _check_rows_limit(len(self.indices), "indices", limits)
+
+
+@dataclass(frozen=True)
+class Sample(Request):
+    KIND = Kind.SAMPLE
+    batch_size: int
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class SampleSequences(Request):
+    KIND = Kind.SAMPLE_SEQUENCES
+    batch_size: int
+    length: int
+    seed: int | None = None
+
+    def _validate(self, limits: Limits) -> None:
+        if self.length < 1:
+            raise ProtocolError(f"field 'length' must be >= 1, got {self.length}")
+        _check_rows_limit(self.batch_size * self.length, "batch_size * length", limits)
+
+
+@dataclass(frozen=True)
+class Segments(Request):
+    KIND = Kind.SEGMENTS
+
+
+@dataclass(frozen=True)
+class Info(Request):
+    KIND = Kind.INFO
+
+
+@dataclass(frozen=True)
+class Heartbeat(Request):
+    KIND = Kind.HEARTBEAT
+
+
+@dataclass(frozen=True)
+class HelloReply(Reply):
+    KIND = Kind.HELLO
+    space: dict[str, Any]  # Space.to_json(); rebuild with space_from_json
+    capacity: int | None  # None: the store grows without bound
+    length: int
+    num_episodes: int
+    server_version: str
+    protocol_version: int
+    limits: Limits
+    read_endpoint: str  # where learners send get/sample/segments (reader processes)
+
+
+@dataclass(frozen=True)
+class OpenSegmentReply(Reply):
+    KIND = Kind.OPEN_SEGMENT
+    segment_id: int
+
+
+@dataclass(frozen=True)
+class AppendReply(Reply):
+    KIND = Kind.APPEND
+    segment_length: int  # rows in the segment so far
+
+
+@dataclass(frozen=True)
+class CommitReply(Reply):
+    KIND = Kind.COMMIT
+    start: int  # logical index of the episode's first row
+    length: int
+    episode_id: int
+
+
+@dataclass(frozen=True)
+class AbortReply(Reply):
+    KIND = Kind.ABORT
+
+
+@dataclass(frozen=True)
+class PushEpisodeReply(Reply):
+    KIND = Kind.PUSH_EPISODE
+    start: int
+    length: int
+    episode_id: int
+
+
+@dataclass(frozen=True)
+class GetReply(Reply):
+    KIND = Kind.GET
+    num_rows: int
+    arrays: Arrays
+
+    def _validate(self, limits: Limits) -> None:
+        _check_leading(self.arrays, self.num_rows)
+
+
+@dataclass(frozen=True)
+class SampleReply(Reply):
+    KIND = Kind.SAMPLE
+    indices: Array
+    arrays: Arrays
+
+    def _validate(self, limits: Limits) -> None:
+        _check_rows_limit(len(self.indices), "indices", limits)
+        _check_leading(self.arrays, len(self.indices))
+
+
+@dataclass(frozen=True)
+class SampleSequencesReply(Reply):
+    KIND = Kind.SAMPLE_SEQUENCES
+    starts: Array
+    arrays: Arrays  # each (batch, length, ...)
+
+    def _validate(self, limits: Limits) -> None:
+        _check_leading(self.arrays, len(self.starts))
+        lengths = {np.shape(a)[1] if np.ndim(a) >= 2 else -1 for a in self.arrays.values()}
+        if len(lengths) > 1 or -1 in lengths:
+            shapes = {name: np.shape(a) for name, a in self.arrays.items()}
+            raise ProtocolError(f"sequence arrays must all be (batch, length, ...), got shapes {shapes}")
+        _check_rows_limit(len(self.starts) * max(lengths, default=0), "batch_size * length", limits)
+
+
+@dataclass(frozen=True)
+class SegmentsReply(Reply):
+    KIND = Kind.SEGMENTS
+    segments: Array  # int64 (n, 2): (start, length) per committed episode, oldest first
+
+
+@dataclass(frozen=True)
+class InfoReply(Reply):
+    KIND = Kind.INFO
+    # Scalars by name: length, capacity, num_episodes, open_segments, clients, rows_in, rows_out,
+    # bytes_in, bytes_out, commits, aborts, file_bytes, uptime, rows_in_per_s, rows_out_per_s, ...
+    stats: dict[str, int | float | str | bool | None]
+
+
+@dataclass(frozen=True)
+class HeartbeatReply(Reply):
+    KIND = Kind.HEARTBEAT
+
+
+@dataclass(frozen=True)
+class ErrorReply(Reply):
+    """The server refused the request; `code` is an ErrorCode value (or a newer server's code)."""
+
+    KIND = Kind.REPLY
+    ok = False
+    code: str
+    message: str
+
+    @classmethod
+    def from_exception(cls, request_id: int | None, exc: BaseException) -> ErrorReply:
+        code, message = exception_to_error(exc)
+        return cls(request_id, code.value, message[:_MAX_ERROR_CHARS])
+
+    def exception(self) -> Exception:
+        """The exception the client raises for this reply."""
+        return error_to_exception(self.code, self.message)
+
+
+_REQUEST_CLASSES: dict[str, type[Request]] = {
+    c.KIND.value: c
+    for c in (Hello, OpenSegment, Append, Commit, Abort, PushEpisode, Get, Sample, SampleSequences,
+              Segments, Info, Heartbeat)
+}
+_REPLY_CLASSES: dict[str, type[Reply]] = {
+    c.KIND.value: c
+    for c in (HelloReply, OpenSegmentReply, AppendReply, CommitReply, AbortReply, PushEpisodeReply,
+              GetReply, SampleReply, SampleSequencesReply, SegmentsReply, InfoReply, HeartbeatReply)
+}
+
+# --------------------------------------------------------------------------------- field checks
+# A field name means the same thing, with the same type, in every message that has it.
+
+_U64_MAX = (1 << 64) - 1
+_MAX_NAME_CHARS = 256
+_MAX_NDIM = 32
+
+
+def _show(value: Any) -> str:
+    return f"{type(value).__name__} {reprlib.repr(value)}"  # reprlib: bounded, even for deep nesting
+
+
+def _uint(value: Any, name: str, limits: Limits) -> int:
+    if type(value) is not int or not 0 <= value <= _U64_MAX:  # `type is`: a bool is not an int here
+        raise ProtocolError(f"field {name!r} must be an int >= 0, got {_show(value)}")
+    return value
+
+
+def _optional_uint(value: Any, name: str, limits: Limits) -> int | None:
+    return None if value is None else _uint(value, name, limits)
+
+
+def _check_rows_limit(num_rows: int, what: str, limits: Limits) -> None:
+    if num_rows > limits.max_rows_per_message:
+        raise LimitExceededError(
+            f"{what} is {num_rows} rows, over the limit max_rows_per_message="
+            f"{limits.max_rows_per_message}; send or ask for fewer rows per message"
+        )
+
+
+def _rows(value: Any, name: str, limits: Limits) -> int:
+    _check_rows_limit(_uint(value, name, limits), f"field {name!r}", limits)
+    return value  # type: ignore[no-any-return]
+
+
+def _batch_size(value: Any, name: str, limits: Limits) -> int:
+    if _rows(value, name, limits) < 1:
+        raise ProtocolError(f"field {name!r} must be >= 1, got {value}")
+    return value  # type: ignore[no-any-return]
+
+
+def _text(value: Any, name: str, limits: Limits) -> str:
+    if type(value) is not str:
+        raise ProtocolError(f"field {name!r} must be a string, got {_show(value)}")
+    return value
+
+
+def _client_name(value: Any, name: str, limits: Limits) -> str:
+    if not 1 <= len(_text(value, name, limits)) <= _MAX_NAME_CHARS:
+        raise ProtocolError(f"field {name!r} must have 1 to {_MAX_NAME_CHARS} characters, got {len(value)}")
+    return value  # type: ignore[no-any-return]
+
+
+def _role(value: Any, name: str, limits: Limits) -> str:
+    if value not in ROLES or type(value) is not str:
+        raise ProtocolError(f"field {name!r} must be one of {ROLES}, got {_show(value)}")
+    return value
+
+
+def _is_json(obj: Any, depth: int = 0) -> bool:
+    if obj is None or type(obj) in (bool, int, float, str):
+        return True
+    if depth >= _MAX_NDIM:
+        return False
+    if type(obj) is list:
+        return all(_is_json(x, depth + 1) for x in obj)
+    if type(obj) is dict:
+        return all(type(k) is str and _is_json(v, depth + 1) for k, v in obj.items())
+    return False
+
+
+def _json_map(value: Any, name: str, limits: Limits) -> dict[str, Any]:
+    if type(value) is not dict or not _is_json(value):
+        raise ProtocolError(f"field {name!r} must be a JSON-like map, got {_show(value)}")
+    return value
+
+
+def _stats(value: Any, name: str, limits: Limits) -> dict[str, Any]:
+    if type(value) is not dict or not all(
+        type(k) is str and (v is None or type(v) in (bool, int, float, str)) for k, v in value.items()
+    ):
+        raise ProtocolError(f"field {name!r} must map names to scalars, got {_show(value)}")
+    return value
+
+
+def _limits(value: Any, name: str, limits: Limits) -> Limits:
+    return Limits.from_json(value)
+
+
+_SCALAR_CHECKS: dict[str, Callable[[Any, str, Limits], Any]] = {
+    "client_name": _client_name, "role": _role, "segment_id": _uint, "num_rows": _rows,
+    "batch_size": _batch_size, "length": _uint, "seed": _optional_uint, "start": _uint,
+    "episode_id": _uint, "segment_length": _uint, "capacity": _optional_uint, "num_episodes": _uint,
+    "server_version": _text, "protocol_version": _uint, "space": _json_map, "limits": _limits,
+    "stats": _stats, "code": _text, "message": _text, "read_endpoint": _text,
+}
+# Array fields: always int64, of this many dimensions ('segments' is (n, 2)).
+_ARRAY_FIELDS: dict[str, int] = {"indices": 1, "starts": 1, "segments": 2}
+
+
+@dataclass(frozen=True)
+class _Layout:
+    scalars: tuple[str, ...]
+    array_fields: tuple[str, ...]
+    has_leaves: bool
+    header_keys: frozenset[str]
+
+
+def _layout(cls: type[Message]) -> _Layout:
+    names = [f.name for f in fields(cls) if f.name != "request_id"]
+    unknown = [n for n in names if n not in _SCALAR_CHECKS and n not in _ARRAY_FIELDS and n != "arrays"]
+    if unknown:  # a new field needs a check above
+        raise TypeError(f"{cls.__name__} has fields without a wire check: {unknown}")
+    header_keys = {"version", "kind", "id", "fields", "arrays"}
+    if issubclass(cls, Reply):
+        header_keys |= {"ok", "for"} if cls.ok else {"ok"}
+    return _Layout(
+        scalars=tuple(n for n in names if n in _SCALAR_CHECKS),
+        array_fields=tuple(n for n in names if n in _ARRAY_FIELDS),
+        has_leaves="arrays" in names,
+        header_keys=frozenset(header_keys),
+    )
+
+
+_LAYOUTS = {cls: _layout(cls) for cls in [*_REQUEST_CLASSES.values(), *_REPLY_CLASSES.values(), ErrorReply]}
+
+
+def _check_leading(arrays: Arrays, num_rows: int) -> None:
+    for name, arr in arrays.items():
+        shape = arr.shape if isinstance(arr, np.ndarray) else np.shape(arr)
+        if not shape or shape[0] != num_rows:
+            raise ProtocolError(
+                f"array {name!r} has shape {shape} but the message has {num_rows} rows; "
+                f"every leaf array needs a leading axis of {num_rows}"
+            )
+
+
+# ----------------------------------------------------------------------------------------- dtypes
+
+_NUMERIC_DTYPES: dict[str, np.dtype[Any]] = {
+    dt.str: dt
+    for name in ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+                 "float16", "float32", "float64")
+    for dt in (np.dtype(name), np.dtype(name).newbyteorder())
+}
+_BYTES_DTYPE = re.compile(r"\|S([1-9][0-9]{0,8})")
+
+
+@lru_cache(maxsize=256)
+def _wire_dtype(text: str) -> np.dtype[Any] | None:
+    """The dtype for a header's dtype string, or None when the wire does not carry it.
+
+    Only exact strings from the allow-list are parsed: never np.dtype(untrusted text), which also
+    accepts object and structured types.
+    """
+    if text in _NUMERIC_DTYPES:
+        return _NUMERIC_DTYPES[text]
+    match = _BYTES_DTYPE.fullmatch(text)
+    return np.dtype(f"S{match.group(1)}") if match else None
+
+
+def _dtype_problem(dtype: np.dtype[Any]) -> str | None:
+    if dtype.str in _NUMERIC_DTYPES or (dtype.kind == "S" and dtype.itemsize > 0):
+        return None
+    return (f"dtype {dtype} cannot travel; the wire carries bool, int, uint, float and fixed bytes "
+            "(S{k}) arrays only, never objects")
+
+
+# ----------------------------------------------------------------------------------------- encode
+
+_local = threading.local()  # one Packer per thread: a Packer is not safe to share between threads
+
+
+def _to_builtin(obj: Any) -> Any:
+    if isinstance(obj, (np.integer, np.floating, np.bool_)):
+        return obj.item()
+    raise TypeError(f"cannot put a {type(obj).__name__} in a message header")
+
+
+def _pack(header: dict[str, Any]) -> bytes:
+    packer = getattr(_local, "packer", None)
+    if packer is None:
+        packer = _local.packer = msgpack.Packer(use_bin_type=True, default=_to_builtin)
+    return packer.pack(header)  # type: ignore[no-any-return]
+
+
+def _field_to_wire(value: Any) -> Any:
+    return value.to_json() if isinstance(value, Limits) else value
+
+
+def _int64_field(value: Any, name: str) -> Array:
+    arr = np.asarray(value)
+    if arr.size == 0:
+        arr = arr.astype(np.int64)
+    if arr.dtype.kind not in "iu" or arr.ndim != _ARRAY_FIELDS[name]:
+        raise ProtocolError(f"array field {name!r} must be a {_ARRAY_FIELDS[name]}-d integer array, "
+                            f"got {arr.dtype} {arr.shape}")
+    return np.ascontiguousarray(arr, dtype=np.int64)
+
+
+def _leaf_array(value: Any, name: str) -> Array:
+    arr = value if isinstance(value, np.ndarray) else np.asarray(value)
+    problem = _dtype_problem(arr.dtype)
+    if problem:
+        raise ProtocolError(f"array {name!r}: {problem}")
+    return arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
+
+
+def encode(msg: Message, limits: Limits | None = None) -> list[bytes | memoryview]:
+    """Frames for `msg`: the msgpack header, then one raw frame per array.
+
+    Array frames are memoryviews of the message's arrays (a copy is made only for a non-contiguous
+    array), so send them with copy=False and do not modify the arrays until the send is done.
+
+    Args:
+        msg: the message.
+        limits: when given (the server's, from the hello reply), check the message against them here
+            rather than have the server refuse it.
+
+    Raises:
+        ProtocolError: an array has a dtype the wire does not carry, or a field cannot be packed.
+        LimitExceededError: the message is over `limits`.
+    """
+    layout = _LAYOUTS[type(msg)]
+    arrays = [(name, _int64_field(getattr(msg, name), name)) for name in layout.array_fields]
+    if layout.has_leaves:
+        arrays += [(name, _leaf_array(a, name)) for name, a in getattr(msg, "arrays").items()]
+    header: dict[str, Any] = {"version": PROTOCOL_VERSION, "kind": msg.KIND.value, "id": msg.request_id}
+    if isinstance(msg, Reply):
+        header["kind"], header["ok"] = Kind.REPLY.value, msg.ok
+        if msg.ok:
+            header["for"] = msg.KIND.value
+    header["fields"] = {name: _field_to_wire(getattr(msg, name)) for name in layout.scalars}
+    header["arrays"] = [[name, a.dtype.str, list(a.shape)] for name, a in arrays]
+    try:
+        frames: list[bytes | memoryview] = [_pack(header)]
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ProtocolError(f"cannot encode a {msg.KIND.value} message: {exc}") from exc
+    frames += [a.reshape(-1).view(np.uint8).data for _, a in arrays]
+    if limits is not None:
+        _check_sizes([len(frames[0]), *(a.nbytes for _, a in arrays)], limits)
+        for name in {"num_rows", "batch_size"}.intersection(layout.scalars):
+            _check_rows_limit(int(getattr(msg, name)), f"field {name!r}", limits)
+        msg._validate(limits)
+    return frames
+
+
+# ----------------------------------------------------------------------------------------- decode
+
+M = TypeVar("M", bound=Message)
+
+
+def _check_sizes(sizes: list[int], limits: Limits) -> None:
+    """`sizes`: the byte size of each frame, header first."""
+    if len(sizes) > limits.max_frames:
+        raise LimitExceededError(f"message has {len(sizes)} frames, over the limit max_frames={limits.max_frames}")
+    if sum(sizes) > limits.max_message_bytes:
+        raise LimitExceededError(
+            f"message has {sum(sizes)} bytes, over the limit max_message_bytes={limits.max_message_bytes}; "
+            "send fewer rows per message"
+        )
+    if sizes[0] > limits.max_header_bytes:
+        raise LimitExceededError(
+            f"header frame has {sizes[0]} bytes, over the limit max_header_bytes={limits.max_header_bytes}"
+        )
+
+
+def _as_view(frame: Any, index: int) -> memoryview:
+    try:
+        view = memoryview(frame)
+        return view if view.ndim == 1 and view.format == "B" else view.cast("B")
+    except TypeError as exc:
+        raise ProtocolError(f"frame {index} is a {type(frame).__name__}, not a contiguous buffer") from exc
+
+
+def _unpack_header(view: memoryview) -> dict[str, Any]:
+    try:
+        header = msgpack.unpackb(view, raw=False, strict_map_key=True, use_list=True)
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        raise ProtocolError(f"header frame is not valid msgpack ({type(exc).__name__}: {exc})") from exc
+    if type(header) is not dict:
+        raise ProtocolError(f"header frame must be a msgpack map, got {_show(header)}")
+    return header
+
+
+def _message_class(header: dict[str, Any]) -> type[Message]:
+    version = header.get("version")
+    if type(version) is not int:
+        raise ProtocolError(f"header needs an int 'version', got {_show(version)}")
+    if version != PROTOCOL_VERSION:
+        raise UnsupportedVersionError(f"message has protocol version {version} but this side speaks "
+                                      f"{PROTOCOL_VERSION}; upgrade h5replay on the older side")
+    kind = header.get("kind")
+    if kind != Kind.REPLY.value:
+        cls = _REQUEST_CLASSES.get(kind) if type(kind) is str else None
+        if cls is None:
+            raise ProtocolError(f"unknown message kind {_show(kind)}; known: {sorted(_REQUEST_CLASSES)}")
+        return cls
+    ok = header.get("ok")
+    if type(ok) is not bool:
+        raise ProtocolError(f"a reply needs a bool 'ok', got {_show(ok)}")
+    if not ok:
+        return ErrorReply
+    answers = header.get("for")
+    reply_cls = _REPLY_CLASSES.get(answers) if type(answers) is str else None
+    if reply_cls is None:
+        raise ProtocolError(f"reply 'for' must name a request kind, got {_show(answers)}")
+    return reply_cls
+
+
+def _decode_array(entry: Any, view: memoryview, limits: Limits) -> tuple[str, Array]:
+    if type(entry) is not list or len(entry) != 3:
+        raise ProtocolError(f"each 'arrays' entry must be [name, dtype, shape], got {_show(entry)}")
+    name, dtype_text, shape = entry
+    if type(name) is not str or not name:
+        raise ProtocolError(f"array name must be a non-empty string, got {_show(name)}")
+    dtype = _wire_dtype(dtype_text) if type(dtype_text) is str else None
+    if dtype is None:
+        raise ProtocolError(f"array {name!r} has dtype {_show(dtype_text)}, which the wire does not carry "
+                            "(bool, int, uint, float and |S{k} only; never objects)")
+    if type(shape) is not list or len(shape) > _MAX_NDIM or not all(type(d) is int and d >= 0 for d in shape):
+        raise ProtocolError(f"array {name!r} has shape {_show(shape)}; expected a list of at most "
+                            f"{_MAX_NDIM} ints >= 0")
+    # Bound the non-zero dimensions too: numpy refuses a (0, 2**40, 2**40) shape with ValueError.
+    if 0 in shape and math.prod(max(d, 1) for d in shape) * dtype.itemsize > limits.max_message_bytes:
+        raise ProtocolError(f"array {name!r} has an absurd shape {tuple(shape)}: it could not fit in "
+                            f"max_message_bytes={limits.max_message_bytes} even with data")
+    expected = math.prod(shape) * dtype.itemsize
+    if expected != view.nbytes:
+        raise ProtocolError(f"array {name!r} declares {dtype.str} {tuple(shape)} = {expected} bytes "
+                            f"but its frame has {view.nbytes} bytes")
+    arr = np.frombuffer(view, dtype=dtype).reshape(shape)
+    arr.flags.writeable = False
+    return name, arr
+
+
+@overload
+def decode(frames: Sequence[Any], limits: Limits = ...) -> Message: ...
+@overload
+def decode(frames: Sequence[Any], limits: Limits = ..., *, expect: type[M]) -> M: ...
+
+
+def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS, *, expect: type[Message] = Message) -> Message:
+    """Check every byte of a received message and return it as a message dataclass.
+
+    Arrays are read-only views of the frames (no copy); keep the frames alive while you use them.
+
+    Args:
+        frames: the message parts (bytes, memoryview, zmq.Frame: anything with the buffer protocol),
+            without the ROUTER's routing frames.
+        limits: what the message may not exceed.
+        expect: the message class the caller can handle (Request on the server, Reply on a client).
+
+    Raises:
+        ProtocolError: the message is malformed; the text says what is wrong. Its subclasses
+            UnsupportedVersionError and LimitExceededError say the version or a limit.
+    """
+    if len(frames) == 0:
+        raise ProtocolError("empty message: expected a msgpack header frame")
+    if len(frames) > limits.max_frames:
+        raise LimitExceededError(f"message has {len(frames)} frames, over the limit max_frames={limits.max_frames}")
+    views = [_as_view(f, i) for i, f in enumerate(frames)]
+    _check_sizes([view.nbytes for view in views], limits)
+    header = _unpack_header(views[0])
+    cls = _message_class(header)
+    if not issubclass(cls, expect):
+        raise ProtocolError(f"expected a {expect.__name__} message, got {cls.__name__}")
+    layout = _LAYOUTS[cls]
+    if header.keys() != layout.header_keys:
+        raise ProtocolError(f"header keys must be {sorted(layout.header_keys)}, got {sorted(map(str, header))}")
+
+    request_id = header["id"]
+    if not (request_id is None and cls is ErrorReply):
+        _uint(request_id, "id", limits)
+    wire_fields = header["fields"]
+    if type(wire_fields) is not dict or wire_fields.keys() != set(layout.scalars):
+        got = sorted(map(str, wire_fields)) if type(wire_fields) is dict else _show(wire_fields)
+        raise ProtocolError(f"{cls.__name__} needs fields {sorted(layout.scalars)}, got {got}")
+    values = {name: _SCALAR_CHECKS[name](wire_fields[name], name, limits) for name in layout.scalars}
+
+    entries = header["arrays"]
+    if type(entries) is not list or len(entries) != len(views) - 1:
+        declared = len(entries) if type(entries) is list else _show(entries)
+        raise ProtocolError(f"header declares {declared} arrays but the message has {len(views) - 1} array frames")
+    arrays = [_decode_array(entry, view, limits) for entry, view in zip(entries, views[1:])]
+    num_fixed = len(layout.array_fields)
+    if [name for name, _ in arrays[:num_fixed]] != list(layout.array_fields):
+        raise ProtocolError(f"{cls.__name__} starts with arrays {list(layout.array_fields)}, "
+                            f"got {[name for name, _ in arrays[:num_fixed]]}")
+    for name, arr in arrays[:num_fixed]:
+        if arr.dtype.kind != "i" or arr.itemsize != 8 or arr.ndim != _ARRAY_FIELDS[name] or (
+                arr.ndim == 2 and arr.shape[1] != 2):
+            raise ProtocolError(f"array field {name!r} must be int64 of {_ARRAY_FIELDS[name]} dims, "
+                                f"got {arr.dtype.str} {arr.shape}")
+        values[name] = arr if arr.dtype.isnative else arr.astype(np.int64)
+    leaves = dict(arrays[num_fixed:])
+    if len(leaves) != len(arrays) - num_fixed:
+        raise ProtocolError(f"leaf array names must be unique, got {[name for name, _ in arrays[num_fixed:]]}")
+    if layout.has_leaves:
+        values["arrays"] = leaves
+    elif leaves:
+        raise ProtocolError(f"{cls.__name__} carries no leaf arrays, got {sorted(leaves)}")
+
+    msg = cls(request_id, **values)
+    msg._validate(limits)
+    return msg
+
+
+def peek_request_id(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> int | None:
+    """The request id of a message `decode` refused, if the header shows one; never raises."""
+    try:
+        view = _as_view(frames[0], 0)
+        if view.nbytes > limits.max_header_bytes:
+            return None
+        request_id = msgpack.unpackb(view, raw=False, strict_map_key=True).get("id")
+    except Exception:  # best effort on a message already known to be broken
+        return None
+    return request_id if type(request_id) is int and 0 <= request_id <= _U64_MAX else None
+
+
+# ------------------------------------------------------------------------------ arrays vs. space
+
+
+def wire_leaves(space: Space) -> Iterator[tuple[str, LeafSpace]]:
+    """(wire name, leaf) for every leaf: the leaf path ('obs/image'), or 'data' for a single leaf."""
+    for path, leaf in space.leaves():
+        yield path or "data", leaf
+
+
+def check_rows(space: Space, arrays: Arrays, num_rows: int | None) -> dict[str, Array]:
+    """Check decoded leaf arrays against the space; return them in the space's leaf order.
+
+    Raises:
+        SpaceMismatchError: a leaf is missing or unexpected, or an array has the wrong dtype, shape,
+            row count, or values its leaf does not allow (text too long or not UTF-8, bool bytes > 1).
+    """
+    leaves = dict(wire_leaves(space))
+    missing = [path for path in leaves if path not in arrays]
+    extra = sorted(set(arrays) - leaves.keys())
+    if missing or extra:
+        raise SpaceMismatchError(
+            f"arrays do not match the space: missing {missing}, unexpected {extra}; "
+            f"the space's leaves are {list(leaves)}; check the actor's spaces"
+        )
+    return {path: leaf.validate_stored(arrays[path], num_rows, key=path) for path, leaf in leaves.items()}

@@ -50,13 +50,17 @@ from h5replay.storage.indexing import (
     write_sorted_unique_rows,
 )
 from h5replay.storage.spaces import (
+    DEFAULT_KEY,
     BinarySpace,
     BoxSpace,
     DictSpace,
     LeafSpace,
     Space,
     TextSpace,
+    flatten_value,
+    named_leaves,
     space_from_json,
+    unflatten_value,
 )
 
 if TYPE_CHECKING:
@@ -70,7 +74,6 @@ ATTR_FORMAT = "h5replay_format_version"
 ATTR_SPACE = "h5replay_space"
 ATTR_CAPACITY = "h5replay_capacity"
 INTERNAL_GROUP = "_h5replay"
-DEFAULT_KEY = "data"
 # HDF5 format bounds: v110 structures are what SWMR needs; capping at v114 keeps files readable by
 # HDF5 1.14 tools even when h5py is built on HDF5 2.x.
 _LIBVER = ("v110", "v114")
@@ -98,15 +101,6 @@ def _h5_dtype(leaf: LeafSpace) -> Any:
     if isinstance(leaf, TextSpace):
         return h5py.string_dtype("utf-8", length=leaf.storage_dtype.itemsize)
     return leaf.storage_dtype
-
-
-def _root_leaves(space: Space) -> list[tuple[str, LeafSpace]]:
-    """(dataset path, leaf) pairs; a bare leaf space lives at DEFAULT_KEY."""
-    if isinstance(space, DictSpace):
-        return list(space.leaves())
-    if isinstance(space, LeafSpace):
-        return [(DEFAULT_KEY, space)]
-    raise ConfigError(f"unsupported space {space!r}; use BoxSpace, BinarySpace, TextSpace or DictSpace")
 
 
 def _normalize_int(i: Any, length: int) -> int:
@@ -206,7 +200,7 @@ class HDF5Storage:
         self._writers: weakref.WeakSet[SegmentWriter] = weakref.WeakSet()
         self._staging: Any = None
         self.segment_buffer_bytes = self.DEFAULT_SEGMENT_BUFFER_BYTES
-        self._leaves = _root_leaves(single_instance_space)
+        self._leaves = named_leaves(single_instance_space)
         if root is not None:
             self.filename: str | None = os.fspath(root.file.filename)
             self._mode = mode or ("r" if root.file.mode == "r" else "r+")
@@ -430,7 +424,7 @@ class HDF5Storage:
         initial_rows = 0 if initial_capacity is None else int(initial_capacity)
         if initial_rows < 0:
             raise ConfigError(f"initial_capacity must be >= 0, got {initial_capacity!r}")
-        leaves = _root_leaves(single_instance_space)
+        leaves = named_leaves(single_instance_space)
         if not leaves:
             raise ConfigError("the space has no leaves; an empty DictSpace cannot be stored")
         layouts = {
@@ -561,7 +555,7 @@ class HDF5Storage:
         if isinstance(root, h5py.Group):
             space, capacity = _read_header(root)
             if space is not None:
-                leaves = _root_leaves(space)
+                leaves = named_leaves(space)
                 length = capacity if capacity is not None else min(root[p].shape[0] for p, _ in leaves)
                 return int(length), capacity, space
         return _infer_space(root, "")
@@ -623,31 +617,17 @@ class HDF5Storage:
 
     # ------------------------------------------------------------------ values <-> leaves
 
-    def flatten(self, value: Any, batched: bool) -> dict[str, Any]:
+    def flatten(self, value: Any) -> dict[str, Any]:
         """{dataset path: leaf value} from a nested sample or batch; names missing or extra keys."""
-        space = self.single_instance_space
-        if not isinstance(space, DictSpace):
-            return {DEFAULT_KEY: value}
-        out: dict[str, Any] = {}
-        _flatten_into(space, value, "", out)
-        return out
+        return flatten_value(self.single_instance_space, value)
 
     def unflatten(self, leaves: Mapping[str, Any]) -> Any:
         """A nested dict (or the bare value for a leaf space) from {dataset path: value}."""
-        if not isinstance(self.single_instance_space, DictSpace):
-            return leaves[DEFAULT_KEY]
-        out: dict[str, Any] = {}
-        for path, value in leaves.items():
-            node = out
-            *parents, last = path.split("/")
-            for key in parents:
-                node = node.setdefault(key, {})
-            node[last] = value
-        return out
+        return unflatten_value(self.single_instance_space, leaves)
 
     def encode_batch(self, batch: Any, num_rows: int | None = None) -> tuple[dict[str, np.ndarray], int]:
         """Validate a batch against the space; returns ({path: stored array}, rows). Writes nothing."""
-        flat = self.flatten(batch, batched=True)
+        flat = self.flatten(batch)
         encoded: dict[str, np.ndarray] = {}
         for path, leaf in self._leaves:
             arr = leaf.encode_batch(flat[path], num_rows, key=path)
@@ -657,7 +637,7 @@ class HDF5Storage:
 
     def encode_one(self, sample: Any) -> dict[str, np.ndarray]:
         """Validate one sample; returns {path: stored batch of one row}. Writes nothing."""
-        flat = self.flatten(sample, batched=False)
+        flat = self.flatten(sample)
         return {path: leaf.encode_one(flat[path], key=path) for path, leaf in self._leaves}
 
     # ------------------------------------------------------------------ reading
@@ -774,7 +754,7 @@ class HDF5Storage:
         if idx.ndim == 1:
             return self.encode_batch(value, idx.shape[0])
         # An N-d index takes a value of shape idx.shape + row: validate it flattened.
-        flat_value = _reshape_batch(self.flatten(value, batched=True), idx.shape)
+        flat_value = _reshape_batch(self.flatten(value), idx.shape)
         return self.encode_batch(self.unflatten(flat_value), idx.size)
 
     def _write_range(self, start: int, encoded: Mapping[str, np.ndarray]) -> None:
@@ -988,28 +968,7 @@ class HDF5Storage:
 # ---------------------------------------------------------------------- module helpers
 
 
-def _flatten_into(space: DictSpace, value: Any, prefix: str, out: dict[str, Any]) -> None:
-    where = f"field '{prefix}'" if prefix else "the sample"
-    if not isinstance(value, Mapping):
-        raise SpaceMismatchError(f"{where} must be a dict with keys {sorted(space.spaces)}, got {type(value).__name__}")
-    missing = [k for k in space.spaces if k not in value]
-    extra = [k for k in value if k not in space.spaces]
-    if missing or extra:
-        parts = []
-        if missing:
-            parts.append(f"missing {', '.join(repr(_join(prefix, k)) for k in missing)}")
-        if extra:
-            parts.append(f"unexpected {', '.join(repr(_join(prefix, str(k))) for k in extra)}")
-        raise SpaceMismatchError(f"{where} does not match the space: {'; '.join(parts)}")
-    for key, sub in space.spaces.items():
-        path = _join(prefix, key)
-        if isinstance(sub, DictSpace):
-            _flatten_into(sub, value[key], path, out)
-        else:
-            out[path] = value[key]
-
-
-def _join(prefix: str, key: str) -> str:
+def _join_path(prefix: str, key: str) -> str:
     return f"{prefix}/{key}" if prefix else key
 
 
@@ -1067,20 +1026,20 @@ def _infer_space(node: h5py.Group | h5py.Dataset, path: str) -> tuple[int, int |
         return length, capacity, leaf
     members = [n for n in node if not n.startswith(("_", "."))]
     if DEFAULT_KEY in members and len(members) == 1:
-        return _infer_space(node[DEFAULT_KEY], _join(path, DEFAULT_KEY))
+        return _infer_space(node[DEFAULT_KEY], _join_path(path, DEFAULT_KEY))
     if not members:
         raise SpaceMismatchError(f"group '{path or '/'}' holds no datasets")
     parts: dict[str, Space] = {}
     lengths: dict[str, tuple[int, int | None]] = {}
     for name in members:
-        length, capacity, sub = _infer_space(node[name], _join(path, name))
+        length, capacity, sub = _infer_space(node[name], _join_path(path, name))
         parts[name] = sub
         lengths[name] = (length, capacity)
     first_name, first = next(iter(lengths.items()))
     for name, lc in lengths.items():
         if lc[0] != first[0]:
             raise SpaceMismatchError(
-                f"'{_join(path, name)}' has {lc[0]} rows but '{_join(path, first_name)}' has {first[0]}; "
+                f"'{_join_path(path, name)}' has {lc[0]} rows but '{_join_path(path, first_name)}' has {first[0]}; "
                 "all datasets must share their first axis"
             )
     capacity = first[1] if all(lc[1] == first[1] for lc in lengths.values()) else None

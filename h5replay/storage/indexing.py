@@ -325,7 +325,7 @@ def write_sorted_unique_rows(dataset: h5py.Dataset, index: np.ndarray, value: An
     if n == 0:
         return
     run_starts = (np.flatnonzero(steps != 1) + 1).tolist()
-    bounds = zip([0, *run_starts], [*run_starts, n])
+    bounds = zip([0, *run_starts], [*run_starts, n], strict=True)
     for a, b in bounds:
         first = int(rows[a])
         part = values[a:b]
@@ -539,7 +539,7 @@ class _RowIO:
         zeros, row_shape, mtype = self._zeros, self.row_shape, self.mtype
         with self.lock:
             fspace = self.file_space(dsid, shape)
-            for a, b, first in zip(starts, stops, firsts):
+            for a, b, first in zip(starts, stops, firsts, strict=True):
                 count = (b - a, *row_shape)
                 fspace.select_hyperslab((first, *zeros), count)
                 dsid.read(self.mspace(count), fspace, out[a:b], mtype)
@@ -601,18 +601,21 @@ class _RowIO:
 
     def as_rows(self, value: Any, n: int) -> np.ndarray:
         """``value`` as ``n`` rows (a broadcast view when it is one row or a scalar)."""
-        if not isinstance(value, np.ndarray):
-            value = np.asarray(value, dtype=self.out_dtype if self.out_dtype.kind == "O" else None)
+        if isinstance(value, np.ndarray):
+            array: np.ndarray = value
+        else:
+            array = np.asarray(value, dtype=self.out_dtype if self.out_dtype.kind == "O" else None)
         expected = (n, *self.row_shape)
-        if value.shape == expected:
-            return value
+        if array.shape == expected:
+            return array
         try:
-            return np.broadcast_to(value, expected)
+            rows: np.ndarray = np.broadcast_to(array, expected)
         except ValueError:
             raise ValueError(
-                f"a value of shape {value.shape} cannot be written to {n} rows of shape "
+                f"a value of shape {array.shape} cannot be written to {n} rows of shape "
                 f"{self.row_shape}; pass shape {expected} or one row"
             ) from None
+        return rows
 
 
 # One _RowIO per open DatasetID object, keyed by identity (h5py ids hash by file and address, so

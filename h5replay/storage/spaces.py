@@ -32,7 +32,14 @@ __all__ = [
     "DictSpace",
     "space_from_json",
     "space_from_gymnasium",
+    "DEFAULT_KEY",
+    "named_leaves",
+    "flatten_value",
+    "unflatten_value",
 ]
+
+#: Where a space that is a single leaf keeps its values (the HDF5 dataset and the wire array name).
+DEFAULT_KEY = "data"
 
 _UTF8_MAX_BYTES_PER_CHAR = 4
 _SAMPLE_ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 éüß中文🙂"
@@ -474,6 +481,67 @@ class DictSpace(Space):
     def __repr__(self) -> str:
         inner = ", ".join(f"{k!r}: {s!r}" for k, s in self.spaces.items())
         return f"DictSpace({{{inner}}})"
+
+
+def named_leaves(space: Space) -> list[tuple[str, LeafSpace]]:
+    """(path, leaf) for every leaf in storage order; a space that is one leaf is named DEFAULT_KEY."""
+    if isinstance(space, DictSpace):
+        return list(space.leaves())
+    if isinstance(space, LeafSpace):
+        return [(DEFAULT_KEY, space)]
+    raise ConfigError(f"unsupported space {space!r}; use BoxSpace, BinarySpace, TextSpace or DictSpace")
+
+
+def flatten_value(space: Space, value: Any) -> dict[str, Any]:
+    """{leaf path: leaf value} from a nested sample or batch, naming any missing or extra key.
+
+    Raises:
+        SpaceMismatchError: `value` is not a dict where the space has one, or its keys differ.
+    """
+    if not isinstance(space, DictSpace):
+        return {DEFAULT_KEY: value}
+    out: dict[str, Any] = {}
+    _flatten_into(space, value, "", out)
+    return out
+
+
+def unflatten_value(space: Space, leaves: Mapping[str, Any]) -> Any:
+    """A nested dict (or the bare value of a single-leaf space) from {leaf path: value}."""
+    if not isinstance(space, DictSpace):
+        return leaves[DEFAULT_KEY]
+    out: dict[str, Any] = {}
+    for path, value in leaves.items():
+        node = out
+        *parents, last = path.split("/")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[last] = value
+    return out
+
+
+def _join(prefix: str, key: str) -> str:
+    return f"{prefix}/{key}" if prefix else key
+
+
+def _flatten_into(space: DictSpace, value: Any, prefix: str, out: dict[str, Any]) -> None:
+    where = f"field '{prefix}'" if prefix else "the sample"
+    if not isinstance(value, Mapping):
+        raise SpaceMismatchError(f"{where} must be a dict with keys {sorted(space.spaces)}, got {type(value).__name__}")
+    missing = [k for k in space.spaces if k not in value]
+    extra = [k for k in value if k not in space.spaces]
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"missing {', '.join(repr(_join(prefix, k)) for k in missing)}")
+        if extra:
+            parts.append(f"unexpected {', '.join(repr(_join(prefix, str(k))) for k in extra)}")
+        raise SpaceMismatchError(f"{where} does not match the space: {'; '.join(parts)}")
+    for key, sub in space.spaces.items():
+        path = _join(prefix, key)
+        if isinstance(sub, DictSpace):
+            _flatten_into(sub, value[key], path, out)
+        else:
+            out[path] = value[key]
 
 
 def space_from_json(obj: Any) -> Space:

@@ -35,7 +35,7 @@ FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "segment_id": u64, "start": u64, "episode_id": u64, "segment_length": u64, "length": u64,
     "num_episodes": u64, "protocol_version": u64,
     "seed": st.none() | u64, "capacity": st.none() | u64,
-    "server_version": st.text(max_size=20), "message": st.text(max_size=200),
+    "server_version": st.text(max_size=20), "read_endpoint": st.text(max_size=40), "message": st.text(max_size=200),
     "code": st.sampled_from([c.value for c in P.ErrorCode]) | st.text(max_size=20),
     "space": st.dictionaries(st.text(max_size=8), json_values, max_size=5),
     "stats": st.dictionaries(st.text(max_size=12), json_scalars, max_size=8),

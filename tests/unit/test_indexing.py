@@ -199,7 +199,7 @@ def test_set_indexing_matches_numpy_assignment(values: list[int]) -> None:
     index = np.array(values, dtype=np.int64).reshape(-1)
     value = np.arange(index.size) + 100
     expected = np.zeros(21, dtype=np.int64)
-    for i, v in zip(index.tolist(), value.tolist()):  # numpy's rule, spelled out: last wins
+    for i, v in zip(index.tolist(), value.tolist(), strict=True):  # numpy's rule, spelled out: last wins
         expected[i] = v
     got = np.zeros(21, dtype=np.int64)
     unique, positions = fancy_indexing_to_supported_set_indexing(index)
@@ -229,7 +229,7 @@ def test_set_indexing_flattens_nd() -> None:
 def test_io_reduced_indexing_examples(index: list[int], kwargs: dict[str, int], expected: list[Any]) -> None:
     got = io_reduced_indexing(np.array(index, dtype=np.int64), **kwargs)
     assert len(got) == len(expected)
-    for g, e in zip(got, expected):
+    for g, e in zip(got, expected, strict=True):
         if isinstance(e, np.ndarray):
             assert isinstance(g, np.ndarray) and g.dtype == np.int64 and g.tolist() == e.tolist()
         else:

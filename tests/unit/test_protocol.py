@@ -48,9 +48,9 @@ EXAMPLES: list[P.Message] = [
     P.Segments(10),
     P.Info(11),
     P.Heartbeat(12),
-    P.HelloReply(1, DictSpace({"x": BoxSpace(0, 1, (2,))}).to_json(), None, 0, 0, "0.1.0", 1, P.Limits()),
+    P.HelloReply(1, DictSpace({"x": BoxSpace(0, 1, (2,))}).to_json(), None, 0, 0, "0.1.0", 1, P.Limits(), "tcp://127.0.0.1:5556"),
     P.HelloReply(1, {"type": "text", "max_length": 3, "min_length": 0}, 1000, 10, 2, "0.1.0", 1,
-                 P.Limits(max_frames=8)),
+                 P.Limits(max_frames=8), "ipc:///tmp/x.read"),
     P.OpenSegmentReply(2, 0),
     P.AppendReply(3, 64),
     P.CommitReply(4, 100, 64, 9),
@@ -287,7 +287,7 @@ def test_map_fields_are_checked() -> None:
     reply = P.InfoReply(1, {"a": 1})
     refused(with_header(reply, fields={"stats": {"a": [1]}}), "'stats' must map names to scalars")
     refused(with_header(reply, fields={"stats": {"a": b"x"}}), "'stats'")
-    hello = P.HelloReply(1, {}, None, 0, 0, "v", 1, P.Limits())
+    hello = P.HelloReply(1, {}, None, 0, 0, "v", 1, P.Limits(), "tcp://127.0.0.1:5556")
     fields = header_of(hello)["fields"]
     refused(with_header(hello, fields={**fields, "space": {"type": b"box"}}), "'space' must be a JSON-like map")
     refused(with_header(hello, fields={**fields, "limits": {"max_frames": 0}}), "limit 'max_frames'")
