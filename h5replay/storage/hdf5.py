@@ -108,7 +108,7 @@ def _normalize_int(i: Any, length: int) -> int:
     if j < 0:
         j += length
     if not 0 <= j < length:
-        raise IndexError(f"index {int(i)} is out of range for a storage of {length} rows")
+        raise IndexError(f"index {int(i)} is out of range for {length} rows")
     return j
 
 
@@ -148,7 +148,7 @@ def normalize_index(index: Any, length: int) -> tuple[str, Any]:
             lo, hi = int(idx.min()), int(idx.max())
             if lo < 0 or hi >= length:
                 bad = int(index.reshape(-1)[np.argmax((idx.reshape(-1) < 0) | (idx.reshape(-1) >= length))])
-                raise IndexError(f"index {bad} is out of range for a storage of {length} rows")
+                raise IndexError(f"index {bad} is out of range for {length} rows")
         return "array", idx
     raise TypeError(f"unsupported row index of type {type(index).__name__}: use an int, slice, list, int array or mask")
 

@@ -149,6 +149,14 @@ class SegmentWriter:
         encoded, n = self.storage.encode_batch(batch)
         self._push(encoded, n)
 
+    def extend_stored(self, arrays: Mapping[str, np.ndarray], num_rows: int) -> None:
+        """Add rows that are already in storage form and checked against the space, one array per
+        leaf path (the server uses this for arrays off the wire, checked by `validate_stored`)."""
+        self._require_open("extend")
+        if self.is_finished:
+            raise SegmentStateError("cannot extend a finished segment writer")
+        self._push({path: arrays[path] for path, _ in self.storage.leaves}, num_rows)
+
     def _push(self, encoded: Mapping[str, np.ndarray], n: int) -> None:
         if self._buffers is None:
             # np.empty maps pages lazily: a short segment only touches the rows it uses.

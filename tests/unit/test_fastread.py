@@ -211,6 +211,16 @@ def test_read_errors(store: dict[str, tuple[MappedRows, np.ndarray]], key: str) 
         mapped.read(np.array([0, 1]), out=[[0.0] * 7] * 2)  # type: ignore[arg-type]
 
 
+def test_negative_rows_with_one_row_chunks(h5: h5py.File) -> None:
+    ds = h5.create_dataset("d", data=np.arange(12.0).reshape(6, 2), chunks=(1, 2))
+    h5.flush()
+    with MappedRows(ds) as mapped:
+        got = mapped.read(np.array([5, 0]))
+        assert got is not None and got.tolist() == [[10.0, 11.0], [0.0, 1.0]]
+        with pytest.raises(IndexError, match="row -6 is negative"):
+            mapped.read(np.array([1, -6]))
+
+
 def test_contiguous_rows_past_the_end(store: dict[str, tuple[MappedRows, np.ndarray]]) -> None:
     mapped, data = store["float32-7-contiguous"]
     with pytest.raises(IndexError, match=f"row {len(data)} is out of range for a dataset of 50"):

@@ -1,0 +1,142 @@
+"""One DEALER socket to a server: send requests, match replies by id, time out, never hang.
+
+Sockets are made in the process and thread that use them (never inherited across fork). A
+connection may pipeline: `send` returns a request id, `wait` blocks for that id's reply. Replies
+to other ids (late answers after a timeout, the server's liveness probes with id 0) are dropped.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+from typing import Any
+
+import zmq
+
+from h5replay import protocol as P
+from h5replay.config import ClientConfig
+from h5replay.errors import ClosedError, ConfigError, ServerUnavailableError
+
+__all__ = ["Connection", "curve_keys"]
+
+
+def curve_keys(secret_key: str | os.PathLike[str] | None, server_key: str | os.PathLike[str] | None) -> dict[str, bytes] | None:
+    """CURVE keys for a client from zmq.auth certificate files, or None when both are None.
+
+    Raises:
+        ConfigError: only one of the two is given, or a file holds no usable key.
+    """
+    if secret_key is None and server_key is None:
+        return None
+    if secret_key is None or server_key is None:
+        raise ConfigError("secret_key and server_key go together: give both certificate files, or neither")
+    import zmq.auth
+
+    try:
+        public, secret = zmq.auth.load_certificate(os.fspath(secret_key))
+        server_public, _ = zmq.auth.load_certificate(os.fspath(server_key))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read CURVE certificates: {exc}") from exc
+    if not secret:
+        raise ConfigError(f"{os.fspath(secret_key)!r} holds no secret key; pass the .key_secret file")
+    return {"public_key": public, "secret_key": secret, "server_key": server_public}
+
+
+class Connection:
+    """A request/reply channel to one endpoint. Guarded by a lock: usable from several threads."""
+
+    def __init__(self, endpoint: str, config: ClientConfig, *, curve: dict[str, bytes] | None = None) -> None:
+        self.endpoint = endpoint
+        self.config = config
+        self.limits: P.Limits | None = None
+        self._lock = threading.RLock()
+        self._pid = os.getpid()
+        self._ids = itertools.count(1)
+        self._replies: dict[int, P.Reply] = {}
+        self._outstanding: set[int] = set()
+        self._closed = False
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.linger = 0
+        self._sock.sndhwm = config.max_in_flight
+        self._sock.rcvhwm = 0
+        self._sock.heartbeat_ivl = int(config.heartbeat_interval * 1000)
+        self._sock.heartbeat_timeout = int(max(config.timeout, 3 * config.heartbeat_interval) * 1000)
+        self._sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only on a completed connection
+        self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        if curve is not None:
+            self._sock.curve_secretkey = curve["secret_key"]
+            self._sock.curve_publickey = curve["public_key"]
+            self._sock.curve_serverkey = curve["server_key"]
+        self._sock.connect(endpoint)
+
+    def _check(self) -> None:
+        if self._closed:
+            raise ClosedError(f"this connection to {self.endpoint} was closed")
+        if os.getpid() != self._pid:
+            raise ClosedError("a client cannot be used across fork; create it in the child process")
+
+    def send(self, request_factory: Any) -> int:
+        """Send `request_factory(request_id)`; returns the id. Blocks at most `timeout` when the
+        socket's queue is full (flow control), then raises ServerUnavailableError."""
+        with self._lock:
+            self._check()
+            request_id = next(self._ids)
+            frames = P.encode(request_factory(request_id), self.limits)
+            if not self._sock.poll(int(self.config.timeout * 1000), zmq.POLLOUT):
+                raise ServerUnavailableError(
+                    f"could not send to {self.endpoint} within {self.config.timeout} s: the server is not "
+                    "there or not taking requests"
+                )
+            self._sock.send_multipart(frames, copy=False)
+            self._outstanding.add(request_id)
+            return request_id
+
+    def wait(self, request_id: int, timeout: float | None = None) -> P.Reply:
+        """The reply to `request_id`. Raises the server's error as an exception, or
+        ServerUnavailableError when no reply comes within the timeout."""
+        timeout = self.config.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            self._check()
+            while request_id not in self._replies:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self._sock.poll(int(remaining * 1000) + 1, zmq.POLLIN):
+                    if request_id in self._replies:
+                        break
+                    self._outstanding.discard(request_id)
+                    raise ServerUnavailableError(
+                        f"no reply from {self.endpoint} within {timeout} s; is the server running?"
+                    )
+                frames = self._sock.recv_multipart(copy=False)
+                reply = P.decode(frames, self.limits or P.DEFAULT_LIMITS, expect=P.Reply)
+                # Keep replies someone waits for; drop liveness probes (id 0) and late answers.
+                if reply.request_id in self._outstanding:
+                    self._replies[reply.request_id] = reply
+            reply = self._replies.pop(request_id)
+            self._outstanding.discard(request_id)
+        if isinstance(reply, P.ErrorReply):
+            raise reply.exception()
+        return reply
+
+    def request(self, request_factory: Any, timeout: float | None = None) -> P.Reply:
+        """Send and wait for the reply."""
+        with self._lock:
+            return self.wait(self.send(request_factory), timeout)
+
+    def forget(self, request_id: int) -> None:
+        """Drop a reply that arrived (or will arrive) for a request the caller gave up on."""
+        with self._lock:
+            self._replies.pop(request_id, None)
+            self._outstanding.discard(request_id)
+
+    def close(self) -> None:
+        """Close the socket. Safe twice."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if os.getpid() == self._pid:
+                self._sock.close(0)

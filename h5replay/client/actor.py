@@ -1,0 +1,253 @@
+"""ActorClient: stream steps into episodes on an h5replay server; commit or abort them.
+
+Steps are checked against the server's space here, before they leave the process, then batched
+into messages (by rows, bytes or time) and pipelined: up to `max_in_flight` appends travel before
+the actor waits for an acknowledgement, so a fast actor cannot outrun the server's memory. A
+commit returns only after the server has the episode in the file, flushed.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import time
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from h5replay import protocol as P
+from h5replay.client._connection import Connection, curve_keys
+from h5replay.config import DEFAULT_ENDPOINT, ClientConfig
+from h5replay.errors import ClosedError, SegmentStateError
+from h5replay.storage.spaces import Space, flatten_value, named_leaves, space_from_json
+
+__all__ = ["ActorClient", "ActorSegment", "Receipt"]
+
+
+class Receipt(NamedTuple):
+    """What the server acknowledged for a committed episode (length 0: nothing was recorded)."""
+
+    episode_id: int
+    start: int
+    length: int
+
+
+class ActorClient:
+    """Writes episodes to a server. One per thread is simplest; calls are serialised by a lock.
+
+    Args:
+        endpoint: the server's endpoint, e.g. "tcp://127.0.0.1:5555".
+        timeout: seconds to wait for any reply before raising ServerUnavailableError.
+        name: shown in the server's logs.
+        config: full client settings (overrides endpoint and timeout).
+        secret_key, server_key: CURVE certificate files (`h5replay keys generate`).
+
+    Raises:
+        ServerUnavailableError: the server did not answer the hello within `timeout`.
+    """
+
+    def __init__(
+        self,
+        endpoint: str = DEFAULT_ENDPOINT,
+        timeout: float = 10.0,
+        *,
+        name: str | None = None,
+        config: ClientConfig | None = None,
+        secret_key: str | os.PathLike[str] | None = None,
+        server_key: str | os.PathLike[str] | None = None,
+    ) -> None:
+        self.config = config or ClientConfig(endpoint=endpoint, timeout=timeout, name=name or f"actor-{os.getpid()}")
+        self._conn = Connection(self.config.endpoint, self.config, curve=curve_keys(secret_key, server_key))
+        try:
+            hello = self._conn.request(lambda rid: P.Hello(rid, self.config.name, "actor"))
+        except BaseException:
+            self._conn.close()
+            raise
+        if not isinstance(hello, P.HelloReply):
+            raise P.ProtocolError(f"expected a hello reply, got {type(hello).__name__}")
+        self.limits = hello.limits
+        self._conn.limits = hello.limits
+        self.space: Space = space_from_json(hello.space)
+        self.capacity = hello.capacity
+        self.server_version = hello.server_version
+        self._leaves = named_leaves(self.space)
+        self._row_bytes = sum(leaf.row_bytes for _, leaf in self._leaves)
+
+    def segment(self) -> ActorSegment:
+        """Open a segment (one episode). As a context manager it commits on normal exit and
+        aborts on an exception."""
+        return ActorSegment(self)
+
+    def push_episode(self, batch: Any) -> Receipt:
+        """Send one whole episode (a leading axis on every leaf) and wait for its commit."""
+        encoded, n = self.encode_batch(batch)
+        if n <= self.config.batch_rows and n * self._row_bytes <= self.config.batch_bytes:
+            reply = self._conn.request(lambda rid: P.PushEpisode(rid, n, encoded))
+            return Receipt(reply.episode_id, reply.start, reply.length)  # type: ignore[attr-defined]
+        with self.segment() as seg:
+            seg.extend_encoded(encoded, n)
+        return seg.receipt  # type: ignore[return-value]
+
+    def info(self) -> dict[str, Any]:
+        """The server's figures (length, episodes, clients, rows in, ...)."""
+        return dict(self._conn.request(lambda rid: P.Info(rid)).stats)  # type: ignore[attr-defined]
+
+    def encode_one(self, step: Any) -> dict[str, np.ndarray]:
+        flat = flatten_value(self.space, step)
+        return {path: leaf.encode_one(flat[path], key=path) for path, leaf in self._leaves}
+
+    def encode_batch(self, batch: Any) -> tuple[dict[str, np.ndarray], int]:
+        flat = flatten_value(self.space, batch)
+        encoded: dict[str, np.ndarray] = {}
+        n: int | None = None
+        for path, leaf in self._leaves:
+            encoded[path] = leaf.encode_batch(flat[path], n, key=path)
+            n = encoded[path].shape[0]
+        return encoded, int(n or 0)
+
+    @property
+    def connection(self) -> Connection:
+        return self._conn
+
+    def close(self) -> None:
+        """Close the socket (after every commit was acknowledged). Safe to call twice."""
+        self._conn.close()
+
+    def __enter__(self) -> ActorClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class ActorSegment:
+    """One episode being streamed: `append`, `extend`, then `commit` or `abort`."""
+
+    def __init__(self, client: ActorClient) -> None:
+        self._client = client
+        self._conn = client.connection
+        self._config = client.config
+        reply = self._conn.request(lambda rid: P.OpenSegment(rid))
+        self.segment_id: int = reply.segment_id  # type: ignore[attr-defined]
+        self._pending: collections.deque[int] = collections.deque()
+        self._parts: dict[str, list[np.ndarray]] = {path: [] for path, _ in client._leaves}
+        self._buffered_rows = 0
+        self._buffered_since = 0.0
+        self.length = 0
+        self.receipt: Receipt | None = None
+        self._state = "open"
+
+    def __len__(self) -> int:
+        return self.length
+
+    def _require_open(self, what: str) -> None:
+        if self._state != "open":
+            raise SegmentStateError(f"cannot {what} a segment that was {self._state}")
+
+    def append(self, step: Any) -> None:
+        """Add one step; checked against the space now, sent in a batch soon."""
+        self._require_open("append to")
+        self._add(self._client.encode_one(step), 1)
+
+    def extend(self, batch: Any) -> None:
+        """Add a batch of steps (a leading axis on every leaf)."""
+        self._require_open("extend")
+        encoded, n = self._client.encode_batch(batch)
+        self.extend_encoded(encoded, n)
+
+    def extend_encoded(self, encoded: dict[str, np.ndarray], n: int) -> None:
+        self._require_open("extend")
+        step = self._config.batch_rows
+        for first in range(0, n, step):
+            self._add({p: a[first : first + step] for p, a in encoded.items()}, min(step, n - first))
+
+    def _add(self, encoded: dict[str, np.ndarray], n: int) -> None:
+        if n == 0:
+            return
+        if not self._buffered_rows:
+            self._buffered_since = time.monotonic()
+        for path, arr in encoded.items():
+            # Own the rows now: the caller may reuse its arrays, and frames leave without a copy.
+            self._parts[path].append(np.array(arr, copy=True))
+        self._buffered_rows += n
+        self.length += n
+        config = self._config
+        if (
+            self._buffered_rows >= config.batch_rows
+            or self._buffered_rows * self._client._row_bytes >= config.batch_bytes
+            or time.monotonic() - self._buffered_since >= config.batch_seconds
+        ):
+            self._send_buffered()
+
+    def _send_buffered(self) -> None:
+        if not self._buffered_rows:
+            return
+        arrays = {p: (parts[0] if len(parts) == 1 else np.concatenate(parts)) for p, parts in self._parts.items()}
+        n = self._buffered_rows
+        for parts in self._parts.values():
+            parts.clear()
+        self._buffered_rows = 0
+        while len(self._pending) >= self._config.max_in_flight:
+            self._settle_oldest()
+        segment_id = self.segment_id
+        self._pending.append(self._conn.send(lambda rid: P.Append(rid, segment_id, n, arrays)))
+
+    def _settle_oldest(self) -> None:
+        request_id = self._pending.popleft()
+        try:
+            self._conn.wait(request_id)
+        except BaseException:
+            self._fail()
+            raise
+
+    def _fail(self) -> None:
+        """An append was refused or lost: the episode cannot be committed whole; abort it."""
+        self._state = "aborted"
+        for request_id in self._pending:
+            self._conn.forget(request_id)
+        self._pending.clear()
+        segment_id = self.segment_id
+        try:
+            self._conn.request(lambda rid: P.Abort(rid, segment_id))
+        except Exception:  # the server may already have dropped it; it is gone either way
+            pass
+
+    def commit(self) -> Receipt:
+        """Send what is buffered, wait for every append, then commit. Returns after the server has
+        the episode in the file, flushed. Raises and aborts if any part was refused."""
+        self._require_open("commit")
+        self._send_buffered()
+        while self._pending:
+            self._settle_oldest()
+        segment_id = self.segment_id
+        try:
+            reply = self._conn.request(lambda rid: P.Commit(rid, segment_id))
+        except BaseException:
+            self._state = "failed"
+            raise
+        self._state = "committed"
+        self.receipt = Receipt(reply.episode_id, reply.start, reply.length)  # type: ignore[attr-defined]
+        return self.receipt
+
+    def abort(self) -> None:
+        """Drop the episode: nothing of it becomes visible. Safe to call twice."""
+        if self._state != "open":
+            return
+        for parts in self._parts.values():
+            parts.clear()
+        self._buffered_rows = 0
+        self._fail()
+
+    def __enter__(self) -> ActorSegment:
+        return self
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        if self._state != "open":
+            return
+        if exc_type is None:
+            self.commit()
+        else:
+            try:
+                self.abort()
+            except ClosedError:
+                pass

@@ -1,0 +1,298 @@
+"""What the server does for each request: one method per kind, (request, session) -> reply.
+
+No sockets here: `writer.py` receives and sends; this module validates against the space and the
+limits, drives the ReplayBuffer and keeps per-client sessions (open segments, role, last seen).
+Reader processes use `read_reply` alone, over their own read-only SWMR view of the file.
+Every method either returns a reply or raises; the caller turns exceptions into error replies.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from h5replay import __version__
+from h5replay import protocol as P
+from h5replay.errors import LimitExceededError, ProtocolError, ReadOnlyError, SegmentStateError
+from h5replay.storage.replay_buffer import ReplayBuffer
+from h5replay.storage.segment import SegmentWriter
+
+__all__ = ["Session", "Service", "read_reply", "Stats"]
+
+
+@dataclass
+class Session:
+    """One connected client, known by its ZeroMQ routing id."""
+
+    identity: bytes
+    role: str = "actor"
+    name: str = ""
+    last_seen: float = field(default_factory=time.monotonic)
+    segments: dict[int, SegmentWriter] = field(default_factory=dict)
+    next_segment_id: int = 1
+
+
+@dataclass
+class Stats:
+    """Counters the writer keeps; `info` and metrics read them."""
+
+    rows_in: int = 0
+    bytes_in: int = 0
+    commits: int = 0
+    aborts: int = 0
+    requests: int = 0
+    errors: int = 0
+    rows_out: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+
+def _arrays_reply_rows(arrays: dict[str, np.ndarray]) -> int:
+    return int(next(iter(arrays.values())).shape[0]) if arrays else 0
+
+
+def read_reply(buffer: ReplayBuffer, request: P.Request, rng: np.random.Generator) -> P.Reply:
+    """Answer a read request (get, sample, sample_sequences, segments) from `buffer`.
+
+    Raises:
+        IndexError, NotEnoughDataError, ConfigError: the request cannot be served as asked.
+        ProtocolError: `request` is not a read request.
+    """
+    if isinstance(request, P.Get):
+        arrays = buffer.get_stored(request.indices)
+        return P.GetReply(request.request_id, len(request.indices), arrays)
+    if isinstance(request, P.Sample):
+        gen = rng if request.seed is None else np.random.default_rng(request.seed)
+        indices, arrays = buffer.sample_with_indices(request.batch_size, gen, decode=False)
+        return P.SampleReply(request.request_id, indices, arrays)
+    if isinstance(request, P.SampleSequences):
+        gen = rng if request.seed is None else np.random.default_rng(request.seed)
+        starts, arrays = buffer.sample_sequences_with_starts(request.batch_size, request.length, gen, decode=False)
+        return P.SampleSequencesReply(request.request_id, starts, arrays)
+    if isinstance(request, P.Segments):
+        segments = np.array(buffer.get_segments(), dtype=np.int64).reshape(-1, 2)
+        return P.SegmentsReply(request.request_id, segments)
+    raise ProtocolError(f"{request.KIND.value} is not a read request")
+
+
+READ_KINDS = (P.Get, P.Sample, P.SampleSequences, P.Segments)
+WRITE_KINDS = (P.OpenSegment, P.Append, P.Commit, P.Abort, P.PushEpisode)
+
+
+class Service:
+    """The writer's request handling over one writable ReplayBuffer. Single-threaded by design."""
+
+    def __init__(
+        self,
+        buffer: ReplayBuffer,
+        limits: P.Limits,
+        read_endpoint: str,
+        *,
+        fsync: bool = False,
+        extra_stats: Callable[[], dict[str, Any]] | None = None,
+    ) -> None:
+        self.buffer = buffer
+        self.limits = limits
+        self.read_endpoint = read_endpoint
+        self.fsync = fsync
+        self.sessions: dict[bytes, Session] = {}
+        self.stats = Stats()
+        self._extra_stats = extra_stats
+        self._rng = np.random.default_rng()
+        self._handlers: dict[type[P.Request], Callable[[Any, Session], P.Reply]] = {
+            P.Hello: self.hello,
+            P.OpenSegment: self.open_segment,
+            P.Append: self.append,
+            P.Commit: self.commit,
+            P.Abort: self.abort,
+            P.PushEpisode: self.push_episode,
+            P.Info: self.info,
+            P.Heartbeat: self.heartbeat,
+        }
+
+    # ------------------------------------------------------------------ sessions
+
+    def session(self, identity: bytes) -> Session:
+        """The session of `identity`, created on its first message (limited to max_clients)."""
+        session = self.sessions.get(identity)
+        if session is None:
+            if len(self.sessions) >= self.limits.max_clients:
+                raise LimitExceededError(
+                    f"the server already has {len(self.sessions)} clients, the limit max_clients="
+                    f"{self.limits.max_clients}; close idle clients or raise the limit"
+                )
+            session = self.sessions[identity] = Session(identity)
+        session.last_seen = time.monotonic()
+        return session
+
+    def drop_session(self, identity: bytes) -> int:
+        """Forget a client and abort its open segments; returns how many were aborted."""
+        session = self.sessions.pop(identity, None)
+        if session is None:
+            return 0
+        return self._abort_all_of(session)
+
+    def _abort_all_of(self, session: Session) -> int:
+        count = 0
+        for writer in session.segments.values():
+            writer.abort()
+            count += 1
+        session.segments.clear()
+        self.stats.aborts += count
+        return count
+
+    def expire(self, timeout: float) -> list[bytes]:
+        """Abort the segments of sessions silent for `timeout` seconds; returns their identities."""
+        now = time.monotonic()
+        expired = [s.identity for s in self.sessions.values() if now - s.last_seen > timeout]
+        for identity in expired:
+            self.drop_session(identity)
+        return expired
+
+    def abort_everything(self) -> int:
+        """Abort every open segment (shutdown)."""
+        return sum(self._abort_all_of(s) for s in self.sessions.values())
+
+    @property
+    def open_segments(self) -> int:
+        return sum(len(s.segments) for s in self.sessions.values())
+
+    # ------------------------------------------------------------------ dispatch
+
+    def handle(self, identity: bytes, request: P.Request) -> P.Reply:
+        """The reply to one decoded request. Raises on refusal (the caller makes an error reply)."""
+        self.stats.requests += 1
+        session = self.session(identity)
+        if isinstance(request, READ_KINDS):
+            reply = read_reply(self.buffer, request, self._rng)
+            arrays = getattr(reply, "arrays", None)
+            if arrays:
+                self.stats.rows_out += _arrays_reply_rows(dict(arrays))
+            return reply
+        if isinstance(request, WRITE_KINDS) and session.role != "actor":
+            raise ReadOnlyError(f"a {session.role} may not {request.KIND.value.replace('_', ' ')}; connect as an actor")
+        handler = self._handlers.get(type(request))
+        if handler is None:
+            raise ProtocolError(f"the writer does not serve {request.KIND.value} requests")
+        return handler(request, session)
+
+    # ------------------------------------------------------------------ handlers
+
+    def hello(self, request: P.Hello, session: Session) -> P.HelloReply:
+        session.role, session.name = request.role, request.client_name
+        buffer = self.buffer
+        return P.HelloReply(
+            request.request_id, buffer.space.to_json(), buffer.capacity, len(buffer), buffer.num_episodes,
+            __version__, P.PROTOCOL_VERSION, self.limits, self.read_endpoint,
+        )
+
+    def _writer(self, session: Session, segment_id: int) -> SegmentWriter:
+        writer = session.segments.get(segment_id)
+        if writer is None:
+            raise SegmentStateError(
+                f"no open segment {segment_id} for this client (never opened, already committed or aborted, "
+                "or aborted because the client went silent)"
+            )
+        return writer
+
+    def open_segment(self, request: P.OpenSegment, session: Session) -> P.OpenSegmentReply:
+        if len(session.segments) >= self.limits.max_open_segments_per_client:
+            raise LimitExceededError(
+                f"this client already has {len(session.segments)} open segments, the limit "
+                f"max_open_segments_per_client={self.limits.max_open_segments_per_client}; commit or abort some"
+            )
+        segment_id = session.next_segment_id
+        session.next_segment_id += 1
+        session.segments[segment_id] = self.buffer.open_segment_writer()
+        return P.OpenSegmentReply(request.request_id, segment_id)
+
+    def _add_rows(self, writer: SegmentWriter, num_rows: int, arrays: P.Arrays) -> None:
+        if len(writer) + num_rows > self.limits.max_rows_per_segment:
+            raise LimitExceededError(
+                f"the segment would have {len(writer) + num_rows} rows, over the limit max_rows_per_segment="
+                f"{self.limits.max_rows_per_segment}; commit it and start another"
+            )
+        checked = P.check_rows(self.buffer.space, arrays, num_rows)
+        writer.extend_stored(checked, num_rows)
+        self.stats.rows_in += num_rows
+        self.stats.bytes_in += sum(a.nbytes for a in checked.values())
+
+    def append(self, request: P.Append, session: Session) -> P.AppendReply:
+        writer = self._writer(session, request.segment_id)
+        try:
+            self._add_rows(writer, request.num_rows, request.arrays)
+        except BaseException:
+            if writer.state != "open":  # the file refused the rows: the segment is gone
+                session.segments.pop(request.segment_id, None)
+                self.stats.aborts += 1
+            raise
+        return P.AppendReply(request.request_id, len(writer))
+
+    def _commit(self, writer: SegmentWriter) -> tuple[int, int, int]:
+        info = self.buffer.commit_segment(writer)
+        if self.fsync:
+            self.buffer.storage.flush(fsync=True)
+        self.stats.commits += 1
+        if info is None:
+            return len(self.buffer), 0, 0
+        return info.start, info.length, info.episode_id
+
+    def commit(self, request: P.Commit, session: Session) -> P.CommitReply:
+        writer = self._writer(session, request.segment_id)
+        del session.segments[request.segment_id]
+        return P.CommitReply(request.request_id, *self._commit(writer))
+
+    def abort(self, request: P.Abort, session: Session) -> P.AbortReply:
+        writer = self._writer(session, request.segment_id)
+        del session.segments[request.segment_id]
+        writer.abort()
+        self.stats.aborts += 1
+        return P.AbortReply(request.request_id)
+
+    def push_episode(self, request: P.PushEpisode, session: Session) -> P.PushEpisodeReply:
+        writer = self.buffer.open_segment_writer()
+        try:
+            self._add_rows(writer, request.num_rows, request.arrays)
+            return P.PushEpisodeReply(request.request_id, *self._commit(writer))
+        finally:
+            if writer.state == "open":
+                writer.abort()
+
+    def info(self, request: P.Info, session: Session) -> P.InfoReply:
+        return P.InfoReply(request.request_id, self.snapshot())
+
+    def heartbeat(self, request: P.Heartbeat, session: Session) -> P.HeartbeatReply:
+        return P.HeartbeatReply(request.request_id)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Scalar figures of the service (the INFO reply, the stats command, metrics)."""
+        info = self.buffer.info()
+        uptime = time.monotonic() - self.stats.started
+        path = self.buffer.storage.filename
+        stats: dict[str, Any] = {
+            "length": info["length"],
+            "capacity": info["capacity"],
+            "num_episodes": info["num_episodes"],
+            "total_rows": info["total_rows"],
+            "total_episodes": info["total_episodes"],
+            "open_segments": self.open_segments,
+            "clients": len(self.sessions),
+            "rows_in": self.stats.rows_in,
+            "bytes_in": self.stats.bytes_in,
+            "commits": self.stats.commits,
+            "aborts": self.stats.aborts,
+            "requests": self.stats.requests,
+            "errors": self.stats.errors,
+            "rows_out": self.stats.rows_out,
+            "file_bytes": os.path.getsize(path) if path and os.path.exists(path) else 0,
+            "uptime": round(uptime, 3),
+            "server_version": __version__,
+        }
+        if self._extra_stats is not None:
+            for key, value in self._extra_stats().items():
+                stats[key] = stats.get(key, 0) + value if isinstance(value, int) and key in stats else value
+        return stats

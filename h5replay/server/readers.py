@@ -1,0 +1,175 @@
+"""Reader processes: serve learners' reads from their own SWMR view of the file.
+
+The writer process forwards the read endpoint to these processes through a ZeroMQ proxy thread
+(ROUTER in front, DEALER behind, no Python in the path). Each reader opens the file as an SWMR
+reader, so reads never hold up the writer's loop; it sees exactly what the writer published.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import zmq
+
+from h5replay import protocol as P
+from h5replay.server.handlers import read_reply
+from h5replay.storage.replay_buffer import ReplayBuffer
+
+__all__ = ["ReaderPool", "ReadProxy"]
+
+log = logging.getLogger("h5replay.server")
+_POLL_MS = 100
+
+
+def reader_main(
+    path: str, backend: str, ready: Any, stop: Any, counters: Any, index: int, limits: P.Limits
+) -> None:
+    """Body of one reader process (spawned). Exits when `stop` is set or its parent dies."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the writer coordinates shutdown
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    parent = os.getppid()
+    buffer = ReplayBuffer.load_from(path, read_only=True, multiprocessing=True)
+    ctx = zmq.Context()
+    # DEALER, not REP: learners' DEALERs send no empty delimiter frame, so a REP would drop them.
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.connect(backend)
+    rng = np.random.default_rng()
+    ready.set()
+    try:
+        while not stop.is_set() and os.getppid() == parent:
+            if not sock.poll(_POLL_MS):
+                continue
+            routed = sock.recv_multipart(copy=False)
+            route, frames = routed[:1], routed[1:]  # the proxy's ROUTER put the learner's id first
+            try:
+                request = P.decode(frames, limits, expect=P.Request)
+                reply = read_reply(buffer, request, rng)
+                arrays = getattr(reply, "arrays", None)
+                if arrays:
+                    counters[2 * index + 1] += int(next(iter(arrays.values())).shape[0])
+            except Exception as exc:  # every refusal becomes an error reply; the reader keeps serving
+                reply = P.ErrorReply.from_exception(P.peek_request_id(frames, limits), exc)
+                if reply.code == P.ErrorCode.INTERNAL.value:
+                    log.exception("reader %d failed on a request", index)
+            counters[2 * index] += 1
+            sock.send_multipart([*route, *P.encode(reply)], copy=False)
+    finally:
+        sock.close(0)
+        ctx.term()
+        buffer.close()
+
+
+class ReadProxy:
+    """A ROUTER (learners) <-> DEALER (readers) proxy running in a thread, in C, without the GIL."""
+
+    def __init__(self, ctx: zmq.Context[Any], front: str, back: str, configure: Any) -> None:
+        self._ctx = ctx
+        self._control_endpoint = f"inproc://h5replay-proxy-{id(self)}"
+        self._control = ctx.socket(zmq.PAIR)
+        self._control.linger = 0
+        self._control.bind(self._control_endpoint)
+        self._started = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(front, back, configure), daemon=True)
+        self._thread.start()
+        self._started.wait(10)
+        if self._error is not None:
+            raise self._error
+
+    def _run(self, front_endpoint: str, back_endpoint: str, configure: Any) -> None:
+        front = self._ctx.socket(zmq.ROUTER)
+        back = self._ctx.socket(zmq.DEALER)
+        control = self._ctx.socket(zmq.PAIR)
+        for sock in (front, back, control):
+            sock.linger = 0
+        try:
+            configure(front)
+            front.bind(front_endpoint)
+            back.bind(back_endpoint)
+            control.connect(self._control_endpoint)
+        except BaseException as exc:
+            self._error = exc
+            self._started.set()
+            for sock in (front, back, control):
+                sock.close(0)
+            return
+        self._started.set()
+        try:
+            zmq.proxy_steerable(front, back, None, control)
+        except zmq.ZMQError:
+            pass  # the context is ending
+        finally:
+            for sock in (front, back, control):
+                sock.close(0)
+
+    def stop(self) -> None:
+        with contextlib.suppress(zmq.ZMQError):
+            self._control.send(b"TERMINATE")
+        self._thread.join(5)
+        self._control.close(0)
+
+
+class ReaderPool:
+    """K reader processes; started after the writer holds the file in SWMR mode."""
+
+    def __init__(self, path: str, backend: str, num_readers: int, limits: P.Limits) -> None:
+        self._ctx = mp.get_context("spawn")
+        self._path, self._backend, self._limits = path, backend, limits
+        self.counters = self._ctx.Array("q", 2 * max(1, num_readers), lock=False)
+        self._procs: list[Any] = []
+        self._stops: list[Any] = []
+        for index in range(num_readers):
+            self._spawn(index)
+
+    def _spawn(self, index: int) -> None:
+        ready, stop = self._ctx.Event(), self._ctx.Event()
+        proc = self._ctx.Process(
+            target=reader_main,
+            args=(self._path, self._backend, ready, stop, self.counters, index, self._limits),
+            name=f"h5replay-reader-{index}",
+            daemon=True,
+        )
+        proc.start()
+        deadline = time.monotonic() + 60
+        while not ready.wait(0.1):
+            if not proc.is_alive() or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"reader process {index} failed to start (exit code {proc.exitcode})")
+        if index < len(self._procs):
+            self._procs[index], self._stops[index] = proc, stop
+        else:
+            self._procs.append(proc)
+            self._stops.append(stop)
+
+    def revive(self) -> int:
+        """Restart readers that died; returns how many were restarted."""
+        restarted = 0
+        for index, proc in enumerate(self._procs):
+            if not proc.is_alive():
+                log.warning("reader process %d exited with code %s; restarting it", index, proc.exitcode)
+                self._spawn(index)
+                restarted += 1
+        return restarted
+
+    def totals(self) -> dict[str, int]:
+        values = list(self.counters)
+        return {"read_requests": sum(values[0::2]), "rows_out": sum(values[1::2])}
+
+    def stop(self, timeout: float = 5.0) -> None:
+        for stop in self._stops:
+            stop.set()
+        deadline = time.monotonic() + timeout
+        for proc in self._procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(1)

@@ -1,0 +1,246 @@
+"""The writer process: owns the HDF5 file and the actors' socket, runs one single-threaded loop.
+
+Concurrency comes from ownership, not locks: this one loop is the only code that writes the file
+(h5py serialises HDF5 calls anyway, so threads would buy nothing). Reads are served elsewhere:
+a proxy thread (C code, no GIL) hands the learners' endpoint to reader processes holding SWMR
+views of the file. Control goes by flag: SIGTERM / SIGINT or `stop()` end the loop, which then
+aborts open segments, publishes and closes the file, and stops the readers.
+
+Liveness: the ROUTER socket runs ZMTP heartbeats, so libzmq drops a peer that dies or goes
+silent. The loop probes every session now and then (an unsolicited reply with request id 0,
+which clients ignore); with ROUTER_MANDATORY a probe to a dropped peer fails at once, and that
+client's open segments are aborted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from typing import Any
+
+import zmq
+
+from h5replay import protocol as P
+from h5replay.config import ServerConfig
+from h5replay.errors import ConfigError
+from h5replay.server.handlers import Service
+from h5replay.server.readers import ReaderPool, ReadProxy
+from h5replay.storage.replay_buffer import ReplayBuffer
+
+__all__ = ["Server", "ServerProcess"]
+
+log = logging.getLogger("h5replay.server")
+_POLL_MS = 50
+_BATCH = 256  # messages handled per poll before housekeeping gets a turn
+_PROBE = P.HeartbeatReply(0)
+
+
+def open_buffer(config: ServerConfig) -> ReplayBuffer:
+    """Reopen the file, or create it when it does not exist (then space and capacity are needed)."""
+    if os.path.exists(config.path):
+        return ReplayBuffer.load_from(
+            config.path, read_only=False, multiprocessing=config.multiprocessing, **config.storage_kwargs
+        )
+    if config.space is None:
+        raise ConfigError(f"{config.path!r} does not exist; creating it needs a space (--space SPACE.json)")
+    return ReplayBuffer.create(
+        config.space, config.capacity, config.path, multiprocessing=config.multiprocessing, **config.storage_kwargs
+    )
+
+
+class Server:
+    """An h5replay service over one file. `run()` blocks until stopped; see `ServerProcess` for a
+    background process (tests, notebooks)."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self._stop = threading.Event()
+
+    def stop(self) -> None:
+        """Ask the loop to finish (thread- and signal-safe)."""
+        self._stop.set()
+
+    def run(self, ready: Any = None) -> int:
+        """Serve until stopped. Returns the process exit code (0 after a clean shutdown)."""
+        config = self.config
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda *_: self._stop.set())
+        buffer = open_buffer(config)
+        ctx = zmq.Context()
+        tmpdir = tempfile.mkdtemp(prefix="h5replay-")
+        readers: ReaderPool | None = None
+        proxy: ReadProxy | None = None
+        sock = ctx.socket(zmq.ROUTER)
+        monitor = None
+        try:
+            self._configure(sock)
+            sock.bind(config.bind)
+            monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            read_endpoint = config.resolved_read_bind
+            if config.num_readers:
+                backend = f"ipc://{tmpdir}/readers"
+                proxy = ReadProxy(ctx, read_endpoint, backend, self._configure)
+                readers = ReaderPool(config.path, backend, config.num_readers, config.limits)
+            else:
+                read_endpoint = config.bind
+            service = Service(
+                buffer, config.limits, read_endpoint, fsync=config.fsync,
+                extra_stats=readers.totals if readers else None,
+            )
+            log.info(
+                "h5replay serving %s (%d rows, capacity %s) on %s; reads on %s by %d reader process(es)%s",
+                config.path, len(buffer), buffer.capacity, config.bind, read_endpoint, config.num_readers,
+                "" if not config.insecure else " (INSECURE: no authentication)",
+            )
+            if ready is not None:
+                ready.set()
+            self._loop(sock, monitor, service, readers)
+            aborted = service.abort_everything()
+            log.info("h5replay stopping: aborted %d open segment(s), flushing %s", aborted, config.path)
+        finally:
+            if monitor is not None:
+                sock.disable_monitor()
+                monitor.close(0)
+            sock.close(linger=int(1000))
+            if proxy is not None:
+                proxy.stop()
+            if readers is not None:
+                readers.stop()
+            buffer.close()
+            ctx.term()
+            shutil.rmtree(tmpdir, ignore_errors=True)
+        log.info("h5replay stopped cleanly")
+        return 0
+
+    def _configure(self, sock: zmq.Socket[Any]) -> None:
+        config = self.config
+        sock.linger = 1000
+        sock.router_mandatory = 1
+        # A single frame beyond this disconnects the sender; whole messages are checked by decode.
+        sock.maxmsgsize = config.limits.max_message_bytes
+        sock.rcvhwm = config.max_in_flight
+        sock.sndhwm = max(1000, config.max_in_flight)
+        sock.heartbeat_ivl = int(config.heartbeat_interval * 1000)
+        sock.heartbeat_timeout = int(config.heartbeat_timeout * 1000)
+        sock.heartbeat_ttl = int(config.heartbeat_timeout * 1000)
+
+    def _loop(self, sock: zmq.Socket[Any], monitor: zmq.Socket[Any], service: Service, readers: ReaderPool | None) -> None:
+        config = self.config
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        next_probe = next_expire = time.monotonic()
+        while not self._stop.is_set():
+            events = dict(poller.poll(_POLL_MS))
+            if sock in events:
+                for _ in range(_BATCH):
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._serve(sock, service, frames)
+            now = time.monotonic()
+            if monitor in events:
+                while monitor.poll(0):
+                    monitor.recv_multipart()
+                next_probe = min(next_probe, now + 0.05)  # let libzmq finish dropping the peer first
+            if now >= next_probe:
+                self._probe(sock, service)
+                next_probe = now + config.heartbeat_interval
+            if now >= next_expire:
+                for identity in service.expire(config.session_timeout):
+                    log.warning("client %s was silent for %.0f s: its segments were aborted", identity.hex(), config.session_timeout)
+                if readers is not None:
+                    readers.revive()
+                next_expire = now + 1.0
+
+    def _serve(self, sock: zmq.Socket[Any], service: Service, frames: list[zmq.Frame]) -> None:
+        identity = frames[0].bytes
+        body = frames[1:]
+        try:
+            request = P.decode(body, service.limits, expect=P.Request)
+            reply = service.handle(identity, request)
+        except Exception as exc:  # the boundary: every refusal becomes an error reply
+            service.stats.errors += 1
+            reply = P.ErrorReply.from_exception(P.peek_request_id(body, service.limits), exc)
+            if reply.code == P.ErrorCode.INTERNAL.value:
+                log.exception("internal error while serving a request")
+        self._send(sock, service, identity, reply)
+
+    def _send(self, sock: zmq.Socket[Any], service: Service, identity: bytes, reply: P.Reply) -> bool:
+        try:
+            sock.send_multipart([identity, *P.encode(reply)], flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return True  # the client is not reading; it stays known, the reply is lost to it
+        except zmq.ZMQError as exc:
+            if exc.errno != errno.EHOSTUNREACH:
+                raise
+            aborted = service.drop_session(identity)
+            if aborted:
+                log.warning("client %s went away: aborted %d open segment(s)", identity.hex(), aborted)
+            return False
+        return True
+
+    def _probe(self, sock: zmq.Socket[Any], service: Service) -> None:
+        for identity in list(service.sessions):
+            self._send(sock, service, identity, _PROBE)
+
+
+def _serve_in_child(config: ServerConfig, ready: Any, log_level: int) -> None:
+    logging.basicConfig(level=log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    raise SystemExit(Server(config).run(ready))
+
+
+class ServerProcess:
+    """A server in a background (spawned) process: started ready, stopped by SIGTERM."""
+
+    def __init__(self, config: ServerConfig, timeout: float = 60.0, log_level: int = logging.WARNING) -> None:
+        self.config = config
+        ctx = mp.get_context("spawn")
+        ready = ctx.Event()
+        self.process = ctx.Process(target=_serve_in_child, args=(config, ready, log_level), name="h5replay-server")
+        self.process.start()
+        deadline = time.monotonic() + timeout
+        while not ready.wait(0.05):
+            if not self.process.is_alive() or time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"the server process did not start (exit code {self.process.exitcode})")
+
+    @property
+    def endpoint(self) -> str:
+        return self.config.bind
+
+    @property
+    def pid(self) -> int:
+        return int(self.process.pid or 0)
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM, then wait; returns the exit code (killing it if it does not exit in time)."""
+        if self.process.is_alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGTERM)
+            self.process.join(timeout)
+        if self.process.is_alive():
+            self.kill()
+        return self.process.exitcode
+
+    def kill(self) -> None:
+        """SIGKILL the server (its readers exit when they notice their parent is gone)."""
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(10)
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
