@@ -130,7 +130,9 @@ class ActorSegment:
         reply = self._conn.request(lambda rid: P.OpenSegment(rid))
         self.segment_id: int = reply.segment_id  # type: ignore[attr-defined]
         self._pending: collections.deque[int] = collections.deque()
-        self._parts: dict[str, list[np.ndarray]] = {path: [] for path, _ in client._leaves}
+        # Rows wait in one preallocated batch per leaf; a full batch leaves as one message.
+        self._batch_capacity = max(1, min(self._config.batch_rows, self._config.batch_bytes // max(1, client._row_bytes)))
+        self._batch: dict[str, np.ndarray] | None = None
         self._buffered_rows = 0
         self._buffered_since = 0.0
         self.length = 0
@@ -156,37 +158,39 @@ class ActorSegment:
         self.extend_encoded(encoded, n)
 
     def extend_encoded(self, encoded: dict[str, np.ndarray], n: int) -> None:
+        """Add rows already checked and in storage form (from `ActorClient.encode_batch`)."""
         self._require_open("extend")
-        step = self._config.batch_rows
-        for first in range(0, n, step):
-            self._add({p: a[first : first + step] for p, a in encoded.items()}, min(step, n - first))
+        self._add(encoded, n)
 
     def _add(self, encoded: dict[str, np.ndarray], n: int) -> None:
-        if n == 0:
-            return
-        if not self._buffered_rows:
-            self._buffered_since = time.monotonic()
-        for path, arr in encoded.items():
-            # Own the rows now: the caller may reuse its arrays, and frames leave without a copy.
-            self._parts[path].append(np.array(arr, copy=True))
-        self._buffered_rows += n
-        self.length += n
-        config = self._config
-        if (
-            self._buffered_rows >= config.batch_rows
-            or self._buffered_rows * self._client._row_bytes >= config.batch_bytes
-            or time.monotonic() - self._buffered_since >= config.batch_seconds
-        ):
-            self._send_buffered()
+        offset = 0
+        while offset < n:
+            if self._batch is None:
+                self._batch = {
+                    path: np.empty((self._batch_capacity, *leaf.shape), leaf.storage_dtype)
+                    for path, leaf in self._client._leaves
+                }
+                self._buffered_since = time.monotonic()
+            take = min(n - offset, self._batch_capacity - self._buffered_rows)
+            first = self._buffered_rows
+            for path, arr in encoded.items():  # a copy: the caller may reuse its arrays at once
+                self._batch[path][first : first + take] = arr[offset : offset + take]
+            self._buffered_rows += take
+            self.length += take
+            offset += take
+            if (
+                self._buffered_rows == self._batch_capacity
+                or time.monotonic() - self._buffered_since >= self._config.batch_seconds
+            ):
+                self._send_buffered()
 
     def _send_buffered(self) -> None:
-        if not self._buffered_rows:
+        if not self._buffered_rows or self._batch is None:
             return
-        arrays = {p: (parts[0] if len(parts) == 1 else np.concatenate(parts)) for p, parts in self._parts.items()}
         n = self._buffered_rows
-        for parts in self._parts.values():
-            parts.clear()
-        self._buffered_rows = 0
+        arrays = {path: batch[:n] for path, batch in self._batch.items()}
+        # The message owns these arrays until it is sent (frames leave without a copy).
+        self._batch, self._buffered_rows = None, 0
         while len(self._pending) >= self._config.max_in_flight:
             self._settle_oldest()
         segment_id = self.segment_id
@@ -233,9 +237,7 @@ class ActorSegment:
         """Drop the episode: nothing of it becomes visible. Safe to call twice."""
         if self._state != "open":
             return
-        for parts in self._parts.values():
-            parts.clear()
-        self._buffered_rows = 0
+        self._batch, self._buffered_rows = None, 0
         self._fail()
 
     def __enter__(self) -> ActorSegment:

@@ -166,7 +166,11 @@ class LeafSpace(Space):
         """Subclasses reject byte patterns their dtype admits but the space does not."""
 
     def encode_one(self, value: Any, key: str = "") -> np.ndarray:
-        """One sample as a stored batch of one row."""
+        """One sample as a stored batch of one row (a view of `value` when it already fits exactly)."""
+        # The per-step hot path of actors: an array of exactly the stored dtype and shape needs no checks.
+        if type(value) is np.ndarray and value.dtype.kind in "biuf" and value.dtype == self.storage_dtype:
+            if value.shape == self.shape:
+                return value[None]
         return self.encode_batch(self._as_batch_of_one(value), 1, key)
 
     def decode_one(self, stored_row: Any) -> Any:
@@ -527,6 +531,17 @@ def _flatten_into(space: DictSpace, value: Any, prefix: str, out: dict[str, Any]
     where = f"field '{prefix}'" if prefix else "the sample"
     if not isinstance(value, Mapping):
         raise SpaceMismatchError(f"{where} must be a dict with keys {sorted(space.spaces)}, got {type(value).__name__}")
+    if value.keys() != space.spaces.keys():
+        _refuse_keys(space, value, prefix, where)
+    for key, sub in space.spaces.items():
+        path = _join(prefix, key)
+        if isinstance(sub, DictSpace):
+            _flatten_into(sub, value[key], path, out)
+        else:
+            out[path] = value[key]
+
+
+def _refuse_keys(space: DictSpace, value: Mapping[Any, Any], prefix: str, where: str) -> None:
     missing = [k for k in space.spaces if k not in value]
     extra = [k for k in value if k not in space.spaces]
     if missing or extra:
@@ -536,12 +551,6 @@ def _flatten_into(space: DictSpace, value: Any, prefix: str, out: dict[str, Any]
         if extra:
             parts.append(f"unexpected {', '.join(repr(_join(prefix, str(k))) for k in extra)}")
         raise SpaceMismatchError(f"{where} does not match the space: {'; '.join(parts)}")
-    for key, sub in space.spaces.items():
-        path = _join(prefix, key)
-        if isinstance(sub, DictSpace):
-            _flatten_into(sub, value[key], path, out)
-        else:
-            out[path] = value[key]
 
 
 def space_from_json(obj: Any) -> Space:

@@ -1,0 +1,216 @@
+"""The `h5replay` command: parse, build the config, call the library. Logs go to stderr.
+
+Exit codes: 0 success, 1 failure, 2 bad usage. Errors are one line unless `--debug`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from h5replay import __version__
+from h5replay.config import DEFAULT_ENDPOINT, ServerConfig
+from h5replay.errors import ConfigError, H5ReplayError
+
+__all__ = ["main", "build_parser"]
+
+log = logging.getLogger("h5replay")
+
+
+class UsageError(Exception):
+    """Bad usage: exit code 2."""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be > 0 seconds")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="h5replay", description="An HDF5 experience store for reinforcement learning.")
+    parser.add_argument("--version", action="version", version=f"h5replay {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    serve = sub.add_parser("serve", help="serve a replay file to actors and learners")
+    serve.add_argument("path", metavar="PATH", help="the HDF5 file (created when missing)")
+    serve.add_argument("--space", metavar="SPACE.json", help="space of a new file: a JSON file (see `h5replay info`)")
+    serve.add_argument("--capacity", type=_positive_int, metavar="N", help="rows a new file holds (a ring)")
+    serve.add_argument("--bind", default=DEFAULT_ENDPOINT, help=f"actors' endpoint (default {DEFAULT_ENDPOINT})")
+    serve.add_argument("--read-bind", help="learners' endpoint (default: the next port, or <ipc path>.read)")
+    serve.add_argument("--readers", type=_non_negative_int, default=1, metavar="K",
+                       help="reader processes serving learners (default 1; 0: the writer serves reads)")
+    serve.add_argument("--fsync", action="store_true", help="fsync every commit (survives power loss; slower)")
+    serve.add_argument("--insecure", action="store_true", help="allow binding beyond loopback without --auth")
+    serve.add_argument("--heartbeat-timeout", type=_seconds, default=5.0, metavar="S",
+                       help="drop a client whose connection is silent this long (default 5)")
+    serve.add_argument("--session-timeout", type=_seconds, default=300.0, metavar="S",
+                       help="abort the open segments of a client idle this long (default 300)")
+
+    ping = sub.add_parser("ping", help="exit 0 when a server answers")
+    ping.add_argument("endpoint", metavar="ENDPOINT")
+    ping.add_argument("--timeout", type=_seconds, default=2.0)
+
+    stats = sub.add_parser("stats", help="live figures of a server: rows/s in and out, segments, clients")
+    stats.add_argument("endpoint", metavar="ENDPOINT")
+    stats.add_argument("--timeout", type=_seconds, default=5.0)
+    stats.add_argument("--interval", type=_seconds, default=1.0, help="seconds between the two samples for rates")
+    stats.add_argument("--json", action="store_true", help="print JSON")
+
+    info = sub.add_parser("info", help="what a replay file holds: space, length, episodes, layout, bytes")
+    info.add_argument("path", metavar="FILE")
+    info.add_argument("--json", action="store_true", help="print JSON")
+
+    demo = sub.add_parser("demo", help="start a server, actors and a learner on an embedded default")
+    demo.add_argument("--actors", type=_positive_int, default=4)
+    demo.add_argument("--episodes", type=_positive_int, default=40, help="episodes per actor")
+    demo.add_argument("--dir", help="keep the demo file in this directory (default: a temporary one)")
+    return parser
+
+
+def _load_space(path: str) -> Any:
+    from h5replay.storage.spaces import space_from_json
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return space_from_json(json.load(fh))
+    except OSError as exc:
+        raise ConfigError(f"cannot read the space file {path!r}: {exc.strerror}") from exc
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path!r} is not valid JSON: {exc}") from exc
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from h5replay.server import Server
+
+    config = ServerConfig(
+        path=args.path,
+        space=_load_space(args.space) if args.space else None,
+        capacity=args.capacity,
+        bind=args.bind,
+        read_bind=args.read_bind,
+        num_readers=args.readers,
+        fsync=args.fsync,
+        insecure=args.insecure,
+        heartbeat_timeout=args.heartbeat_timeout,
+        session_timeout=args.session_timeout,
+    )
+    return Server(config).run()
+
+
+def _connection(endpoint: str, timeout: float) -> Any:
+    from h5replay.client._connection import Connection
+    from h5replay.config import ClientConfig
+
+    return Connection(endpoint, ClientConfig(endpoint=endpoint, timeout=timeout, name="h5replay-cli"))
+
+
+def cmd_ping(args: argparse.Namespace) -> int:
+    from h5replay import protocol as P
+
+    conn = _connection(args.endpoint, args.timeout)
+    try:
+        started = time.perf_counter()
+        conn.request(lambda rid: P.Heartbeat(rid))
+        print(f"{args.endpoint} answered in {(time.perf_counter() - started) * 1000:.1f} ms")
+    finally:
+        conn.close()
+    return 0
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    from h5replay import protocol as P
+
+    conn = _connection(args.endpoint, args.timeout)
+    try:
+        first = dict(conn.request(lambda rid: P.Info(rid)).stats)
+        time.sleep(args.interval)
+        second = dict(conn.request(lambda rid: P.Info(rid)).stats)
+    finally:
+        conn.close()
+    elapsed = max(1e-9, float(second["uptime"]) - float(first["uptime"]))
+    for name in ("rows_in", "rows_out", "commits", "bytes_in"):
+        if isinstance(second.get(name), int) and isinstance(first.get(name), int):
+            second[f"{name}_per_s"] = round((second[name] - first[name]) / elapsed, 1)
+    if args.json:
+        print(json.dumps(second, indent=2, sort_keys=True))
+    else:
+        width = max(len(k) for k in second)
+        for key in sorted(second):
+            print(f"{key:<{width}}  {second[key]}")
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from h5replay.storage.inspect import describe_file, format_description
+
+    description = describe_file(args.path)
+    print(json.dumps(description, indent=2) if args.json else format_description(description))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from h5replay.demo import run_demo
+
+    return run_demo(num_actors=args.actors, episodes_per_actor=args.episodes, directory=args.dir)
+
+
+COMMANDS = {"serve": cmd_serve, "ping": cmd_ping, "stats": cmd_stats, "info": cmd_info, "demo": cmd_demo}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse already printed the usage error (or --help)
+        return int(exc.code or 0)
+    logging.basicConfig(
+        level=logging.DEBUG if args.debug else logging.INFO,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return COMMANDS[args.command](args)
+    except KeyboardInterrupt:
+        return 1
+    except (ConfigError, UsageError) as exc:
+        if args.debug:
+            raise
+        print(f"h5replay {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except (H5ReplayError, OSError) as exc:
+        if args.debug:
+            raise
+        print(f"h5replay {args.command}: {exc}", file=sys.stderr)
+        return 1

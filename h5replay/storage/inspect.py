@@ -1,0 +1,117 @@
+"""What a replay file holds, for `h5replay info`: space tree, length, episodes, layout, bytes."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any
+
+import h5py
+
+from h5replay.errors import ConfigError, StorageError
+from h5replay.storage.hdf5 import HDF5Storage
+from h5replay.storage.replay_buffer import REPLAY_GROUP, ReplayBuffer
+from h5replay.storage.spaces import BinarySpace, BoxSpace, DictSpace, Space, TextSpace
+
+__all__ = ["describe_file", "format_description", "space_tree"]
+
+
+def _open(path: str) -> HDF5Storage:
+    try:
+        return HDF5Storage.load_from(path, None, read_only=True)
+    except StorageError:
+        # A running server holds the file in SWMR write mode: read it as an SWMR reader.
+        return HDF5Storage.load_from(path, None, read_only=True, multiprocessing=True)
+
+
+def describe_file(path: str) -> dict[str, Any]:
+    """A JSON-ready description of the file at `path`."""
+    storage = _open(path)
+    try:
+        description: dict[str, Any] = {
+            "path": os.path.abspath(path),
+            "file_bytes": os.path.getsize(path),
+            "space": storage.single_instance_space.to_json(),
+            "capacity": storage.capacity,
+            "rows_allocated": len(storage),
+            "swmr_reader": storage.multiprocessing,
+        }
+        if REPLAY_GROUP in storage.file:
+            buffer = ReplayBuffer(storage)
+            description["replay"] = buffer.info()
+            segments = buffer.get_segments()
+            lengths = [n for _, n in segments]
+            description["replay"]["episode_length_min"] = min(lengths, default=0)
+            description["replay"]["episode_length_max"] = max(lengths, default=0)
+        datasets = []
+        for leaf_path, _ in storage.leaves:
+            ds = storage.dataset(leaf_path)
+            layout = ds.id.get_create_plist().get_layout()
+            datasets.append({
+                "path": leaf_path,
+                "dtype": str(ds.dtype),
+                "shape": list(ds.shape),
+                "maxshape": [None if m is None else int(m) for m in ds.maxshape],
+                "layout": {h5py.h5d.CONTIGUOUS: "contiguous", h5py.h5d.CHUNKED: "chunked"}.get(layout, "compact"),
+                "chunks": list(ds.chunks) if ds.chunks else None,
+                "compression": ds.compression,
+                "compression_opts": ds.compression_opts,
+                "bytes_on_disk": int(ds.id.get_storage_size()),
+            })
+        description["datasets"] = datasets
+    finally:
+        with contextlib.suppress(Exception):
+            storage.close()
+    return description
+
+
+def space_tree(space: Space, indent: str = "") -> list[str]:
+    """Lines drawing a space as a tree."""
+    if isinstance(space, DictSpace):
+        lines = []
+        for key, sub in space.spaces.items():
+            if isinstance(sub, DictSpace):
+                lines.append(f"{indent}{key}/")
+                lines += space_tree(sub, indent + "  ")
+            else:
+                lines.append(f"{indent}{key}: {_leaf_text(sub)}")
+        return lines
+    return [f"{indent}{_leaf_text(space)}"]
+
+
+def _leaf_text(space: Space) -> str:
+    if isinstance(space, BoxSpace):
+        return f"Box{space.shape} {space.dtype}"
+    if isinstance(space, BinarySpace):
+        return f"Binary{space.shape}"
+    if isinstance(space, TextSpace):
+        return f"Text(max {space.max_length} chars)"
+    raise ConfigError(f"unknown space {space!r}")
+
+
+def format_description(d: dict[str, Any]) -> str:
+    from h5replay.storage.spaces import space_from_json
+
+    lines = [f"file      {d['path']} ({d['file_bytes'] / 1e6:.1f} MB)", "space"]
+    lines += space_tree(space_from_json(d["space"]), "  ")
+    lines.append(f"capacity  {d['capacity'] if d['capacity'] is not None else 'unbounded'}")
+    if "replay" in d:
+        r = d["replay"]
+        lines.append(f"rows      {r['length']} held ({r['total_rows']} added in all)")
+        lines.append(
+            f"episodes  {r['num_episodes']} complete held ({r['total_episodes']} in all), "
+            f"length {r['episode_length_min']}..{r['episode_length_max']}"
+        )
+    else:
+        lines.append(f"rows      {d['rows_allocated']} (not a replay buffer file: no episode table)")
+    lines.append("datasets")
+    for ds in d["datasets"]:
+        comp = ds["compression"] or "none"
+        if ds["compression_opts"] is not None:
+            comp += f"({ds['compression_opts']})"
+        chunks = f" chunks {tuple(ds['chunks'])}" if ds["chunks"] else ""
+        lines.append(
+            f"  {ds['path']}: {ds['dtype']} {tuple(ds['shape'])} {ds['layout']}{chunks}, "
+            f"compression {comp}, {ds['bytes_on_disk'] / 1e6:.2f} MB"
+        )
+    return "\n".join(lines)
