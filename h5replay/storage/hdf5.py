@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import tempfile
 import weakref
@@ -41,6 +42,7 @@ from h5replay.errors import (
 )
 from h5replay.storage import _layout
 from h5replay.storage.fastread import MappedRows
+from h5replay.storage.recovery import WriterLock, clear_status_flags, status_flags
 from h5replay.storage.indexing import (
     fancy_indexing_to_supported_indexing,
     fancy_indexing_to_supported_set_indexing,
@@ -69,11 +71,14 @@ if TYPE_CHECKING:
 
 __all__ = ["HDF5Storage", "FORMAT_VERSION"]
 
+log = logging.getLogger("h5replay.storage")
+
 FORMAT_VERSION = 1
 ATTR_FORMAT = "h5replay_format_version"
 ATTR_SPACE = "h5replay_space"
 ATTR_CAPACITY = "h5replay_capacity"
 INTERNAL_GROUP = "_h5replay"
+_SWMR_WRITE_FLAG = 0x04  # superblock status flag: open for SWMR writing
 # HDF5 format bounds: v110 structures are what SWMR needs; capping at v114 keeps files readable by
 # HDF5 1.14 tools even when h5py is built on HDF5 2.x.
 _LIBVER = ("v110", "v114")
@@ -199,6 +204,7 @@ class HDF5Storage:
         self._cursor: int | None = None
         self._writers: weakref.WeakSet[SegmentWriter] = weakref.WeakSet()
         self._staging: Any = None
+        self._writer_lock: WriterLock | None = None
         self.segment_buffer_bytes = self.DEFAULT_SEGMENT_BUFFER_BYTES
         self._leaves = named_leaves(single_instance_space)
         if root is not None:
@@ -306,6 +312,8 @@ class HDF5Storage:
         if root is not None and self._owns_root:
             with contextlib.suppress(Exception):
                 root.file.close()
+        if self._writer_lock is not None:
+            self._writer_lock.release()
 
     def __enter__(self) -> HDF5Storage:
         return self
@@ -435,6 +443,26 @@ class HDF5Storage:
             )
             for p, leaf in leaves
         }
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        lock = WriterLock(path).acquire()
+        try:
+            storage = cls._create_locked(
+                single_instance_space, capacity, path, multiprocessing, leaves, layouts, reduce_io,
+                before_swmr, buffer_bytes, kwargs,
+            )
+        except BaseException:
+            lock.release()
+            raise
+        storage._writer_lock = lock
+        return storage
+
+    @classmethod
+    def _create_locked(
+        cls, single_instance_space: Space, capacity: int | None, path: str, multiprocessing: bool,
+        leaves: list[tuple[str, LeafSpace]], layouts: dict[str, dict[str, Any]], reduce_io: bool,
+        before_swmr: Callable[[h5py.Group], None] | None, buffer_bytes: int | None, kwargs: dict[str, Any],
+    ) -> HDF5Storage:
+        """The body of `create`, run while holding the file's writer lock."""
         directory = os.path.dirname(os.path.abspath(path))
         os.makedirs(directory, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".h5replay-", suffix=".tmp", dir=directory)
@@ -506,14 +534,33 @@ class HDF5Storage:
         buffer_bytes = kwargs.pop("segment_buffer_bytes", None)
         h5kw = dict(kwargs)
         mode = "r" if read_only else "r+"
+        if not read_only:
+            h5kw.setdefault("libver", _libver())  # SWMR writing needs the v110 format bounds
         if read_only and multiprocessing:
             h5kw["swmr"] = True
             h5kw.setdefault("locking", False)
-        with h5_errors(f"opening {path}"):
-            try:
-                f = h5py.File(path, mode, **h5kw)
-            except TypeError as exc:
-                raise ConfigError(f"invalid h5py.File option: {exc}") from exc
+        lock = None if read_only else WriterLock(path).acquire()
+        try:
+            if lock is not None and clear_status_flags(path):
+                log.warning("%s was not closed cleanly (its writer died); cleared its status flags and reopening "
+                            "it at its last published state", path)
+            with h5_errors(f"opening {path}"):
+                try:
+                    f = h5py.File(path, mode, **h5kw)
+                except TypeError as exc:
+                    raise ConfigError(f"invalid h5py.File option: {exc}") from exc
+                except OSError:
+                    # A live (or killed) SWMR writer marks the file; plain readers are refused, SWMR
+                    # readers are not. Read it as one: it sees exactly what the writer published.
+                    if not read_only or multiprocessing or not status_flags(path) & _SWMR_WRITE_FLAG:
+                        raise
+                    multiprocessing = True
+                    h5kw.update(swmr=True, locking=False)
+                    f = h5py.File(path, mode, **h5kw)
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            raise
         try:
             stored_space, stored_capacity = _read_header(f)
             if stored_space is None:
@@ -535,11 +582,14 @@ class HDF5Storage:
             )
             if buffer_bytes is not None:
                 storage.segment_buffer_bytes = int(buffer_bytes)
+            storage._writer_lock = lock
             if multiprocessing and not read_only:
                 with h5_errors("starting SWMR write mode"):
                     f.swmr_mode = True
         except BaseException:
             f.close()
+            if lock is not None:
+                lock.release()
             raise
         return storage
 

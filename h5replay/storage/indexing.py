@@ -6,11 +6,16 @@ sorted distinct rows plus the map back (``fancy_indexing_to_supported_indexing``
 numpy), and splitting a sorted index into slices (``io_reduced_indexing``).
 
 Row I/O: ``read_sorted_unique_rows``, ``read_slice``, ``write_rows`` and
-``write_sorted_unique_rows`` move whole rows (axis 0) through h5py's low-level API with cached
-dataspaces, about 10 µs per HDF5 call against 30-100 µs for h5py's high-level indexing. The memory
-type is the dataset's own file type, so bytes move unconverted: numbers, bools (an HDF5 enum) and
-fixed-length UTF-8 strings (numpy ``S{k}``). Other types (variable-length strings, compounds) fall
-back to h5py's high-level indexing.
+``write_sorted_unique_rows`` move whole rows (axis 0) through h5py's low-level API, reusing one
+dataspace and type per dataset (h5py makes each anew per call, ~8-14 µs apiece). The memory type
+is the dataset's own file type, so bytes move unconverted: numbers, bools (an HDF5 enum) and
+fixed-length UTF-8 strings (numpy ``S{k}``, which h5py's own assignment cannot write). Other types
+(variable-length strings, compounds) fall back to h5py's high-level indexing.
+
+How the file was opened matters as much: a reader opened without HDF5's sieve buffer and chunk
+cache (``sieve_buf_size=0``, ``rdcc_nbytes=0``) reads random rows 1.7-4x faster, because every
+scattered row otherwise drags a 64 KiB sieve or chunk-cache fill with it. That is the caller's
+choice; nothing here depends on it.
 
 This module must not know about spaces, groups or files: every function takes one open dataset,
 and nothing here creates an HDF5 object. Callers normalise negative indices first; an index that
@@ -46,7 +51,7 @@ CHUNK_TARGET_BYTES = 64 * 1024
 
 # How read_sorted_unique_rows picks a strategy: an estimated cost in microseconds for each, the
 # cheapest wins. The constants were measured on this project's 2-core VM (h5py 3.16, HDF5 2.0,
-# warm page cache) with 256 random rows of 28 B ... 21 KB; see the report of the timing script.
+# warm page cache, default sieve and chunk cache) reading 256 random rows of 4 B ... 32 KiB.
 # A low-level H5Dread costs ~20 µs with its selection; each run of consecutive rows read on its
 # own ~10 µs (contiguous) or ~13 µs (chunked) plus the copy; a point selection ~0.25 µs per
 # element; h5py's hyperslab union ~7 µs per run, but only on contiguous rank-2 data (on rank-4
