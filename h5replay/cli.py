@@ -72,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--readers", type=_non_negative_int, default=1, metavar="K",
                        help="reader processes serving learners (default 1; 0: the writer serves reads)")
     serve.add_argument("--fsync", action="store_true", help="fsync every commit (survives power loss; slower)")
+    serve.add_argument("--auth", metavar="DIR", help="accept only CURVE keys listed in DIR/actors and DIR/learners")
     serve.add_argument("--insecure", action="store_true", help="allow binding beyond loopback without --auth")
     serve.add_argument("--heartbeat-timeout", type=_seconds, default=5.0, metavar="S",
                        help="drop a client whose connection is silent this long (default 5)")
@@ -91,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="what a replay file holds: space, length, episodes, layout, bytes")
     info.add_argument("path", metavar="FILE")
     info.add_argument("--json", action="store_true", help="print JSON")
+
+    keys = sub.add_parser("keys", help="CURVE keys for --auth")
+    keys_sub = keys.add_subparsers(dest="keys_command", metavar="ACTION")
+    keys_sub.required = True
+    generate = keys_sub.add_parser("generate", help="make server, actor and learner key pairs in DIR")
+    generate.add_argument("directory", metavar="DIR")
 
     demo = sub.add_parser("demo", help="start a server, actors and a learner on an embedded default")
     demo.add_argument("--actors", type=_positive_int, default=4)
@@ -122,6 +129,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         read_bind=args.read_bind,
         num_readers=args.readers,
         fsync=args.fsync,
+        auth_dir=args.auth,
         insecure=args.insecure,
         heartbeat_timeout=args.heartbeat_timeout,
         session_timeout=args.session_timeout,
@@ -180,13 +188,25 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_keys(args: argparse.Namespace) -> int:
+    from h5replay.server.auth import generate_keys
+
+    for path in generate_keys(args.directory):
+        print(path)
+    print(f"serve with: h5replay serve FILE --auth {args.directory}; clients use secret_key=.../actor.key_secret "
+          f"(or learner.key_secret) and server_key={args.directory}/server.key", file=sys.stderr)
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from h5replay.demo import run_demo
 
     return run_demo(num_actors=args.actors, episodes_per_actor=args.episodes, directory=args.dir)
 
 
-COMMANDS = {"serve": cmd_serve, "ping": cmd_ping, "stats": cmd_stats, "info": cmd_info, "demo": cmd_demo}
+COMMANDS = {
+    "serve": cmd_serve, "ping": cmd_ping, "stats": cmd_stats, "info": cmd_info, "keys": cmd_keys, "demo": cmd_demo,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -60,6 +60,7 @@ class ServerConfig:
     session_timeout: float = 300.0
     fsync: bool = False  # fsync every commit: survives power loss, not just a process crash
     storage_kwargs: dict[str, Any] = field(default_factory=dict)
+    auth_dir: str | None = None  # CURVE keys (h5replay keys generate): only listed clients connect
     insecure: bool = False  # allow a non-loopback bind without authentication
 
     def __post_init__(self) -> None:
@@ -73,10 +74,11 @@ class ServerConfig:
         if self.max_in_flight < 1:
             raise ConfigError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
         read_endpoint_for(self.bind)  # validates the endpoint's form
-        if not self.insecure and not (is_loopback(self.bind) and is_loopback(self.resolved_read_bind)):
+        exposed = not (is_loopback(self.bind) and is_loopback(self.resolved_read_bind))
+        if exposed and not self.insecure and self.auth_dir is None:
             raise ConfigError(
                 f"binding {self.bind} exposes the store beyond this machine without authentication; "
-                "bind 127.0.0.1, or pass --insecure to do it anyway"
+                "pass --auth DIR (see `h5replay keys generate`), bind 127.0.0.1, or pass --insecure"
             )
         if os.path.isdir(self.path):
             raise ConfigError(f"{self.path!r} is a directory; give the HDF5 file's path")

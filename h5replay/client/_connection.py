@@ -108,7 +108,8 @@ class Connection:
                         break
                     self._outstanding.discard(request_id)
                     raise ServerUnavailableError(
-                        f"no reply from {self.endpoint} within {timeout} s; is the server running?"
+                        f"no reply from {self.endpoint} within {timeout} s; is the server running, and (with --auth) "
+                        "are this client's keys listed?"
                     )
                 frames = self._sock.recv_multipart(copy=False)
                 reply = P.decode(frames, self.limits or P.DEFAULT_LIMITS, expect=P.Reply)

@@ -31,6 +31,7 @@ class Session:
 
     identity: bytes
     role: str = "actor"
+    granted_role: str | None = None  # set by authentication; a client cannot claim more
     name: str = ""
     last_seen: float = field(default_factory=time.monotonic)
     segments: dict[int, SegmentWriter] = field(default_factory=dict)
@@ -163,10 +164,16 @@ class Service:
 
     # ------------------------------------------------------------------ dispatch
 
-    def handle(self, identity: bytes, request: P.Request) -> P.Reply:
-        """The reply to one decoded request. Raises on refusal (the caller makes an error reply)."""
+    def handle(self, identity: bytes, request: P.Request, granted_role: str | None = None) -> P.Reply:
+        """The reply to one decoded request. Raises on refusal (the caller makes an error reply).
+
+        `granted_role` is what authentication proved ('actor' or 'learner'); without
+        authentication a client's role is what its hello claims.
+        """
         self.stats.requests += 1
         session = self.session(identity)
+        if granted_role is not None and session.granted_role is None:
+            session.granted_role = session.role = granted_role
         if isinstance(request, READ_KINDS):
             reply = read_reply(self.buffer, request, self._rng)
             arrays = getattr(reply, "arrays", None)
@@ -183,7 +190,9 @@ class Service:
     # ------------------------------------------------------------------ handlers
 
     def hello(self, request: P.Hello, session: Session) -> P.HelloReply:
-        session.role, session.name = request.role, request.client_name
+        session.name = request.client_name
+        # A client may ask for less than it was granted, never more.
+        session.role = "learner" if "learner" in (request.role, session.granted_role) else request.role
         buffer = self.buffer
         return P.HelloReply(
             request.request_id, buffer.space.to_json(), buffer.capacity, len(buffer), buffer.num_episodes,

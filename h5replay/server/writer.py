@@ -31,6 +31,7 @@ import zmq
 from h5replay import protocol as P
 from h5replay.config import ServerConfig
 from h5replay.errors import ConfigError
+from h5replay.server.auth import RoleAuthenticator, server_keys
 from h5replay.server.handlers import Service
 from h5replay.server.readers import ReaderPool, ReadProxy
 from h5replay.storage.replay_buffer import ReplayBuffer
@@ -63,6 +64,7 @@ class Server:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self._stop = threading.Event()
+        self._curve: tuple[bytes, bytes] | None = server_keys(config.auth_dir) if config.auth_dir else None
 
     def stop(self) -> None:
         """Ask the loop to finish (thread- and signal-safe)."""
@@ -81,7 +83,11 @@ class Server:
         proxy: ReadProxy | None = None
         sock = ctx.socket(zmq.ROUTER)
         monitor = None
+        auth: RoleAuthenticator | None = None
         try:
+            if config.auth_dir is not None:
+                auth = RoleAuthenticator(ctx, config.auth_dir)
+                auth.start()
             self._configure(sock)
             sock.bind(config.bind)
             monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
@@ -99,11 +105,12 @@ class Server:
             log.info(
                 "h5replay serving %s (%d rows, capacity %s) on %s; reads on %s by %d reader process(es)%s",
                 config.path, len(buffer), buffer.capacity, config.bind, read_endpoint, config.num_readers,
-                "" if not config.insecure else " (INSECURE: no authentication)",
+                " with CURVE authentication" if auth else
+                " (INSECURE: no authentication)" if config.insecure else " (no authentication: loopback only)",
             )
             if ready is not None:
                 ready.set()
-            self._loop(sock, monitor, service, readers)
+            self._loop(sock, monitor, service, readers, auth)
             aborted = service.abort_everything()
             log.info("h5replay stopping: aborted %d open segment(s), flushing %s", aborted, config.path)
         finally:
@@ -113,6 +120,8 @@ class Server:
             sock.close(linger=int(1000))
             if proxy is not None:
                 proxy.stop()
+            if auth is not None:
+                auth.stop()
             if readers is not None:
                 readers.stop()
             buffer.close()
@@ -132,8 +141,14 @@ class Server:
         sock.heartbeat_ivl = int(config.heartbeat_interval * 1000)
         sock.heartbeat_timeout = int(config.heartbeat_timeout * 1000)
         sock.heartbeat_ttl = int(config.heartbeat_timeout * 1000)
+        if self._curve is not None:
+            sock.curve_server = True
+            sock.curve_publickey, sock.curve_secretkey = self._curve
 
-    def _loop(self, sock: zmq.Socket[Any], monitor: zmq.Socket[Any], service: Service, readers: ReaderPool | None) -> None:
+    def _loop(
+        self, sock: zmq.Socket[Any], monitor: zmq.Socket[Any], service: Service, readers: ReaderPool | None,
+        auth: RoleAuthenticator | None,
+    ) -> None:
         config = self.config
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
@@ -161,6 +176,8 @@ class Server:
                     log.warning("client %s was silent for %.0f s: its segments were aborted", identity.hex(), config.session_timeout)
                 if readers is not None:
                     readers.revive()
+                if auth is not None:
+                    auth.reload()  # keys dropped into actors/ or learners/ are admitted
                 next_expire = now + 1.0
 
     def _serve(self, sock: zmq.Socket[Any], service: Service, frames: list[zmq.Frame]) -> None:
@@ -168,13 +185,19 @@ class Server:
         body = frames[1:]
         try:
             request = P.decode(body, service.limits, expect=P.Request)
-            reply = service.handle(identity, request)
+            reply = service.handle(identity, request, self._granted_role(body))
         except Exception as exc:  # the boundary: every refusal becomes an error reply
             service.stats.errors += 1
             reply = P.ErrorReply.from_exception(P.peek_request_id(body, service.limits), exc)
             if reply.code == P.ErrorCode.INTERNAL.value:
                 log.exception("internal error while serving a request")
         self._send(sock, service, identity, reply)
+
+    def _granted_role(self, body: list[zmq.Frame]) -> str | None:
+        """The role authentication gave the sender (the ZAP User-Id), or None without --auth."""
+        if self._curve is None or not body:
+            return None
+        return str(body[0].get("User-Id"))
 
     def _send(self, sock: zmq.Socket[Any], service: Service, identity: bytes, reply: P.Reply) -> bool:
         try:
