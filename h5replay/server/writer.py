@@ -76,6 +76,8 @@ class Server:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, lambda *_: self._stop.set())
+            # A file-size limit must fail the write (an error reply), not kill the server.
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         buffer = open_buffer(config)
         ctx = zmq.Context()
         tmpdir = tempfile.mkdtemp(prefix="h5replay-")

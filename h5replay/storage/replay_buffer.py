@@ -245,14 +245,17 @@ class ReplayBuffer:
         ahead = needed + self.capacity // _EVICTION_FRACTION
         self._publish(min(max(ahead, needed), self._end))
 
-    def _advance(self, n: int) -> None:
+    def _advance(self, n: int) -> list[tuple[int, int]]:
+        """Move the tail by n rows; returns the episodes that fell off the head."""
         self._end += n
         if self.capacity is not None:
             self._begin = max(self._begin, self._end - self.capacity)
+        dropped = []
         while self._episodes and self._episodes[0][0] < self._begin:
-            self._episodes.popleft()
+            dropped.append(self._episodes.popleft())
             self._ep_begin += 1
             self._episode_arrays = None
+        return dropped
 
     def _record_episode(self, g0: int, length: int) -> int:
         episode_id = self._ep_end
@@ -331,12 +334,29 @@ class ReplayBuffer:
         if self._open_start < self._end:
             self.end_episode()
         start = self._end
-        self._evict(start + n)
-        writer.commit(self._phys(start))
-        self._advance(n)
-        episode_id = self._record_episode(start, n)
-        self._open_start = self._end
-        self._publish()
+        before = (self._begin, self._end, self._ep_begin, self._ep_end, self._open_start, self._seq)
+        dropped: list[tuple[int, int]] = []
+        try:
+            self._evict(start + n)
+            writer.commit(self._phys(start))
+            dropped = self._advance(n)
+            episode_id = self._record_episode(start, n)
+            self._open_start = self._end
+            self._publish()
+        except BaseException:
+            # Nothing new was published (or, at worst, the eviction ahead): put the ring back as the
+            # file shows it, so the caller's error means "not committed" and a retry is exact.
+            if len(self._episodes) and self._ep_end > before[3]:
+                self._episodes.pop()
+            self._episodes.extendleft(reversed(dropped))
+            self._begin, self._end, self._ep_begin, self._ep_end, self._open_start, self._seq = before
+            if self.capacity is not None:  # slots the failed write may have touched stay unpublished
+                self._begin = max(self._begin, self._published[0])
+                self._advance(0)
+            self._episode_arrays = None
+            if writer.state == "open":
+                writer.abort()
+            raise
         return CommitInfo(episode_id, start - self._begin, n)
 
     def clear(self) -> None:
