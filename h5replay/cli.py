@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--capacity", type=_positive_int, metavar="N", help="rows a new file holds (a ring)")
     serve.add_argument("--bind", default=DEFAULT_ENDPOINT, help=f"actors' endpoint (default {DEFAULT_ENDPOINT})")
     serve.add_argument("--read-bind", help="learners' endpoint (default: the next port, or <ipc path>.read)")
+    serve.add_argument("--advertise-read", metavar="ENDPOINT",
+                       help="read endpoint told to learners, when --read-bind is not reachable as written "
+                            "(e.g. tcp://server:5556 for a bind on 0.0.0.0 in a container)")
     serve.add_argument("--readers", type=_non_negative_int, default=1, metavar="K",
                        help="reader processes serving learners (default 1; 0: the writer serves reads)")
     serve.add_argument("--fsync", action="store_true", help="fsync every commit (survives power loss; slower)")
@@ -99,6 +102,31 @@ def build_parser() -> argparse.ArgumentParser:
     generate = keys_sub.add_parser("generate", help="make server, actor and learner key pairs in DIR")
     generate.add_argument("directory", metavar="DIR")
 
+    def client_keys(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--secret-key", metavar="FILE", help="this client's CURVE secret key file (with --auth)")
+        p.add_argument("--server-key", metavar="FILE", help="the server's CURVE public key file (with --auth)")
+        p.add_argument("--timeout", type=_seconds, default=30.0, help="seconds to wait for the server")
+
+    actor = sub.add_parser("actor", help="example actor: a gymnasium environment with a random policy")
+    actor.add_argument("endpoint", metavar="ENDPOINT")
+    actor.add_argument("--env", default="CartPole-v1", help="gymnasium environment id (default CartPole-v1)")
+    actor.add_argument("--episodes", type=_non_negative_int, default=0, help="episodes to send (0: until SIGTERM)")
+    actor.add_argument("--seed", type=int, default=None)
+    client_keys(actor)
+
+    learner = sub.add_parser("learner", help="example learner: samples and prints what it learns of the data")
+    learner.add_argument("endpoint", metavar="ENDPOINT")
+    learner.add_argument("--batch-size", type=_positive_int, default=256)
+    learner.add_argument("--seconds", type=float, default=0.0, help="how long to run (0: until SIGTERM)")
+    learner.add_argument("--report-every", type=_seconds, default=5.0)
+    client_keys(learner)
+
+    space = sub.add_parser("space", help="print the JSON space of a gymnasium environment's rows")
+    space_sub = space.add_subparsers(dest="space_command", metavar="SOURCE")
+    space_sub.required = True
+    gym = space_sub.add_parser("gym", help="rows of a gymnasium environment (obs, action, reward, flags)")
+    gym.add_argument("env_id", metavar="ENV_ID")
+
     demo = sub.add_parser("demo", help="start a server, actors and a learner on an embedded default")
     demo.add_argument("--actors", type=_positive_int, default=4)
     demo.add_argument("--episodes", type=_positive_int, default=40, help="episodes per actor")
@@ -127,6 +155,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         capacity=args.capacity,
         bind=args.bind,
         read_bind=args.read_bind,
+        advertise_read=args.advertise_read,
         num_readers=args.readers,
         fsync=args.fsync,
         auth_dir=args.auth,
@@ -198,6 +227,28 @@ def cmd_keys(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_actor(args: argparse.Namespace) -> int:
+    from h5replay.examples.gym_actor import run_actor
+
+    return run_actor(args.endpoint, env_id=args.env, episodes=args.episodes, seed=args.seed, timeout=args.timeout,
+                     secret_key=args.secret_key, server_key=args.server_key)
+
+
+def cmd_learner(args: argparse.Namespace) -> int:
+    from h5replay.examples.learner import run_learner
+
+    return run_learner(args.endpoint, batch_size=args.batch_size, seconds=args.seconds,
+                       report_every=args.report_every, timeout=args.timeout,
+                       secret_key=args.secret_key, server_key=args.server_key)
+
+
+def cmd_space(args: argparse.Namespace) -> int:
+    from h5replay.examples.gym_actor import space_json
+
+    print(json.dumps(space_json(args.env_id), indent=2))
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from h5replay.demo import run_demo
 
@@ -206,6 +257,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 COMMANDS = {
     "serve": cmd_serve, "ping": cmd_ping, "stats": cmd_stats, "info": cmd_info, "keys": cmd_keys, "demo": cmd_demo,
+    "actor": cmd_actor, "learner": cmd_learner, "space": cmd_space,
 }
 
 

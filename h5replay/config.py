@@ -48,6 +48,9 @@ class ServerConfig:
     capacity: int | None = None
     bind: str = DEFAULT_ENDPOINT
     read_bind: str | None = None  # default: read_endpoint_for(bind)
+    # What learners are told to connect to for reads, when read_bind is not reachable as written
+    # (e.g. tcp://0.0.0.0:5556 inside a container: advertise tcp://server:5556).
+    advertise_read: str | None = None
     num_readers: int = 1
     multiprocessing: bool = True  # SWMR: reader processes read while the writer writes
     limits: Limits = DEFAULT_LIMITS

@@ -93,13 +93,13 @@ class Server:
             self._configure(sock)
             sock.bind(config.bind)
             monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-            read_endpoint = config.resolved_read_bind
             if config.num_readers:
                 backend = f"ipc://{tmpdir}/readers"
-                proxy = ReadProxy(ctx, read_endpoint, backend, self._configure)
+                proxy = ReadProxy(ctx, config.resolved_read_bind, backend, self._configure)
                 readers = ReaderPool(config.path, backend, config.num_readers, config.limits)
+                read_endpoint = config.advertise_read or config.resolved_read_bind
             else:
-                read_endpoint = config.bind
+                read_endpoint = config.advertise_read or config.bind
             service = Service(
                 buffer, config.limits, read_endpoint, fsync=config.fsync,
                 extra_stats=readers.totals if readers else None,
