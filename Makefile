@@ -12,7 +12,7 @@ $(BIN)/python:
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
 $(STAMP): $(BIN)/python pyproject.toml
-	$(BIN)/python -m pip install --quiet -e '.[dev]' --config-settings editable_mode=compat
+	$(BIN)/python -m pip install --quiet -e '.[dev,metrics,gym]' --config-settings editable_mode=compat
 	touch $(STAMP)
 
 venv: $(STAMP)

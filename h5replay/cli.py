@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--readers", type=_non_negative_int, default=1, metavar="K",
                        help="reader processes serving learners (default 1; 0: the writer serves reads)")
     serve.add_argument("--fsync", action="store_true", help="fsync every commit (survives power loss; slower)")
+    serve.add_argument("--metrics-port", type=_positive_int, metavar="P",
+                       help="serve Prometheus metrics on http://ADDRESS:P/metrics (needs h5replay[metrics])")
+    serve.add_argument("--metrics-address", default="127.0.0.1", help="address of the metrics port (default 127.0.0.1)")
     serve.add_argument("--auth", metavar="DIR", help="accept only CURVE keys listed in DIR/actors and DIR/learners")
     serve.add_argument("--insecure", action="store_true", help="allow binding beyond loopback without --auth")
     serve.add_argument("--heartbeat-timeout", type=_seconds, default=5.0, metavar="S",
@@ -158,6 +161,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         advertise_read=args.advertise_read,
         num_readers=args.readers,
         fsync=args.fsync,
+        metrics_port=args.metrics_port,
+        metrics_address=args.metrics_address,
         auth_dir=args.auth,
         insecure=args.insecure,
         heartbeat_timeout=args.heartbeat_timeout,

@@ -63,6 +63,8 @@ class ServerConfig:
     session_timeout: float = 300.0
     fsync: bool = False  # fsync every commit: survives power loss, not just a process crash
     storage_kwargs: dict[str, Any] = field(default_factory=dict)
+    metrics_port: int | None = None  # serve Prometheus metrics over HTTP on this port
+    metrics_address: str = "127.0.0.1"
     auth_dir: str | None = None  # CURVE keys (h5replay keys generate): only listed clients connect
     insecure: bool = False  # allow a non-loopback bind without authentication
 

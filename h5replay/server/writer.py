@@ -33,6 +33,7 @@ from h5replay.config import ServerConfig
 from h5replay.errors import ConfigError
 from h5replay.server.auth import RoleAuthenticator, server_keys
 from h5replay.server.handlers import Service
+from h5replay.server.metrics import Metrics
 from h5replay.server.readers import ReaderPool, ReadProxy
 from h5replay.storage.replay_buffer import ReplayBuffer
 
@@ -65,6 +66,7 @@ class Server:
         self.config = config
         self._stop = threading.Event()
         self._curve: tuple[bytes, bytes] | None = server_keys(config.auth_dir) if config.auth_dir else None
+        self._metrics: Metrics | None = None
 
     def stop(self) -> None:
         """Ask the loop to finish (thread- and signal-safe)."""
@@ -110,6 +112,9 @@ class Server:
                 " with CURVE authentication" if auth else
                 " (INSECURE: no authentication)" if config.insecure else " (no authentication: loopback only)",
             )
+            if config.metrics_port is not None:
+                self._metrics = Metrics(service.snapshot, config.metrics_port, config.metrics_address)
+                log.info("metrics on http://%s:%d/metrics", config.metrics_address, config.metrics_port)
             if ready is not None:
                 ready.set()
             self._loop(sock, monitor, service, readers, auth)
@@ -124,6 +129,8 @@ class Server:
                 proxy.stop()
             if auth is not None:
                 auth.stop()
+            if self._metrics is not None:
+                self._metrics.close()
             if readers is not None:
                 readers.stop()
             buffer.close()
@@ -185,8 +192,11 @@ class Server:
     def _serve(self, sock: zmq.Socket[Any], service: Service, frames: list[zmq.Frame]) -> None:
         identity = frames[0].bytes
         body = frames[1:]
+        started = time.perf_counter()
+        kind = "invalid"
         try:
             request = P.decode(body, service.limits, expect=P.Request)
+            kind = request.KIND.value
             reply = service.handle(identity, request, self._granted_role(body))
         except Exception as exc:  # the boundary: every refusal becomes an error reply
             service.stats.errors += 1
@@ -194,6 +204,8 @@ class Server:
             if reply.code == P.ErrorCode.INTERNAL.value:
                 log.exception("internal error while serving a request")
         self._send(sock, service, identity, reply)
+        if self._metrics is not None:
+            self._metrics.observe(kind, time.perf_counter() - started)
 
     def _granted_role(self, body: list[zmq.Frame]) -> str | None:
         """The role authentication gave the sender (the ZAP User-Id), or None without --auth."""
