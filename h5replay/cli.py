@@ -130,6 +130,24 @@ def build_parser() -> argparse.ArgumentParser:
     gym = space_sub.add_parser("gym", help="rows of a gymnasium environment (obs, action, reward, flags)")
     gym.add_argument("env_id", metavar="ENV_ID")
 
+    def layout_flags(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--compression", choices=("gzip", "lzf", "none"), default="none",
+                       help="compression of every dataset (default none)")
+        p.add_argument("--level", type=_non_negative_int, help="gzip level 0..9")
+        p.add_argument("--chunks", default="auto",
+                       help="auto (contiguous when possible, else ~64 KiB of whole rows), or rows per chunk")
+        p.add_argument("--capacity", default="same", help="rows the copy holds: same, unbounded, or N")
+
+    export = sub.add_parser("export", help="copy a replay (or plain h5py) file, changing layout or compression")
+    export.add_argument("path", metavar="FILE")
+    export.add_argument("out", metavar="OUT")
+    export.add_argument("--overwrite", action="store_true")
+    layout_flags(export)
+
+    compact = sub.add_parser("compact", help="rewrite a replay file in place (no server may be running)")
+    compact.add_argument("path", metavar="FILE")
+    layout_flags(compact)
+
     demo = sub.add_parser("demo", help="start a server, actors and a learner on an embedded default")
     demo.add_argument("--actors", type=_positive_int, default=4)
     demo.add_argument("--episodes", type=_positive_int, default=40, help="episodes per actor")
@@ -254,6 +272,66 @@ def cmd_space(args: argparse.Namespace) -> int:
     return 0
 
 
+def _layout_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {}
+    if args.compression != "none":
+        kwargs["compression"] = args.compression
+        if args.level is not None:
+            kwargs["compression_level"] = args.level
+    elif args.level is not None:
+        raise ConfigError("--level needs --compression gzip")
+    if args.chunks != "auto":
+        try:
+            kwargs["chunks"] = (int(args.chunks),)
+        except ValueError:
+            raise ConfigError(f"--chunks must be auto or a number of rows, got {args.chunks!r}") from None
+    if args.capacity == "unbounded":
+        kwargs["capacity"] = None
+    elif args.capacity != "same":
+        try:
+            kwargs["capacity"] = int(args.capacity)
+        except ValueError:
+            raise ConfigError(f"--capacity must be same, unbounded or a number, got {args.capacity!r}") from None
+    return kwargs
+
+
+class _Progress:
+    """A progress bar on stderr: redrawn in place on a terminal, every 10% otherwise."""
+
+    def __init__(self, label: str) -> None:
+        self.label, self.tty, self.last = label, sys.stderr.isatty(), -1
+
+    def __call__(self, done: int, total: int) -> None:
+        fraction = done / total if total else 1.0
+        if self.tty:
+            bar = "#" * int(fraction * 30)
+            print(f"\r{self.label} [{bar:<30}] {done}/{total} rows", end="", file=sys.stderr, flush=True)
+            if done >= total:
+                print(file=sys.stderr)
+        elif int(fraction * 10) > self.last:
+            self.last = int(fraction * 10)
+            print(f"{self.label}: {done}/{total} rows ({fraction:.0%})", file=sys.stderr)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from h5replay.storage.replay_buffer import export_file
+
+    export_file(args.path, args.out, overwrite=args.overwrite, progress=_Progress("export"), **_layout_kwargs(args))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def cmd_compact(args: argparse.Namespace) -> int:
+    import os
+
+    from h5replay.storage.replay_buffer import compact_file
+
+    before = os.path.getsize(args.path)
+    compact_file(args.path, progress=_Progress("compact"), **_layout_kwargs(args))
+    print(f"{args.path}: {before / 1e6:.1f} MB -> {os.path.getsize(args.path) / 1e6:.1f} MB")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from h5replay.demo import run_demo
 
@@ -262,7 +340,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 COMMANDS = {
     "serve": cmd_serve, "ping": cmd_ping, "stats": cmd_stats, "info": cmd_info, "keys": cmd_keys, "demo": cmd_demo,
-    "actor": cmd_actor, "learner": cmd_learner, "space": cmd_space,
+    "actor": cmd_actor, "learner": cmd_learner, "space": cmd_space, "export": cmd_export, "compact": cmd_compact,
 }
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import h5py
@@ -41,7 +42,7 @@ from h5replay.storage.indexing import write_rows
 from h5replay.storage.segment import SegmentWriter
 from h5replay.storage.spaces import Space
 
-__all__ = ["ReplayBuffer", "CommitInfo"]
+__all__ = ["ReplayBuffer", "CommitInfo", "export_file", "compact_file"]
 
 REPLAY_GROUP = f"{INTERNAL_GROUP}/replay"
 _STATE_MARK = 0x5245504C  # "REPL": tells a state row from zero fill
@@ -295,10 +296,11 @@ class ReplayBuffer:
         self.storage.write_ring(self._phys(self._end), encoded)
         self._advance(n)
 
-    def end_episode(self) -> None:
-        """Close the episode built by `append` / `extend`; it joins `get_segments()` if whole."""
+    def end_episode(self, record: bool = True) -> None:
+        """Close the episode built by `append` / `extend`; it joins `get_segments()` if whole.
+        With `record=False` its rows stay but form no episode (e.g. a fragment)."""
         self._require_writable("end an episode")
-        if self._open_start < self._end and self._open_start >= self._begin:
+        if record and self._open_start < self._end and self._open_start >= self._begin:
             self._record_episode(self._open_start, self._end - self._open_start)
         self._open_start = self._end
 
@@ -486,6 +488,73 @@ class ReplayBuffer:
             "total_episodes": self._ep_end,
         }
 
+    # ------------------------------------------------------------------ copying
+
+    def export(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        capacity: int | None | str = "same",
+        overwrite: bool = False,
+        progress: Callable[[int, int], None] | None = None,
+        **storage_kwargs: Any,
+    ) -> None:
+        """Write the rows and episodes held to a new buffer file, oldest row first, e.g. with another
+        layout or compression (`storage_kwargs` go to `HDF5Storage.create`). The copy is built
+        under `<path>.partial` and renamed into place when complete.
+
+        Raises:
+            ConfigError: `path` exists (without overwrite) or `capacity` is below the rows held.
+        """
+        target = _file_path(path)
+        if os.path.exists(target) and not overwrite:
+            raise ConfigError(f"{target!r} already exists; pass overwrite=True to replace it")
+        new_capacity = self.capacity if capacity == "same" else capacity
+        total = len(self)
+        if new_capacity is not None and int(new_capacity) < total:  # type: ignore[arg-type]
+            raise ConfigError(f"capacity {new_capacity} cannot hold the {total} rows this buffer holds")
+        partial = target + ".partial"
+        if os.path.exists(partial):
+            os.unlink(partial)
+        copy = ReplayBuffer.create(self.space, new_capacity, partial, **storage_kwargs)  # type: ignore[arg-type]
+        try:
+            row_bytes = sum(leaf.row_bytes for _, leaf in self.storage.leaves)
+            block = max(1, (64 << 20) // max(1, row_bytes))
+            done = 0
+
+            def rows(first: int, stop: int, record: bool | None) -> None:
+                nonlocal done
+                for lo in range(first, stop, block):
+                    hi = min(stop, lo + block)
+                    copy.extend(self.get_at(slice(lo, hi)))
+                    done += hi - lo
+                    if progress is not None:
+                        progress(done, total)
+                if record is not None:
+                    copy.end_episode(record=record)
+
+            cursor = 0
+            for start, length in self.get_segments():
+                if start > cursor:
+                    rows(cursor, start, record=False)  # rows of an episode partly overwritten
+                rows(start, start + length, record=True)
+                cursor = start + length
+            open_start = max(cursor, self._open_start - self._begin)
+            if cursor < open_start:
+                rows(cursor, min(open_start, total), record=False)
+            if open_start < total:
+                rows(open_start, total, record=None if self._open_start >= self._begin else False)
+            copy.close()
+            os.replace(partial, target)
+        except BaseException:
+            copy.close()
+            with contextlib.suppress(OSError):
+                os.unlink(partial)
+            raise
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(partial + ".lock")
+
     # ------------------------------------------------------------------ closing
 
     def close(self) -> None:
@@ -511,3 +580,30 @@ def _positive_int(value: Any, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ConfigError(f"{name} must be a positive int, got {value!r}")
     return int(value)
+
+
+def _open_any(path: str, writable: bool) -> ReplayBuffer:
+    """A buffer over a replay file, or over a plain h5py file (rows, no episodes)."""
+    try:
+        return ReplayBuffer.load_from(path, read_only=not writable)
+    except ConfigError:
+        return ReplayBuffer.from_raw_hdf5(path)
+
+
+def export_file(source: str | os.PathLike[str], target: str | os.PathLike[str], **kwargs: Any) -> None:
+    """Copy the buffer (or plain h5py file) at `source` into a new buffer file at `target`;
+    keyword arguments as for `ReplayBuffer.export` (layout, compression, capacity, progress)."""
+    with _open_any(os.fspath(source), writable=False) as buffer:
+        buffer.export(target, **kwargs)
+
+
+def compact_file(path: str | os.PathLike[str], **kwargs: Any) -> None:
+    """Rewrite a buffer file in place (dropping dead space, or changing its layout): exported to
+    a temporary file, then renamed over the original while holding its writer lock."""
+    path = _file_path(path)
+    with ReplayBuffer.load_from(path, read_only=False) as buffer:  # the lock keeps servers out
+        temporary = path + ".compact"
+        buffer.export(temporary, overwrite=True, **kwargs)
+        os.replace(temporary, path)
+        buffer._closed = True  # its handle is on the old file: nothing more to publish there
+        buffer.storage.close()

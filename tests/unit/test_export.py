@@ -1,0 +1,72 @@
+"""export / compact: a copy holds the same rows and episodes, with the layout asked for."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from h5replay.cli import main
+from h5replay.errors import ConfigError
+from h5replay.storage import BoxSpace, DictSpace, ReplayBuffer, TextSpace
+from h5replay.storage.replay_buffer import compact_file, export_file
+
+SPACE = DictSpace({"x": BoxSpace(0, 1e9, (), np.int64), "t": TextSpace(4)})
+
+
+def _buffer(path):
+    rb = ReplayBuffer.create(SPACE, 20, path)
+    for e in range(6):  # 30 rows into 20: the first episodes are overwritten, one partly
+        w = rb.open_segment_writer()
+        w.extend({"x": np.arange(5) + 100 * e, "t": ["é" * (e % 4)] * 5})
+        rb.commit_segment(w)
+    rb.extend({"x": np.array([7, 8]), "t": ["z", "z"]})  # an open episode at the tail
+    return rb
+
+
+def test_export_keeps_rows_episodes_and_the_open_episode(tmp_path):
+    rb = _buffer(tmp_path / "a.h5")
+    seen = []
+    rb.export(tmp_path / "b.h5", compression="gzip", capacity=40, progress=lambda done, total: seen.append((done, total)))
+    copy = ReplayBuffer.load_from(tmp_path / "b.h5", read_only=False)
+    assert copy.capacity == 40 and copy.storage.dataset("x").compression == "gzip"
+    np.testing.assert_array_equal(copy.get_at(slice(None))["x"], rb.get_at(slice(None))["x"])
+    assert list(copy.get_at(slice(None))["t"]) == list(rb.get_at(slice(None))["t"])
+    assert copy.get_segments() == rb.get_segments() == [(3, 5), (8, 5), (13, 5)]
+    copy.end_episode()  # the open episode came along, still open
+    assert copy.get_segments()[-1] == (18, 2)
+    assert seen[-1] == (20, 20)
+    copy.close()
+    with pytest.raises(ConfigError, match="already exists"):
+        rb.export(tmp_path / "b.h5")
+    with pytest.raises(ConfigError, match="cannot hold"):
+        rb.export(tmp_path / "c.h5", capacity=10)
+    rb.close()
+
+
+def test_compact_rewrites_in_place_and_keeps_out_other_writers(tmp_path):
+    path = tmp_path / "a.h5"
+    rb = _buffer(path)
+    expected = rb.get_at(slice(None))["x"]
+    from h5replay.errors import StorageError
+
+    with pytest.raises(StorageError, match="already open for writing"):
+        compact_file(path)  # rb still holds the writer lock
+    rb.close()
+    compact_file(path, compression="lzf")
+    again = ReplayBuffer.load_from(path)
+    np.testing.assert_array_equal(again.get_at(slice(None))["x"], expected)
+    assert again.storage.dataset("x").compression == "lzf"
+    again.close()
+
+
+def test_cli_export_and_compact(tmp_path, capsys):
+    _buffer(tmp_path / "a.h5").close()
+    assert main(["export", str(tmp_path / "a.h5"), str(tmp_path / "b.h5"), "--compression", "gzip", "--level", "3"]) == 0
+    assert main(["compact", str(tmp_path / "b.h5"), "--capacity", "unbounded"]) == 0
+    assert main(["info", str(tmp_path / "b.h5")]) == 0
+    out = capsys.readouterr().out
+    assert "unbounded" in out and "episodes  3 complete" in out
+    assert main(["export", str(tmp_path / "a.h5"), str(tmp_path / "c.h5"), "--level", "3"]) == 2
+    assert main(["export", str(tmp_path / "missing.h5"), str(tmp_path / "d.h5")]) == 1
+    export_file(tmp_path / "a.h5", tmp_path / "e.h5", chunks=(4,))
+    assert ReplayBuffer.load_from(tmp_path / "e.h5").storage.dataset("x").chunks == (4,)
