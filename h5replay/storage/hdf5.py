@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import typing
 import logging
 import os
 import tempfile
@@ -292,8 +293,7 @@ class HDF5Storage:
     def root(self) -> h5py.Group | h5py.Dataset:
         """The h5py root (opened lazily after unpickling)."""
         self._ensure_open()
-        assert self._root is not None  # for the type checker: _ensure_open guarantees it
-        return self._root
+        return typing.cast("h5py.Group | h5py.Dataset", self._root)
 
     def close(self) -> None:
         """Close the file (when this storage owns it). Safe to call twice. Open segment writers die."""

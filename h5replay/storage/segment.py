@@ -13,6 +13,7 @@ per process: staging contents do not survive a reopen, and need not.
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -181,10 +182,10 @@ class SegmentWriter:
             raise
 
     def _spill(self) -> None:
-        assert self._buffers is not None  # for the type checker: _push allocated them
+        buffers = typing.cast("dict[str, np.ndarray]", self._buffers)  # _push allocated them
         block = self._staging.allocate()
         try:
-            self._staging.write(block, self._buffers)
+            self._staging.write(block, buffers)
         except StorageError:
             self._staging.release([block])
             raise
