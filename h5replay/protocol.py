@@ -709,7 +709,7 @@ def encode(msg: Message, limits: Limits | None = None) -> list[bytes | memoryvie
     layout = _LAYOUTS[type(msg)]
     arrays = [(name, _int64_field(getattr(msg, name), name)) for name in layout.array_fields]
     if layout.has_leaves:
-        arrays += [(name, _leaf_array(a, name)) for name, a in getattr(msg, "arrays").items()]
+        arrays += [(name, _leaf_array(a, name)) for name, a in getattr(msg, "arrays").items()]  # noqa: B009
     header: dict[str, Any] = {"version": PROTOCOL_VERSION, "kind": msg.KIND.value, "id": msg.request_id}
     if isinstance(msg, Reply):
         header["kind"], header["ok"] = Kind.REPLY.value, msg.ok

@@ -57,7 +57,7 @@ class Connection:
         self._replies: dict[int, P.Reply] = {}
         self._outstanding: set[int] = set()
         self._closed = False
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.linger = 0
         self._sock.sndhwm = config.max_in_flight

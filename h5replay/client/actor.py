@@ -18,7 +18,7 @@ import numpy as np
 from h5replay import protocol as P
 from h5replay.client._connection import Connection, curve_keys
 from h5replay.config import DEFAULT_ENDPOINT, ClientConfig
-from h5replay.errors import ClosedError, SegmentStateError
+from h5replay.errors import ClosedError, ProtocolError, SegmentStateError
 from h5replay.storage.spaces import Space, flatten_value, named_leaves, space_from_json
 
 __all__ = ["ActorClient", "ActorSegment", "Receipt"]
@@ -64,7 +64,7 @@ class ActorClient:
             self._conn.close()
             raise
         if not isinstance(hello, P.HelloReply):
-            raise P.ProtocolError(f"expected a hello reply, got {type(hello).__name__}")
+            raise ProtocolError(f"expected a hello reply, got {type(hello).__name__}")
         self.limits = hello.limits
         self._conn.limits = hello.limits
         self.space: Space = space_from_json(hello.space)

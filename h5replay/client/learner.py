@@ -19,7 +19,13 @@ import numpy as np
 from h5replay import protocol as P
 from h5replay.client._connection import Connection, curve_keys
 from h5replay.config import DEFAULT_ENDPOINT, ClientConfig
-from h5replay.storage.spaces import Space, named_leaves, space_from_json, unflatten_value
+from h5replay.errors import ProtocolError
+from h5replay.storage.spaces import (
+    Space,
+    named_leaves,
+    space_from_json,
+    unflatten_value,
+)
 
 __all__ = ["LearnerClient"]
 
@@ -54,7 +60,7 @@ class LearnerClient:
         try:
             hello = self._conn.request(lambda rid: P.Hello(rid, self.config.name, "learner"))
             if not isinstance(hello, P.HelloReply):
-                raise P.ProtocolError(f"expected a hello reply, got {type(hello).__name__}")
+                raise ProtocolError(f"expected a hello reply, got {type(hello).__name__}")
             self._conn.limits = hello.limits
             if hello.read_endpoint == self.config.endpoint:
                 self._reads = self._conn
@@ -87,7 +93,7 @@ class LearnerClient:
 
     def _read(self, factory: Any) -> Any:
         if self._reads is None:
-            raise P.ProtocolError("this learner has no read connection")
+            raise ProtocolError("this learner has no read connection")
         return self._reads.request(factory)
 
     def get(self, indices: Any) -> Any:

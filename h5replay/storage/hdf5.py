@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import contextlib
 import json
-import typing
 import logging
 import os
 import tempfile
+import typing
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -43,7 +43,6 @@ from h5replay.errors import (
 )
 from h5replay.storage import _layout
 from h5replay.storage.fastread import MappedRows
-from h5replay.storage.recovery import WriterLock, clear_status_flags, status_flags
 from h5replay.storage.indexing import (
     fancy_indexing_to_supported_indexing,
     fancy_indexing_to_supported_set_indexing,
@@ -52,6 +51,7 @@ from h5replay.storage.indexing import (
     write_rows,
     write_sorted_unique_rows,
 )
+from h5replay.storage.recovery import WriterLock, clear_status_flags, status_flags
 from h5replay.storage.spaces import (
     DEFAULT_KEY,
     BinarySpace,
@@ -488,7 +488,7 @@ class HDF5Storage:
             os.replace(tmp, path)
         except BaseException:
             with contextlib.suppress(Exception):
-                f.close()  # type: ignore[possibly-undefined]
+                f.close()
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise

@@ -511,7 +511,7 @@ class ReplayBuffer:
             raise ConfigError(f"{target!r} already exists; pass overwrite=True to replace it")
         new_capacity = self.capacity if capacity == "same" else capacity
         total = len(self)
-        if new_capacity is not None and int(new_capacity) < total:  # type: ignore[arg-type]
+        if new_capacity is not None and int(new_capacity) < total:
             raise ConfigError(f"capacity {new_capacity} cannot hold the {total} rows this buffer holds")
         partial = target + ".partial"
         if os.path.exists(partial):

@@ -74,7 +74,7 @@ class Staging:
                 if ds.shape[0] < (block + 1) * self.block_rows:
                     ds.resize((block + 1) * self.block_rows, axis=0)
         self.num_blocks += 1
-        return block
+        return int(block)
 
     def release(self, blocks: list[int]) -> None:
         self._free.extend(reversed(blocks))
