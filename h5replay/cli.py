@@ -88,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     ping = sub.add_parser("ping", help="exit 0 when a server answers")
     ping.add_argument("endpoint", metavar="ENDPOINT")
     ping.add_argument("--timeout", type=_seconds, default=2.0)
+    ping.add_argument("--secret-key", metavar="FILE", help="a client's CURVE secret key file (with --auth)")
+    ping.add_argument("--server-key", metavar="FILE", help="the server's CURVE public key file (with --auth)")
 
     stats = sub.add_parser("stats", help="live figures of a server: rows/s in and out, segments, clients")
     stats.add_argument("endpoint", metavar="ENDPOINT")
@@ -115,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     actor.add_argument("--env", default="CartPole-v1", help="gymnasium environment id (default CartPole-v1)")
     actor.add_argument("--episodes", type=_non_negative_int, default=0, help="episodes to send (0: until SIGTERM)")
     actor.add_argument("--seed", type=int, default=None)
+    actor.add_argument("--pixels", action="store_true", help="observe rendered frames, 64x96x3 uint8 (needs pygame)")
+    actor.add_argument("--log-every", type=_non_negative_int, default=100, metavar="N",
+                       help="log a line every N episodes (0: never)")
     client_keys(actor)
 
     learner = sub.add_parser("learner", help="example learner: samples and prints what it learns of the data")
@@ -129,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     space_sub.required = True
     gym = space_sub.add_parser("gym", help="rows of a gymnasium environment (obs, action, reward, flags)")
     gym.add_argument("env_id", metavar="ENV_ID")
+    gym.add_argument("--pixels", action="store_true", help="the space of `h5replay actor --pixels`")
 
     def layout_flags(p: argparse.ArgumentParser) -> None:
         p.add_argument("--compression", choices=("gzip", "lzf", "none"), default="none",
@@ -189,17 +195,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return Server(config).run()
 
 
-def _connection(endpoint: str, timeout: float) -> Any:
-    from h5replay.client._connection import Connection
+def _connection(endpoint: str, timeout: float, secret_key: str | None = None, server_key: str | None = None) -> Any:
+    from h5replay.client._connection import Connection, curve_keys
     from h5replay.config import ClientConfig
 
-    return Connection(endpoint, ClientConfig(endpoint=endpoint, timeout=timeout, name="h5replay-cli"))
+    return Connection(endpoint, ClientConfig(endpoint=endpoint, timeout=timeout, name="h5replay-cli"),
+                      curve=curve_keys(secret_key, server_key))
 
 
 def cmd_ping(args: argparse.Namespace) -> int:
     from h5replay import protocol as P
 
-    conn = _connection(args.endpoint, args.timeout)
+    conn = _connection(args.endpoint, args.timeout, args.secret_key, args.server_key)
     try:
         started = time.perf_counter()
         conn.request(lambda rid: P.Heartbeat(rid))
@@ -254,7 +261,8 @@ def cmd_actor(args: argparse.Namespace) -> int:
     from h5replay.examples.gym_actor import run_actor
 
     return run_actor(args.endpoint, env_id=args.env, episodes=args.episodes, seed=args.seed, timeout=args.timeout,
-                     secret_key=args.secret_key, server_key=args.server_key)
+                     secret_key=args.secret_key, server_key=args.server_key, pixels=args.pixels,
+                     log_every=args.log_every)
 
 
 def cmd_learner(args: argparse.Namespace) -> int:
@@ -268,7 +276,7 @@ def cmd_learner(args: argparse.Namespace) -> int:
 def cmd_space(args: argparse.Namespace) -> int:
     from h5replay.examples.gym_actor import space_json
 
-    print(json.dumps(space_json(args.env_id), indent=2))
+    print(json.dumps(space_json(args.env_id, pixels=args.pixels), indent=2))
     return 0
 
 

@@ -29,6 +29,18 @@ from h5replay.storage.spaces import (
 
 __all__ = ["LearnerClient"]
 
+_WILDCARD_HOSTS = ("0.0.0.0", "*", "::", "[::]")
+
+
+def _reachable(advertised: str, dialed: str) -> str:
+    """The read endpoint to dial: a wildcard host (a server bound on 0.0.0.0) becomes the host this
+    client reached the writer on."""
+    if advertised.startswith("tcp://") and dialed.startswith("tcp://"):
+        host, _, port = advertised[len("tcp://"):].rpartition(":")
+        if host in _WILDCARD_HOSTS:
+            return f"tcp://{dialed[len('tcp://'):].rpartition(':')[0]}:{port}"
+    return advertised
+
 
 class LearnerClient:
     """Reads from a server. Calls are serialised by a lock; one per thread is fastest.
@@ -62,10 +74,11 @@ class LearnerClient:
             if not isinstance(hello, P.HelloReply):
                 raise ProtocolError(f"expected a hello reply, got {type(hello).__name__}")
             self._conn.limits = hello.limits
-            if hello.read_endpoint == self.config.endpoint:
+            read_endpoint = _reachable(hello.read_endpoint, self.config.endpoint)
+            if read_endpoint == self.config.endpoint:
                 self._reads = self._conn
             else:
-                self._reads = Connection(hello.read_endpoint, self.config, curve=curve)
+                self._reads = Connection(read_endpoint, self.config, curve=curve)
                 self._reads.limits = hello.limits
         except BaseException:
             self.close()
@@ -73,7 +86,7 @@ class LearnerClient:
         self.limits = hello.limits
         self.space: Space = space_from_json(hello.space)
         self.capacity: int | None = hello.capacity
-        self.read_endpoint = hello.read_endpoint
+        self.read_endpoint = _reachable(hello.read_endpoint, self.config.endpoint)
         self.server_version = hello.server_version
         self._leaves = named_leaves(self.space)
 

@@ -101,7 +101,7 @@ class Server:
                 readers = ReaderPool(config.path, backend, config.num_readers, config.limits)
                 read_endpoint = config.advertise_read or config.resolved_read_bind
             else:
-                read_endpoint = config.advertise_read or config.bind
+                read_endpoint = config.bind  # the writer serves reads itself, on its own endpoint
             service = Service(
                 buffer, config.limits, read_endpoint, fsync=config.fsync,
                 extra_stats=readers.totals if readers else None,

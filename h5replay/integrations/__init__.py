@@ -1,0 +1,11 @@
+"""Bridges to other libraries, each in its own module and each optional:
+
+* `h5replay.integrations.torch`: `H5ReplayDataset`, an `IterableDataset` of sampled batches for a
+  PyTorch `DataLoader` (`pip install 'h5replay[torch]'`).
+
+Nothing is imported here, so `import h5replay.integrations` never needs those libraries.
+"""
+
+from __future__ import annotations
+
+__all__: list[str] = []

@@ -1,0 +1,194 @@
+"""PyTorch: `H5ReplayDataset`, an `IterableDataset` of batches sampled from an h5replay server.
+
+Each item is one whole batch (dicts of tensors nested like the space), so give the DataLoader
+``batch_size=None``. The dataset holds only settings: it pickles to worker processes, and each
+worker opens its own LearnerClient when it starts iterating (sockets are never inherited or
+pickled). A background thread per iterator samples ahead into a bounded queue, so the next
+batch is usually waiting when the training step asks for it; it stops, and closes its client,
+when the iterator is exhausted, closed or garbage-collected.
+
+Needs PyTorch (`pip install 'h5replay[torch]'`); the rest of h5replay never imports this module.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+try:
+    import torch
+    from torch.utils.data import IterableDataset, get_worker_info
+except ImportError as exc:  # pragma: no cover - exercised only without torch
+    raise ImportError("h5replay.integrations.torch needs PyTorch: pip install 'h5replay[torch]'") from exc
+
+from h5replay.errors import ConfigError, NotEnoughDataError
+
+__all__ = ["H5ReplayDataset", "to_tensors"]
+
+_POLL = 0.1  # seconds between checks of the stop flag while a queue is full or empty
+
+
+def to_tensors(value: Any) -> Any:
+    """A sampled batch as tensors: dicts stay dicts, numeric arrays become tensors (copied: the
+    client's arrays are read-only views of the received message), text stays lists of str."""
+    if isinstance(value, dict):
+        return {key: to_tensors(sub) for key, sub in value.items()}
+    arr = np.asarray(value)
+    if arr.dtype == object:
+        return arr.tolist()
+    return torch.from_numpy(np.array(arr, copy=True))
+
+
+class _End:
+    """Put on the queue last: the producer finished (normally, or with `error`)."""
+
+    def __init__(self, error: BaseException | None = None) -> None:
+        self.error = error
+
+
+class H5ReplayDataset(IterableDataset[Any]):  # type: ignore[misc,unused-ignore]  # Any without torch installed
+    """Batches sampled from a server, for `DataLoader(dataset, batch_size=None, num_workers=...)`.
+
+    Args:
+        endpoint: the server's (writer's) endpoint, e.g. "tcp://127.0.0.1:5555".
+        batch_size: rows per batch (windows per batch with `sequence_length`).
+        sequence_length: sample windows of this many consecutive steps of one episode (leaves
+            shaped (batch_size, sequence_length, ...)) instead of single rows.
+        num_batches: batches per pass over the dataset, shared out among the DataLoader's
+            workers; None samples forever.
+        prefetch: batches each iterator samples ahead (the bounded queue's size).
+        timeout: seconds a request may wait for the server; also how long an empty buffer (or
+            one with no episode long enough for `sequence_length`) is waited for before
+            NotEnoughDataError.
+        secret_key, server_key: CURVE certificate files for a server started with --auth.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        batch_size: int,
+        *,
+        sequence_length: int | None = None,
+        num_batches: int | None = None,
+        prefetch: int = 2,
+        timeout: float = 30.0,
+        secret_key: str | os.PathLike[str] | None = None,
+        server_key: str | os.PathLike[str] | None = None,
+    ) -> None:
+        if batch_size < 1:
+            raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
+        if sequence_length is not None and sequence_length < 1:
+            raise ConfigError(f"sequence_length must be >= 1 or None, got {sequence_length}")
+        if num_batches is not None and num_batches < 0:
+            raise ConfigError(f"num_batches must be >= 0 or None (forever), got {num_batches}")
+        if prefetch < 1:
+            raise ConfigError(f"prefetch must be >= 1, got {prefetch}")
+        if timeout <= 0:
+            raise ConfigError(f"timeout must be > 0 seconds, got {timeout}")
+        self.endpoint = endpoint
+        self.batch_size = batch_size
+        self.sequence_length = sequence_length
+        self.num_batches = num_batches
+        self.prefetch = prefetch
+        self.timeout = timeout
+        self.secret_key = secret_key
+        self.server_key = server_key
+
+    def __len__(self) -> int:
+        """`num_batches`; a dataset that samples forever has no length (TypeError)."""
+        if self.num_batches is None:
+            raise TypeError("an H5ReplayDataset without num_batches samples forever and has no length")
+        return self.num_batches
+
+    def _share(self) -> tuple[int | None, str]:
+        """This worker's number of batches and client name."""
+        worker = get_worker_info()
+        if worker is None:
+            return self.num_batches, f"torch-{os.getpid()}"
+        name = f"torch-worker-{worker.id}-{os.getpid()}"
+        if self.num_batches is None:
+            return None, name
+        share, extra = divmod(self.num_batches, worker.num_workers)
+        return share + (1 if worker.id < extra else 0), name
+
+    def __iter__(self) -> Iterator[Any]:
+        """Batches as tensors. Blocks while the next batch is being sampled; raises what the
+        sampling thread raised (ServerUnavailableError, NotEnoughDataError, ...)."""
+        count, name = self._share()
+        if count == 0:
+            return
+        batches: queue.Queue[Any] = queue.Queue(maxsize=self.prefetch)
+        stop = threading.Event()
+        thread = threading.Thread(
+            target=self._produce, args=(count, name, batches, stop), name=f"h5replay-{name}", daemon=True
+        )
+        thread.start()
+        try:
+            while True:
+                try:
+                    item = batches.get(timeout=_POLL)
+                except queue.Empty:
+                    if not thread.is_alive() and batches.empty():
+                        raise RuntimeError("the h5replay sampling thread ended without a word") from None
+                    continue
+                if isinstance(item, _End):
+                    if item.error is not None:
+                        raise item.error
+                    return
+                yield item
+        finally:
+            stop.set()
+            while thread.is_alive():  # unblock a producer waiting on a full queue
+                try:
+                    batches.get_nowait()
+                except queue.Empty:
+                    pass
+                thread.join(_POLL)
+
+    def _produce(self, count: int | None, name: str, batches: queue.Queue[Any], stop: threading.Event) -> None:
+        """The sampling thread: owns the client (made here, closed here) and fills the queue."""
+        from h5replay.client import LearnerClient
+
+        end = _End()
+        try:
+            with LearnerClient(self.endpoint, timeout=self.timeout, name=name,
+                               secret_key=self.secret_key, server_key=self.server_key) as client:
+                produced = 0
+                empty_since: float | None = None
+                while not stop.is_set() and (count is None or produced < count):
+                    try:
+                        batch = self._sample(client)
+                    except NotEnoughDataError:
+                        empty_since = empty_since or time.monotonic()
+                        if time.monotonic() - empty_since > self.timeout:
+                            raise
+                        stop.wait(_POLL)
+                        continue
+                    empty_since = None
+                    item = to_tensors(batch)
+                    while not stop.is_set():
+                        try:
+                            batches.put(item, timeout=_POLL)
+                            break
+                        except queue.Full:
+                            continue
+                    produced += 1
+        except BaseException as exc:  # handed to the consumer, who raises it
+            end = _End(exc)
+        while not stop.is_set():
+            try:
+                batches.put(end, timeout=_POLL)
+                return
+            except queue.Full:
+                continue
+
+    def _sample(self, client: Any) -> Any:
+        if self.sequence_length is None:
+            return client.sample(self.batch_size)
+        return client.sample_sequences(self.batch_size, self.sequence_length)

@@ -1,0 +1,250 @@
+"""The examples behind `h5replay actor` and `h5replay learner`, against a real server.
+
+The gymnasium actor must stream exactly the episodes the environment produced (replayed here
+with the same seed), whole, and refuse a server whose space is not the environment's; the
+learner must report on what it samples, wait for a server that is not up yet, and give up on
+one that never comes. Skipped without gymnasium (pip install 'h5replay[gym]').
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from service_helpers import (
+    EPISODE_SPACE,
+    SPAWN,
+    endpoint,
+    processes,
+    read_file,
+    running_server,
+    server_config,
+    wait_until,
+)
+
+gym = pytest.importorskip("gymnasium")
+
+from h5replay.client import ActorClient, LearnerClient  # noqa: E402
+from h5replay.errors import ConfigError, SpaceMismatchError  # noqa: E402
+from h5replay.examples.gym_actor import (  # noqa: E402
+    PIXELS_SHAPE,
+    _stream_episode,
+    gym_row_space,
+    make_env,
+    run_actor,
+    space_json,
+)
+from h5replay.examples.learner import run_learner  # noqa: E402
+from h5replay.storage.spaces import space_from_json  # noqa: E402
+
+DOCKER = Path(__file__).resolve().parents[2] / "docker"
+CARTPOLE = space_from_json(json.loads((DOCKER / "cartpole-space.json").read_text()))
+
+
+def replay_episodes(env_id: str, seed: int, episodes: int) -> list[dict[str, np.ndarray]]:
+    """The episodes `run_actor(seed=seed)` streams, computed again here: same env, same seeds."""
+    env = gym.make(env_id)
+    env.action_space.seed(seed)
+    out = []
+    for e in range(episodes):
+        obs, _ = env.reset(seed=seed if e == 0 else None)
+        rows: dict[str, list] = {k: [] for k in ("obs", "action", "reward", "terminated", "truncated")}
+        while True:
+            action = env.action_space.sample()
+            next_obs, reward, terminated, truncated, _ = env.step(action)
+            for key, value in zip(rows, (obs, action, reward, terminated, truncated)):
+                rows[key].append(value)
+            if terminated or truncated:
+                break
+            obs = next_obs
+        out.append({k: np.asarray(v) for k, v in rows.items()})
+    env.close()
+    return out
+
+
+# ----------------------------------------------------------------------------------- spaces
+
+
+def test_the_shipped_cartpole_space_is_what_space_json_makes():
+    assert space_json("CartPole-v1") == json.loads((DOCKER / "cartpole-space.json").read_text())
+
+
+def test_the_row_space_comes_from_the_environment_spaces():
+    env = make_env("CartPole-v1")
+    space = gym_row_space(env)
+    env.close()
+    assert sorted(space.keys()) == ["action", "obs", "reward", "terminated", "truncated"]
+    assert space["obs"].shape == (4,) and space["obs"].dtype == np.float32
+    assert space["action"].shape == () and space["action"].dtype == np.int64  # Discrete(2)
+    assert (int(space["action"].low), int(space["action"].high)) == (0, 1)
+
+
+def test_a_missing_gymnasium_says_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "gymnasium", None)  # `import gymnasium` now raises ImportError
+    with pytest.raises(ConfigError, match=r"pip install 'h5replay\[gym\]'"):
+        make_env("CartPole-v1")
+
+
+def test_an_unknown_environment_is_a_config_error():
+    with pytest.raises(ConfigError, match="NoSuchEnv-v0"):
+        make_env("NoSuchEnv-v0")
+
+
+# ------------------------------------------------------------------------------------ actor
+
+
+def test_the_actor_streams_exactly_the_episodes_the_environment_produced(start_server, tmp_path):
+    server = start_server(space=CARTPOLE)
+    assert run_actor(server.endpoint, episodes=4, seed=7, timeout=10) == 0
+    server.stop(timeout=20)
+    segments, rows = read_file(tmp_path / "rb.h5")
+    expected = replay_episodes("CartPole-v1", 7, 4)
+    assert [n for _, n in segments] == [len(e["reward"]) for e in expected]
+    for (start, n), episode in zip(segments, expected):
+        for key in episode:
+            np.testing.assert_array_equal(rows[key][start:start + n], episode[key], err_msg=key)
+        done = rows["terminated"][start:start + n] | rows["truncated"][start:start + n]
+        assert done[-1] and not done[:-1].any()
+
+
+def test_the_actor_refuses_a_server_with_another_space(start_server):
+    server = start_server(space=EPISODE_SPACE)
+    with pytest.raises(SpaceMismatchError) as info:
+        run_actor(server.endpoint, episodes=1, timeout=10)
+    message = str(info.value)
+    assert "'obs'" in message and "float32" in message  # names the field and both sides
+    assert "h5replay space gym CartPole-v1" in message  # and the remedy
+    with LearnerClient(server.endpoint, timeout=10) as learner:
+        assert learner.info()["length"] == 0
+
+
+def test_a_stop_request_cuts_the_episode_as_truncated_and_commits_it(start_server, tmp_path):
+    server = start_server(space=CARTPOLE)
+    env = make_env("CartPole-v1")
+    stop = threading.Event()
+    stop.set()  # as SIGTERM would: the very first step becomes the last
+    with ActorClient(server.endpoint, timeout=10) as client:
+        steps, _ = _stream_episode(env, client, stop, seed=1)
+    env.close()
+    server.stop(timeout=20)
+    segments, rows = read_file(tmp_path / "rb.h5")
+    assert steps == 1 and segments == [(0, 1)]
+    assert rows["truncated"].tolist() == [True] and rows["terminated"].tolist() == [False]
+
+
+def _actor_process(endpoint: str, **kwargs) -> None:
+    sys.exit(run_actor(endpoint, **kwargs))
+
+
+def test_sigterm_ends_an_actor_cleanly_with_only_whole_episodes(start_server, tmp_path):
+    server = start_server(space=CARTPOLE)
+    with processes() as procs, LearnerClient(server.endpoint, timeout=10) as learner:
+        actor = SPAWN.Process(target=_actor_process, args=(server.endpoint,), kwargs={"timeout": 10})
+        procs.append(actor)
+        actor.start()
+        assert wait_until(lambda: learner.info()["num_episodes"] >= 20, 60)
+        os.kill(actor.pid, signal.SIGTERM)
+        actor.join(30)
+        assert actor.exitcode == 0
+        stats = learner.info()
+    assert stats["aborts"] == 0 and stats["open_segments"] == 0
+    server.stop(timeout=20)
+    segments, rows = read_file(tmp_path / "rb.h5")
+    assert len(segments) >= 20 and sum(n for _, n in segments) == len(rows["reward"])
+    for start, n in segments:
+        done = rows["terminated"][start:start + n] | rows["truncated"][start:start + n]
+        assert done[-1] and not done[:-1].any()
+
+
+def test_pixel_observations_are_downscaled_frames(start_server, tmp_path, monkeypatch):
+    pytest.importorskip("pygame")
+    monkeypatch.setenv("SDL_VIDEODRIVER", "dummy")
+    space = space_from_json(space_json("CartPole-v1", pixels=True))
+    assert space["obs"].shape == (*PIXELS_SHAPE, 3) and space["obs"].dtype == np.uint8
+    server = start_server(space=space)
+    assert run_actor(server.endpoint, episodes=2, seed=3, timeout=10, pixels=True) == 0
+    server.stop(timeout=20)
+    segments, rows = read_file(tmp_path / "rb.h5")
+    frames = rows["obs"]
+    assert len(segments) == 2 and frames.shape[1:] == (*PIXELS_SHAPE, 3)
+    assert frames.min() < frames.max()  # a picture, not a blank
+    assert not np.array_equal(frames[0], frames[segments[0][1] - 1])  # and the cart moved
+
+
+# ---------------------------------------------------------------------------------- learner
+
+
+def test_the_learner_reports_rows_episodes_returns_and_fields(start_server):
+    server = start_server(space=CARTPOLE)
+    run_actor(server.endpoint, episodes=5, seed=1, timeout=10)
+    out = io.StringIO()
+    # Empty key paths mean no key: compose may pass `--secret-key=` when no secret is mounted.
+    assert run_learner(server.endpoint, batch_size=64, seconds=1.5, report_every=0.5, timeout=10, out=out,
+                       secret_key="", server_key="") == 0
+    text = out.getvalue()
+    lengths = [len(e["reward"]) for e in replay_episodes("CartPole-v1", 1, 5)]
+    assert f"{sum(lengths):,} rows held" in text and "in 5 episodes" in text
+    assert f"mean length {np.mean(lengths):.1f}" in text
+    assert f"mean return {np.mean(lengths):.2f} over the last 5" in text  # CartPole: reward 1 per step
+    for field in ("obs", "action", "reward", "terminated", "truncated"):
+        assert f"\n  {field} " in text
+    last = text.strip().splitlines()[-1]
+    assert last.startswith("learner done:") and not last.startswith("learner done: 0 batches")
+
+
+def test_the_learner_waits_for_a_server_that_comes_up_later_and_for_data(tmp_path):
+    config = server_config(tmp_path / "rb.h5", space=CARTPOLE)
+    out = io.StringIO()
+    result: list[int] = []
+    learner = threading.Thread(target=lambda: result.append(run_learner(
+        config.bind, batch_size=32, seconds=6, report_every=0.5, timeout=2, out=out)))
+    learner.start()
+    try:
+        time.sleep(1.0)  # the learner is already trying
+        with running_server(config):
+            time.sleep(0.5)  # and now it finds an empty buffer
+            run_actor(config.bind, episodes=3, seed=2, timeout=10)
+            learner.join(30)
+    finally:
+        learner.join(30)
+    assert result == [0]
+    assert "in 3 episodes" in out.getvalue() and "learner done: 0 batches" not in out.getvalue()
+
+
+def test_actor_and_learner_prove_themselves_with_curve_keys(start_server, tmp_path):
+    from h5replay.server.auth import generate_keys
+
+    keys = tmp_path / "keys"
+    generate_keys(keys)
+    server = start_server(space=CARTPOLE, auth_dir=str(keys))
+    assert run_actor(server.endpoint, episodes=2, seed=4, timeout=10,
+                     secret_key=str(keys / "actor.key_secret"), server_key=str(keys / "server.key")) == 0
+    out = io.StringIO()
+    assert run_learner(server.endpoint, seconds=1.0, report_every=0.5, timeout=10, out=out,
+                       secret_key=str(keys / "learner.key_secret"), server_key=str(keys / "server.key")) == 0
+    assert "in 2 episodes" in out.getvalue()
+
+
+def test_the_learner_gives_up_on_a_server_that_never_answers():
+    started = time.monotonic()
+    assert run_learner(endpoint(), seconds=1.0, timeout=0.5, out=io.StringIO()) == 1
+    assert time.monotonic() - started < 10
+
+
+# -------------------------------------------------------------------------------------- CLI
+
+
+def test_space_gym_prints_the_shipped_space_file():
+    done = subprocess.run([sys.executable, "-m", "h5replay", "space", "gym", "CartPole-v1"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == json.loads((DOCKER / "cartpole-space.json").read_text())

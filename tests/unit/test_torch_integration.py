@@ -1,0 +1,188 @@
+"""h5replay.integrations.torch: tensors from batches, and a DataLoader over a real server.
+
+The conversion and the dataset's settings are pure; the DataLoader tests run a loopback server
+(a spawned ServerProcess over tmp_path), in-process and with two worker processes. Skipped when
+PyTorch is not installed (it is an optional extra: pip install 'h5replay[torch]').
+"""
+
+from __future__ import annotations
+
+import pickle
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch.utils.data import DataLoader  # noqa: E402
+
+from h5replay.client import ActorClient  # noqa: E402
+from h5replay.config import ServerConfig  # noqa: E402
+from h5replay.errors import ConfigError, NotEnoughDataError, ServerUnavailableError  # noqa: E402
+from h5replay.integrations.torch import H5ReplayDataset, to_tensors  # noqa: E402
+from h5replay.server import ServerProcess  # noqa: E402
+from h5replay.storage import BinarySpace, BoxSpace, DictSpace, TextSpace  # noqa: E402
+
+# Every row says which episode and step it is, so any batch can be checked on its own.
+SPACE = DictSpace({
+    "obs": {"image": BoxSpace(0, 255, (4, 4, 3), np.uint8), "state": BoxSpace(-np.inf, np.inf, (3,))},
+    "id": BoxSpace(0, 10**6, (2,), np.int64),  # episode, step
+    "done": BinarySpace(),
+    "note": TextSpace(8),
+})
+EPISODES, LENGTH = 6, 20
+
+
+def _episode(e: int) -> dict:
+    steps = np.arange(LENGTH)
+    return {
+        "obs": {"image": np.full((LENGTH, 4, 4, 3), e, np.uint8),
+                "state": np.stack([np.full(LENGTH, e), steps, steps * 0.5], axis=1).astype(np.float32)},
+        "id": np.stack([np.full(LENGTH, e), steps], axis=1),
+        "done": steps == LENGTH - 1,
+        "note": [f"e{e}s{s}" for s in steps],
+    }
+
+
+def _free_endpoint() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+@pytest.fixture
+def server(tmp_path) -> Iterator[ServerProcess]:
+    config = ServerConfig(path=str(tmp_path / "rb.h5"), space=SPACE, capacity=10_000,
+                          bind=_free_endpoint(), read_bind=_free_endpoint())
+    proc = ServerProcess(config)
+    try:
+        yield proc
+    finally:
+        proc.stop(timeout=20)
+
+
+@pytest.fixture
+def filled(server) -> str:
+    with ActorClient(server.endpoint, timeout=10) as actor:
+        for e in range(EPISODES):
+            actor.push_episode(_episode(e))
+    return server.endpoint
+
+
+def _check_batch(batch: dict, batch_size: int) -> None:
+    assert set(batch) == {"obs", "id", "done", "note"}
+    assert batch["obs"]["image"].dtype == torch.uint8 and batch["obs"]["image"].shape == (batch_size, 4, 4, 3)
+    assert batch["obs"]["state"].dtype == torch.float32 and batch["id"].dtype == torch.int64
+    assert batch["done"].dtype == torch.bool
+    episode, step = batch["id"][:, 0], batch["id"][:, 1]
+    assert torch.equal(batch["obs"]["image"][:, 0, 0, 0].long(), episode)
+    assert torch.equal(batch["obs"]["state"][:, 1].long(), step)
+    assert torch.equal(batch["done"], step == LENGTH - 1)
+    assert batch["note"] == [f"e{e}s{s}" for e, s in batch["id"].tolist()]
+
+
+# --------------------------------------------------------------------------------------- pure
+
+
+def test_to_tensors_keeps_nesting_dtypes_and_text_and_copies_read_only_arrays():
+    image = np.arange(24, dtype=np.uint8).reshape(2, 4, 3)
+    image.flags.writeable = False  # as the client hands them out: views of the received message
+    out = to_tensors({"a": {"image": image, "flag": np.array([True, False])},
+                      "t": np.array(["x", "é🙂"], dtype=object), "u": np.array([1, 2], np.uint16)})
+    assert out["a"]["image"].dtype == torch.uint8 and out["a"]["image"].tolist() == image.tolist()
+    assert out["a"]["flag"].dtype == torch.bool
+    assert out["t"] == ["x", "é🙂"]
+    assert out["u"].tolist() == [1, 2]
+    out["a"]["image"][0, 0, 0] = 99  # a copy: writable, and the source is untouched
+    assert image[0, 0, 0] == 0
+
+
+def test_the_dataset_holds_only_settings_and_pickles_without_a_server():
+    ds = H5ReplayDataset("tcp://127.0.0.1:1", 8, num_batches=3)  # nothing listens there: no connection yet
+    copy = pickle.loads(pickle.dumps(ds))
+    assert (copy.endpoint, copy.batch_size, len(copy)) == ("tcp://127.0.0.1:1", 8, 3)
+    with pytest.raises(TypeError, match="forever"):
+        len(H5ReplayDataset("tcp://127.0.0.1:1", 8))
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"batch_size": 0}, {"batch_size": 4, "sequence_length": 0}, {"batch_size": 4, "num_batches": -1},
+    {"batch_size": 4, "prefetch": 0}, {"batch_size": 4, "timeout": 0},
+])
+def test_bad_settings_are_refused(kwargs):
+    with pytest.raises(ConfigError):
+        H5ReplayDataset("tcp://127.0.0.1:1", **kwargs)
+
+
+# ---------------------------------------------------------------------- with a real server
+
+
+def test_a_dataloader_in_process_yields_num_batches_of_checked_rows(filled):
+    loader = DataLoader(H5ReplayDataset(filled, 32, num_batches=5, timeout=10), batch_size=None)
+    batches = list(loader)
+    assert len(batches) == 5 == len(loader)
+    for batch in batches:
+        _check_batch(batch, 32)
+
+
+def test_sequences_are_consecutive_steps_of_one_episode(filled):
+    batches = list(DataLoader(H5ReplayDataset(filled, 8, sequence_length=5, num_batches=3, timeout=10),
+                              batch_size=None))
+    assert len(batches) == 3
+    for batch in batches:
+        ids = batch["id"]
+        assert ids.shape == (8, 5, 2) and batch["obs"]["image"].shape == (8, 5, 4, 4, 3)
+        assert torch.all(ids[:, :, 0] == ids[:, :1, 0])
+        assert torch.all(torch.diff(ids[:, :, 1], dim=1) == 1)
+        assert len(batch["note"]) == 8 and len(batch["note"][0]) == 5
+
+
+def test_two_worker_processes_share_num_batches_each_with_its_own_client(filled):
+    # spawn: the dataset is pickled to fresh processes, which must open their own sockets.
+    loader = DataLoader(H5ReplayDataset(filled, 16, num_batches=5, timeout=20), batch_size=None,
+                        num_workers=2, multiprocessing_context="spawn")
+    batches = list(loader)
+    assert len(batches) == 5
+    for batch in batches:
+        _check_batch(batch, 16)
+
+
+def test_stopping_early_ends_the_sampling_thread(filled):
+    iterator = iter(H5ReplayDataset(filled, 4, prefetch=2, timeout=10))  # forever
+    _check_batch(next(iterator), 4)
+    time.sleep(0.3)  # let the thread fill the queue and block on it
+    iterator.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("h5replay-torch")]
+
+
+def test_an_empty_buffer_is_waited_for_then_reported(server):
+    started = time.monotonic()
+    with pytest.raises(NotEnoughDataError):
+        next(iter(H5ReplayDataset(server.endpoint, 4, timeout=1.0)))
+    assert 0.9 < time.monotonic() - started < 10
+
+
+def test_data_arriving_while_waiting_is_used(server):
+    def write_later() -> None:
+        time.sleep(0.5)
+        with ActorClient(server.endpoint, timeout=10) as actor:
+            actor.push_episode(_episode(0))
+
+    writer = threading.Thread(target=write_later)
+    writer.start()
+    try:
+        batch = next(iter(H5ReplayDataset(server.endpoint, 4, timeout=10)))
+    finally:
+        writer.join(10)
+    _check_batch(batch, 4)
+
+
+def test_no_server_raises_server_unavailable_in_time():
+    started = time.monotonic()
+    with pytest.raises(ServerUnavailableError):
+        next(iter(H5ReplayDataset(_free_endpoint(), 4, timeout=0.5)))
+    assert time.monotonic() - started < 10
