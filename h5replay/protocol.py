@@ -79,7 +79,7 @@ if TYPE_CHECKING:
     from h5replay.storage.spaces import LeafSpace, Space
 
 __all__ = [
-    "PROTOCOL_VERSION", "ROLES", "Kind", "ErrorCode", "ERROR_CLASSES", "Limits", "DEFAULT_LIMITS",
+    "PROTOCOL_VERSION", "ROWS_MESSAGE_OVERHEAD", "ROLES", "Kind", "ErrorCode", "ERROR_CLASSES", "Limits", "DEFAULT_LIMITS",
     "Message", "Request", "Reply", "Hello", "OpenSegment", "Append", "Commit", "Abort", "PushEpisode",
     "Get", "Sample", "SampleSequences", "Segments", "Info", "Heartbeat", "HelloReply",
     "OpenSegmentReply", "AppendReply", "CommitReply", "AbortReply", "PushEpisodeReply", "GetReply",
@@ -234,6 +234,10 @@ class Limits:
 
 
 DEFAULT_LIMITS = Limits()
+
+#: Bytes to leave for the header when sizing a message that carries rows (append, reply to a read):
+#: rows * row_bytes + ROWS_MESSAGE_OVERHEAD must stay within max_message_bytes.
+ROWS_MESSAGE_OVERHEAD = 16 * 1024
 
 # ---------------------------------------------------------------------------------------- messages
 

@@ -72,6 +72,15 @@ class ActorClient:
         self.server_version = hello.server_version
         self._leaves = named_leaves(self.space)
         self._row_bytes = sum(leaf.row_bytes for _, leaf in self._leaves)
+        # Rows per message: the client's batching settings, within the server's message limits
+        # (leaving room for the header).
+        room = max(1, self.limits.max_message_bytes - P.ROWS_MESSAGE_OVERHEAD)
+        self.rows_per_message = max(1, min(
+            self.config.batch_rows,
+            self.limits.max_rows_per_message,
+            self.config.batch_bytes // max(1, self._row_bytes),
+            room // max(1, self._row_bytes),
+        ))
 
     def segment(self) -> ActorSegment:
         """Open a segment (one episode). As a context manager it commits on normal exit and
@@ -81,7 +90,7 @@ class ActorClient:
     def push_episode(self, batch: Any) -> Receipt:
         """Send one whole episode (a leading axis on every leaf) and wait for its commit."""
         encoded, n = self.encode_batch(batch)
-        if n <= self.config.batch_rows and n * self._row_bytes <= self.config.batch_bytes:
+        if n <= self.rows_per_message:
             reply = self._conn.request(lambda rid: P.PushEpisode(rid, n, encoded))
             return Receipt(reply.episode_id, reply.start, reply.length)  # type: ignore[attr-defined]
         with self.segment() as seg:
@@ -131,7 +140,7 @@ class ActorSegment:
         self.segment_id: int = reply.segment_id  # type: ignore[attr-defined]
         self._pending: collections.deque[int] = collections.deque()
         # Rows wait in one preallocated batch per leaf; a full batch leaves as one message.
-        self._batch_capacity = max(1, min(self._config.batch_rows, self._config.batch_bytes // max(1, client._row_bytes)))
+        self._batch_capacity = client.rows_per_message
         self._batch: dict[str, np.ndarray] | None = None
         self._buffered_rows = 0
         self._buffered_since = 0.0

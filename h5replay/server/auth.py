@@ -14,6 +14,7 @@ message with its role as the User-Id, which the writer reads off the frames.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from typing import Any
@@ -28,6 +29,7 @@ from h5replay.errors import ConfigError
 __all__ = ["generate_keys", "RoleAuthenticator", "server_keys", "ACTOR", "LEARNER"]
 
 ACTOR, LEARNER = "actor", "learner"
+log = logging.getLogger("h5replay.server")
 _ROLE_DIRS = {ACTOR: "actors", LEARNER: "learners"}
 
 
@@ -66,14 +68,25 @@ def server_keys(directory: str | os.PathLike[str]) -> tuple[bytes, bytes]:
     return public, secret
 
 
-def _role_keys(directory: str) -> dict[bytes, str]:
+def _role_keys(directory: str) -> tuple[dict[bytes, str], list[str]]:
+    """({public key: role}, [files that could not be read])."""
     keys: dict[bytes, str] = {}
+    unreadable = []
     for role in (LEARNER, ACTOR):  # a key listed in both directories gets the actor role
         sub = os.path.join(directory, _ROLE_DIRS[role])
-        if os.path.isdir(sub):
-            for key in zmq.auth.load_certificates(sub):
-                keys[key] = role
-    return keys
+        if not os.path.isdir(sub):
+            continue
+        for name in sorted(os.listdir(sub)):
+            if not name.endswith(".key"):
+                continue
+            try:
+                public, _ = zmq.auth.load_certificate(os.path.join(sub, name))
+            except (OSError, ValueError):  # a malformed file, or one still being copied in
+                unreadable.append(os.path.join(sub, name))
+                continue
+            if public:
+                keys[public] = role
+    return keys, unreadable
 
 
 class RoleAuthenticator(ThreadAuthenticator):
@@ -83,13 +96,32 @@ class RoleAuthenticator(ThreadAuthenticator):
         super().__init__(context)
         self.directory = os.fspath(directory)
         self._roles: dict[bytes, str] = {}
+        self._reported: set[str] = set()
+        self._warned_empty = False
         self.reload()
 
     def reload(self) -> int:
-        """Re-read the key directories (keys dropped in later are admitted); returns the count."""
-        roles = _role_keys(self.directory)
+        """Re-read the key directories (keys dropped in later are admitted); returns the count.
+
+        Unreadable files are skipped (and logged once). At start-up no usable key is an error;
+        later, an empty or unreadable directory keeps the keys already admitted.
+
+        Raises:
+            ConfigError: at the first load, no client key could be read.
+        """
+        roles, unreadable = _role_keys(self.directory)
+        for path in set(unreadable) - self._reported:
+            log.warning("skipping the unreadable key file %s", path)
+        self._reported = set(unreadable)
         if not roles:
-            raise ConfigError(f"no client keys under {self.directory!r}/actors or /learners")
+            if not self._roles:
+                raise ConfigError(f"no client keys under {self.directory!r}/actors or /learners")
+            if not self._warned_empty:
+                log.warning("no readable client keys under %s any more; keeping the %d admitted before",
+                            self.directory, len(self._roles))
+                self._warned_empty = True
+            return len(self._roles)
+        self._warned_empty = False
         self._roles = roles
         self.certs = {"*": dict.fromkeys(roles, True)}
         return len(roles)

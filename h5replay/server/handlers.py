@@ -8,6 +8,7 @@ Every method either returns a reply or raises; the caller turns exceptions into 
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -18,11 +19,13 @@ import numpy as np
 
 from h5replay import __version__
 from h5replay import protocol as P
-from h5replay.errors import LimitExceededError, ProtocolError, ReadOnlyError, SegmentStateError
+from h5replay.errors import LimitExceededError, ProtocolError, ReadOnlyError, SegmentStateError, StorageError
 from h5replay.storage.replay_buffer import ReplayBuffer
 from h5replay.storage.segment import SegmentWriter
 
 __all__ = ["Session", "Service", "read_reply", "Stats"]
+
+log = logging.getLogger("h5replay.server")
 
 
 @dataclass
@@ -56,21 +59,35 @@ def _arrays_reply_rows(arrays: dict[str, np.ndarray]) -> int:
     return int(next(iter(arrays.values())).shape[0]) if arrays else 0
 
 
-def read_reply(buffer: ReplayBuffer, request: P.Request, rng: np.random.Generator) -> P.Reply:
+def _check_reply_rows(buffer: ReplayBuffer, rows: int, limits: P.Limits) -> None:
+    """Refuse, before any work, a read whose reply could not travel within the message limit."""
+    row_bytes = sum(leaf.row_bytes for _, leaf in buffer.storage.leaves)
+    if rows * row_bytes + P.ROWS_MESSAGE_OVERHEAD > limits.max_message_bytes:
+        raise LimitExceededError(
+            f"a reply of {rows} rows would be {rows * row_bytes} bytes, over the limit max_message_bytes="
+            f"{limits.max_message_bytes}; ask for fewer rows per request"
+        )
+
+
+def read_reply(buffer: ReplayBuffer, request: P.Request, rng: np.random.Generator, limits: P.Limits) -> P.Reply:
     """Answer a read request (get, sample, sample_sequences, segments) from `buffer`.
 
     Raises:
         IndexError, NotEnoughDataError, ConfigError: the request cannot be served as asked.
+        LimitExceededError: the reply would exceed the message size limit.
         ProtocolError: `request` is not a read request.
     """
     if isinstance(request, P.Get):
+        _check_reply_rows(buffer, len(request.indices), limits)
         arrays = buffer.get_stored(request.indices)
         return P.GetReply(request.request_id, len(request.indices), arrays)
     if isinstance(request, P.Sample):
+        _check_reply_rows(buffer, request.batch_size, limits)
         gen = rng if request.seed is None else np.random.default_rng(request.seed)
         indices, arrays = buffer.sample_with_indices(request.batch_size, gen, decode=False)
         return P.SampleReply(request.request_id, indices, arrays)
     if isinstance(request, P.SampleSequences):
+        _check_reply_rows(buffer, request.batch_size * request.length, limits)
         gen = rng if request.seed is None else np.random.default_rng(request.seed)
         starts, arrays = buffer.sample_sequences_with_starts(request.batch_size, request.length, gen, decode=False)
         return P.SampleSequencesReply(request.request_id, starts, arrays)
@@ -102,6 +119,9 @@ class Service:
         self.fsync = fsync
         self.sessions: dict[bytes, Session] = {}
         self.stats = Stats()
+        # Set when a write to the file failed (a full disk, an I/O error): HDF5's state can no
+        # longer be trusted for writing, so the service refuses writes and serves reads until restarted.
+        self.write_failure: str | None = None
         self._extra_stats = extra_stats
         self._rng = np.random.default_rng()
         self._handlers: dict[type[P.Request], Callable[[Any, Session], P.Reply]] = {
@@ -175,7 +195,7 @@ class Service:
         if granted_role is not None and session.granted_role is None:
             session.granted_role = session.role = granted_role
         if isinstance(request, READ_KINDS):
-            reply = read_reply(self.buffer, request, self._rng)
+            reply = read_reply(self.buffer, request, self._rng, self.limits)
             arrays = getattr(reply, "arrays", None)
             if arrays:
                 self.stats.rows_out += _arrays_reply_rows(dict(arrays))
@@ -185,7 +205,19 @@ class Service:
         handler = self._handlers.get(type(request))
         if handler is None:
             raise ProtocolError(f"the writer does not serve {request.KIND.value} requests")
-        return handler(request, session)
+        if not isinstance(request, WRITE_KINDS):
+            return handler(request, session)
+        if self.write_failure is not None:
+            raise StorageError(
+                f"this server stopped writing after a failed write ({self.write_failure}); it serves reads "
+                "until it is restarted, which recovers the file at its last commit"
+            )
+        try:
+            return handler(request, session)
+        except StorageError as exc:
+            self.write_failure = str(exc)
+            log.error("a write to the file failed: %s; refusing writes from now on, serving reads", exc)
+            raise
 
     # ------------------------------------------------------------------ handlers
 

@@ -52,7 +52,7 @@ def reader_main(
             route, frames = routed[:1], routed[1:]  # the proxy's ROUTER put the learner's id first
             try:
                 request = P.decode(frames, limits, expect=P.Request)
-                reply = read_reply(buffer, request, rng)
+                reply = read_reply(buffer, request, rng, limits)
                 arrays = getattr(reply, "arrays", None)
                 if arrays:
                     counters[2 * index + 1] += int(next(iter(arrays.values())).shape[0])
@@ -93,6 +93,8 @@ class ReadProxy:
             sock.linger = 0
         try:
             configure(front)
+            # A learner that left before its reply came back must not end the proxy: drop the reply.
+            front.router_mandatory = 0
             front.bind(front_endpoint)
             back.bind(back_endpoint)
             control.connect(self._control_endpoint)
@@ -105,16 +107,22 @@ class ReadProxy:
         self._started.set()
         try:
             zmq.proxy_steerable(front, back, None, control)
-        except zmq.ZMQError:
-            pass  # the context is ending
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.ETERM:
+                log.error("the read proxy stopped: %s", exc)
         finally:
             for sock in (front, back, control):
                 sock.close(0)
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def stop(self) -> None:
-        with contextlib.suppress(zmq.ZMQError):
-            self._control.send(b"TERMINATE")
-        self._thread.join(5)
+        if self._thread.is_alive():
+            with contextlib.suppress(zmq.ZMQError):
+                self._control.send(b"TERMINATE", zmq.NOBLOCK)
+            self._thread.join(5)
         self._control.close(0)
 
 

@@ -67,6 +67,8 @@ class Server:
         self._stop = threading.Event()
         self._curve: tuple[bytes, bytes] | None = server_keys(config.auth_dir) if config.auth_dir else None
         self._metrics: Metrics | None = None
+        self._proxy: ReadProxy | None = None
+        self._proxy_args: tuple[Any, ...] = ()
 
     def stop(self) -> None:
         """Ask the loop to finish (thread- and signal-safe)."""
@@ -88,6 +90,7 @@ class Server:
         sock = ctx.socket(zmq.ROUTER)
         monitor = None
         auth: RoleAuthenticator | None = None
+        broken = False
         try:
             if config.auth_dir is not None:
                 auth = RoleAuthenticator(ctx, config.auth_dir)
@@ -97,7 +100,8 @@ class Server:
             monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             if config.num_readers:
                 backend = f"ipc://{tmpdir}/readers"
-                proxy = ReadProxy(ctx, config.resolved_read_bind, backend, self._configure)
+                self._proxy_args = (ctx, config.resolved_read_bind, backend)
+                proxy = self._proxy = ReadProxy(ctx, config.resolved_read_bind, backend, self._configure)
                 readers = ReaderPool(config.path, backend, config.num_readers, config.limits)
                 read_endpoint = config.advertise_read or config.resolved_read_bind
             else:
@@ -119,23 +123,37 @@ class Server:
                 ready.set()
             self._loop(sock, monitor, service, readers, auth)
             aborted = service.abort_everything()
-            log.info("h5replay stopping: aborted %d open segment(s), flushing %s", aborted, config.path)
+            broken = service.write_failure is not None
+            if broken:
+                log.error("h5replay stopping after a failed write: the file stays as its last commit published "
+                          "it, and is recovered when it is next opened")
+            else:
+                log.info("h5replay stopping: aborted %d open segment(s), flushing %s", aborted, config.path)
         finally:
             if monitor is not None:
                 sock.disable_monitor()
                 monitor.close(0)
             sock.close(linger=int(1000))
-            if proxy is not None:
-                proxy.stop()
+            if self._proxy is not None:
+                self._proxy.stop()
             if auth is not None:
                 auth.stop()
             if self._metrics is not None:
                 self._metrics.close()
             if readers is not None:
                 readers.stop()
-            buffer.close()
+            if not broken:
+                buffer.close()
             ctx.term()
             shutil.rmtree(tmpdir, ignore_errors=True)
+        if broken:
+            # HDF5 retries the failed write whenever the file is flushed or closed, and may crash
+            # doing so: leave the file as its last commit published it. When this thread owns the
+            # process, end it without letting HDF5's exit handlers near the file.
+            if threading.current_thread() is threading.main_thread():
+                logging.shutdown()
+                os._exit(1)
+            return 1
         log.info("h5replay stopped cleanly")
         return 0
 
@@ -143,8 +161,9 @@ class Server:
         config = self.config
         sock.linger = 1000
         sock.router_mandatory = 1
-        # A single frame beyond this disconnects the sender; whole messages are checked by decode.
-        sock.maxmsgsize = config.limits.max_message_bytes
+        # libzmq disconnects a peer sending a larger frame, without a word; leave room above the
+        # message limit so that decode, which answers with an error naming the limit, sees it first.
+        sock.maxmsgsize = 2 * config.limits.max_message_bytes
         sock.rcvhwm = config.max_in_flight
         sock.sndhwm = max(1000, config.max_in_flight)
         sock.heartbeat_ivl = int(config.heartbeat_interval * 1000)
@@ -185,6 +204,9 @@ class Server:
                     log.warning("client %s was silent for %.0f s: its segments were aborted", identity.hex(), config.session_timeout)
                 if readers is not None:
                     readers.revive()
+                    if self._proxy is not None and not self._proxy.alive:  # it logged why; learners must not stay cut off
+                        self._proxy.stop()
+                        self._proxy = ReadProxy(*self._proxy_args, self._configure)
                 if auth is not None:
                     auth.reload()  # keys dropped into actors/ or learners/ are admitted
                 next_expire = now + 1.0

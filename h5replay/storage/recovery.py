@@ -99,6 +99,10 @@ def status_flags(path: str | os.PathLike[str]) -> int:
 def clear_status_flags(path: str | os.PathLike[str]) -> bool:
     """Clear the status flags a killed writer left (like `h5clear -s`). True when there were any.
 
+    Also restores the file's length to the end the superblock records, when a write that failed
+    (a full disk, a size limit) left the file shorter: HDF5 refuses such a file as truncated. The
+    missing bytes were never published, so zeros stand in for them.
+
     Only call this while holding the file's WriterLock: clearing the flags of a live writer's
     file would let a second writer in.
 
@@ -111,6 +115,12 @@ def clear_status_flags(path: str | os.PathLike[str]) -> bool:
             return False
         if lookup3(bytes(body)) != stored:
             raise StorageError(f"{os.fspath(path)!r} has a damaged superblock (checksum mismatch); it cannot be recovered here")
+        size_of_offsets = body[9]
+        base = int.from_bytes(body[12 : 12 + size_of_offsets], "little")
+        end_field = 12 + 2 * size_of_offsets
+        end_of_file = base + int.from_bytes(body[end_field : end_field + size_of_offsets], "little")
+        if os.fstat(f.fileno()).st_size < end_of_file:
+            os.ftruncate(f.fileno(), end_of_file)
         body[11] = 0
         f.seek(offset)
         f.write(bytes(body) + lookup3(bytes(body)).to_bytes(4, "little"))

@@ -11,7 +11,8 @@ What is in the file, and when (crash safety):
   * Before rows overwrite slots the published state still shows, `_evict` publishes a state
     whose `begin` has moved past them (a little further, so this happens once per
     `capacity // 64` rows, not once per write). A crash therefore loses no published row to a
-    torn overwrite; it may hide up to that many of the oldest rows.
+    torn overwrite. Once the ring has wrapped, len() runs up to `capacity // 64` rows below the
+    capacity: those oldest rows were released early, for everyone alike.
   * `commit_segment` publishes before it returns: a committed episode survives a crash of this
     process. `append` / `extend` are published by the next `flush`, commit or `close`.
 Readers in other processes (`load_from(path, read_only=True, multiprocessing=True)`) see only the
@@ -234,17 +235,24 @@ class ReplayBuffer:
     def flush(self) -> None:
         """Publish everything added so far: it survives a crash and readers see it."""
         self._require_writable("flush")
-        self._publish(max(self._begin, self._published[0]))
+        self._publish()
 
     def _evict(self, new_end: int) -> None:
-        """Before rows [end, new_end) are written, unpublish every slot they overwrite."""
+        """Before rows [end, new_end) are written, unpublish every slot they overwrite.
+
+        The oldest rows are released `capacity // 64` at a time, ahead of need, so this costs a
+        publish once per that many rows rather than per write. The writer's own view moves with
+        the file's, so logical indices mean the same rows to the writer and to every reader.
+        """
         if self.capacity is None:
             return
         needed = new_end - self.capacity
         if needed <= self._published[0]:
             return
         ahead = needed + self.capacity // _EVICTION_FRACTION
-        self._publish(min(max(ahead, needed), self._end))
+        self._begin = max(self._begin, min(ahead, self._end))
+        self._advance(0)
+        self._publish()
 
     def _advance(self, n: int) -> list[tuple[int, int]]:
         """Move the tail by n rows; returns the episodes that fell off the head."""
@@ -564,7 +572,7 @@ class ReplayBuffer:
         try:
             if self.is_mutable and not self.storage._closed:
                 with contextlib.suppress(ClosedError):
-                    self._publish(max(self._begin, self._published[0]))
+                    self._publish()
         finally:
             self._closed = True
             self.storage.close()
