@@ -106,7 +106,9 @@ class ClientConfig:
     max_in_flight: int = 4  # requests sent before waiting for a reply (actors pipeline appends)
     batch_rows: int = 256  # an actor sends steps in messages of up to this many rows...
     batch_bytes: int = 4 * 1024 * 1024  # ... or this many bytes ...
-    batch_seconds: float = 0.05  # ... or after this long, whichever comes first
+    # ... or once the first buffered step is this old, whichever comes first. An episode that fits in
+    # one message within this time travels as a single push: one round trip.
+    batch_seconds: float = 1.0
     heartbeat_interval: float = 1.0
 
     def __post_init__(self) -> None:

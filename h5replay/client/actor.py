@@ -25,7 +25,8 @@ __all__ = ["ActorClient", "ActorSegment", "Receipt"]
 
 
 class Receipt(NamedTuple):
-    """What the server acknowledged for a committed episode (length 0: nothing was recorded)."""
+    """What the server acknowledged for a committed episode. Length 0 means nothing was recorded
+    (an empty episode; its episode_id and start are then -1)."""
 
     episode_id: int
     start: int
@@ -130,14 +131,17 @@ class ActorClient:
 
 
 class ActorSegment:
-    """One episode being streamed: `append`, `extend`, then `commit` or `abort`."""
+    """One episode being streamed: `append`, `extend`, then `commit` or `abort`.
+
+    The server hears of the segment only when its first full message leaves: an episode that
+    fits in one message travels as a single push at commit (one round trip in all).
+    """
 
     def __init__(self, client: ActorClient) -> None:
         self._client = client
         self._conn = client.connection
         self._config = client.config
-        reply = self._conn.request(lambda rid: P.OpenSegment(rid))
-        self.segment_id: int = reply.segment_id  # type: ignore[attr-defined]
+        self.segment_id: int | None = None  # assigned by the server when the first batch leaves
         self._pending: collections.deque[int] = collections.deque()
         # Rows wait in one preallocated batch per leaf; a full batch leaves as one message.
         self._batch_capacity = client.rows_per_message
@@ -196,6 +200,9 @@ class ActorSegment:
     def _send_buffered(self) -> None:
         if not self._buffered_rows or self._batch is None:
             return
+        if self.segment_id is None:
+            reply = self._conn.request(lambda rid: P.OpenSegment(rid))
+            self.segment_id = int(reply.segment_id)  # type: ignore[attr-defined]
         n = self._buffered_rows
         arrays = {path: batch[:n] for path, batch in self._batch.items()}
         # The message owns these arrays until it is sent (frames leave without a copy).
@@ -220,6 +227,8 @@ class ActorSegment:
             self._conn.forget(request_id)
         self._pending.clear()
         segment_id = self.segment_id
+        if segment_id is None:
+            return  # the server never heard of it
         try:
             self._conn.request(lambda rid: P.Abort(rid, segment_id))
         except Exception:  # the server may already have dropped it; it is gone either way
@@ -229,12 +238,32 @@ class ActorSegment:
         """Send what is buffered, wait for every append, then commit. Returns after the server has
         the episode in the file, flushed. Raises and aborts if any part was refused."""
         self._require_open("commit")
+        if self.segment_id is None:
+            return self._push_whole()
         self._send_buffered()
         while self._pending:
             self._settle_oldest()
         segment_id = self.segment_id
         try:
             reply = self._conn.request(lambda rid: P.Commit(rid, segment_id))
+        except BaseException:
+            self._state = "failed"
+            raise
+        self._state = "committed"
+        self.receipt = Receipt(reply.episode_id, reply.start, reply.length)  # type: ignore[attr-defined]
+        return self.receipt
+
+    def _push_whole(self) -> Receipt:
+        """Commit an episode that never left the client: one push, one round trip."""
+        n, batch = self._buffered_rows, self._batch
+        self._batch, self._buffered_rows = None, 0
+        if not n or batch is None:
+            self._state = "committed"
+            self.receipt = Receipt(-1, -1, 0)
+            return self.receipt
+        arrays = {path: rows[:n] for path, rows in batch.items()}
+        try:
+            reply = self._conn.request(lambda rid: P.PushEpisode(rid, n, arrays))
         except BaseException:
             self._state = "failed"
             raise

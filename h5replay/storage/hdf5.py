@@ -170,7 +170,7 @@ class HDF5Storage:
     DEFAULT_KEY = DEFAULT_KEY
     single_file_ext = ".hdf5"
     #: Memory a segment writer may buffer before it spills rows to the file's staging area.
-    DEFAULT_SEGMENT_BUFFER_BYTES = 4 * 1024 * 1024
+    DEFAULT_SEGMENT_BUFFER_BYTES = 8 * 1024 * 1024
 
     def __init__(
         self,
@@ -199,6 +199,7 @@ class HDF5Storage:
         self._full_name = full_name
         self._closed = False
         self._root: h5py.Group | h5py.Dataset | None = None
+        self._file: h5py.File | None = None
         self._datasets: dict[str, h5py.Dataset] = {}
         self._mapped: dict[str, MappedRows | None] = {}
         self._dirty = False
@@ -230,6 +231,7 @@ class HDF5Storage:
 
     def _attach(self, root: h5py.Group | h5py.Dataset, check_file: bool) -> None:
         self._root = root
+        self._file = None
         self._datasets = {}
         for path, leaf in self._leaves:
             if isinstance(root, h5py.Dataset):
@@ -307,6 +309,7 @@ class HDF5Storage:
                 mapped.close()
         self._mapped = {}
         root, self._root = self._root, None
+        self._file = None
         self._datasets = {}
         self._closed = True
         if root is not None and self._owns_root:
@@ -367,7 +370,10 @@ class HDF5Storage:
 
     @property
     def file(self) -> h5py.File:
-        return self.root.file
+        """The h5py File (kept: h5py builds a new File object on every `.file` access)."""
+        if self._file is None:
+            self._file = self.root.file
+        return self._file
 
     @property
     def leaves(self) -> list[tuple[str, LeafSpace]]:
@@ -705,7 +711,26 @@ class HDF5Storage:
             TypeError: `index` is not a row index.
         """
         self._ensure_open()
+        # The sampling hot path: a 1-D int64 array, checked with one reduction (negatives wrap to
+        # huge unsigned values), gathered straight from the file's memory map.
+        if (type(index) is np.ndarray and index.dtype == np.int64 and index.ndim == 1 and index.size > 1
+                and not self._dirty and int(index.view(np.uint64).max()) < self._len):
+            rows = self._mapped_rows(index)
+            if rows is not None:
+                return self.unflatten({path: leaf.decode_batch(rows[path]) for path, leaf in self._leaves})
         return self.read(*normalize_index(index, self._len))
+
+    def _mapped_rows(self, flat: np.ndarray) -> dict[str, np.ndarray] | None:
+        out = {}
+        for path, _ in self._leaves:
+            if path not in self._mapped:
+                self._mapped[path] = MappedRows.open(self._datasets[path])
+            mapped = self._mapped[path]
+            rows = None if mapped is None else mapped.take_checked(flat)
+            if rows is None:
+                return None
+            out[path] = rows
+        return out
 
     def read(self, kind: str, where: Any, decode: bool = True) -> Any:
         """Rows for an index already normalized by `normalize_index` (no range check here).
@@ -749,7 +774,7 @@ class HDF5Storage:
         if path not in self._mapped:
             self._mapped[path] = MappedRows.open(ds)
         mapped = self._mapped[path]
-        return None if mapped is None else mapped.read(flat)
+        return None if mapped is None else mapped.take_checked(flat)
 
     def get_column(self, nested_keys: str | Sequence[str]) -> HDF5Storage:
         """A storage over the sub-space at `nested_keys` ("obs/image" or ("obs", "image")), sharing
@@ -796,7 +821,7 @@ class HDF5Storage:
         unique, positions = fancy_indexing_to_supported_set_indexing(flat)
         with h5_errors("writing rows"):
             for path, _ in self._leaves:
-                arr = encoded[path].reshape((flat.size,) + encoded[path].shape[idx.ndim:])
+                arr = encoded[path]  # (rows, *row_shape): _encode_for_index flattened an N-d index
                 write_sorted_unique_rows(self._datasets[path], unique, np.ascontiguousarray(arr[positions]))
         self._dirty = True
 

@@ -217,10 +217,9 @@ class ReplayBuffer:
     def _episode_slot(self, index: Any) -> Any:
         return index if self.capacity is None else index % self.capacity
 
-    def _publish(self, begin: int | None = None) -> None:
+    def _publish(self) -> None:
         """Make the current rows durable, then point the file's state at them (see module doc)."""
-        begin = self._begin if begin is None else begin
-        ep_begin = self._ep_end - sum(1 for g0, _ in self._episodes if g0 >= begin)
+        begin, ep_begin = self._begin, self._ep_begin  # the deque holds exactly episodes [ep_begin, ep_end)
         self._seq += 1
         state = np.array(
             [_STATE_MARK, begin, self._end, ep_begin, self._ep_end, self._open_start, self._seq, 0], dtype=np.int64

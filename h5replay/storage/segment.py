@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 __all__ = ["SegmentWriter"]
 
 STAGING_GROUP = "staging"
+_SPARE_BUFFERS = 2
 
 
 def create_staging(internal: h5py.Group, leaves: list[tuple[str, LeafSpace]]) -> None:
@@ -64,6 +65,21 @@ class Staging:
         rows = min(ds.shape[0] for ds in self.datasets.values())
         self.num_blocks = rows // self.block_rows
         self._free = list(range(self.num_blocks - 1, -1, -1))
+        # Writers' memory blocks, kept for the next writer: fresh pages cost a fault each to touch.
+        self._spare_buffers: list[dict[str, np.ndarray]] = []
+
+    def take_buffers(self) -> dict[str, np.ndarray]:
+        """One block of rows per leaf, in memory, for a writer."""
+        if self._spare_buffers:
+            return self._spare_buffers.pop()
+        return {
+            path: np.empty((self.block_rows, *leaf.shape), dtype=leaf.storage_dtype)
+            for path, leaf in self.storage.leaves
+        }
+
+    def give_buffers(self, buffers: dict[str, np.ndarray]) -> None:
+        if len(self._spare_buffers) < _SPARE_BUFFERS:
+            self._spare_buffers.append(buffers)
 
     def allocate(self) -> int:
         if self._free:
@@ -160,11 +176,7 @@ class SegmentWriter:
 
     def _push(self, encoded: Mapping[str, np.ndarray], n: int) -> None:
         if self._buffers is None:
-            # np.empty maps pages lazily: a short segment only touches the rows it uses.
-            self._buffers = {
-                path: np.empty((self._block_rows, *leaf.shape), dtype=leaf.storage_dtype)
-                for path, leaf in self.storage.leaves
-            }
+            self._buffers = self._staging.take_buffers()
         offset = 0
         try:
             while offset < n:
@@ -254,6 +266,8 @@ class SegmentWriter:
     def _release(self) -> None:
         if self._blocks:
             self._staging.release(self._blocks)
+        if self._buffers is not None:
+            self._staging.give_buffers(self._buffers)
         self._blocks = []
         self._buffers = None
         self._buffered = 0
