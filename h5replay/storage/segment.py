@@ -153,10 +153,25 @@ class SegmentWriter:
             SpaceMismatchError: the sample does not fit the space (the writer is unchanged).
             SegmentStateError: the writer was finished, committed or aborted.
         """
-        self._require_open("append to")
-        if self.is_finished:
+        if self._state != "open" or self.is_finished:
+            self._require_open("append to")
             raise SegmentStateError("cannot append to a finished segment writer")
-        self._push(self.storage.encode_one(value), 1)
+        encoded = self.storage.encode_one(value)
+        # The per-step hot path: one row straight into the block, no batch bookkeeping.
+        buffers = self._buffers
+        if buffers is None:
+            buffers = self._buffers = self._staging.take_buffers()
+        row = self._buffered
+        for path, arr in encoded.items():
+            buffers[path][row] = arr[0]
+        self._buffered = row + 1
+        self.length += 1
+        if self._buffered == self._block_rows:
+            try:
+                self._spill()
+            except StorageError:
+                self.abort()
+                raise
 
     def extend(self, batch: Any) -> None:
         """Add a batch of samples (a leading axis on every leaf); all or nothing on bad input."""
