@@ -122,6 +122,7 @@ class Service:
         # Set when a write to the file failed (a full disk, an I/O error): HDF5's state can no
         # longer be trusted for writing, so the service refuses writes and serves reads until restarted.
         self.write_failure: str | None = None
+        self.unpublished = 0  # commits placed but not yet published: their replies must wait
         self._extra_stats = extra_stats
         self._rng = np.random.default_rng()
         self._handlers: dict[type[P.Request], Callable[[Any, Session], P.Reply]] = {
@@ -274,9 +275,10 @@ class Service:
         return P.AppendReply(request.request_id, len(writer))
 
     def _commit(self, writer: SegmentWriter) -> tuple[int, int, int]:
-        info = self.buffer.commit_segment(writer)
-        if self.fsync:
-            self.buffer.storage.flush(fsync=True)
+        # Group commit: the episode is placed now and published by `publish()`, once for every
+        # commit the writer loop handled in one pass, before any of their replies leaves.
+        info = self.buffer.commit_segment(writer, publish=False)
+        self.unpublished += 1
         self.stats.commits += 1
         if info is None:
             return len(self.buffer), 0, 0
@@ -302,6 +304,23 @@ class Service:
         finally:
             if writer.state == "open":
                 writer.abort()
+
+    def publish(self) -> None:
+        """Publish the commits placed since the last call (flushed; with fsync, on disk).
+
+        Raises:
+            StorageError: the file could not take them; the service stops writing.
+        """
+        if not self.unpublished:
+            return
+        try:
+            self.buffer.flush(fsync=self.fsync)
+        except StorageError as exc:
+            self.write_failure = str(exc)
+            log.error("publishing commits failed: %s; refusing writes from now on, serving reads", exc)
+            raise
+        finally:
+            self.unpublished = 0
 
     def info(self, request: P.Info, session: Session) -> P.InfoReply:
         return P.InfoReply(request.request_id, self.snapshot())

@@ -32,7 +32,7 @@ from h5replay import protocol as P
 from h5replay.config import ServerConfig
 from h5replay.errors import ConfigError
 from h5replay.server.auth import RoleAuthenticator, server_keys
-from h5replay.server.handlers import Service
+from h5replay.server.handlers import READ_KINDS, Service
 from h5replay.server.metrics import Metrics
 from h5replay.server.readers import ReaderPool, ReadProxy
 from h5replay.storage.replay_buffer import ReplayBuffer
@@ -68,6 +68,7 @@ class Server:
         self._curve: tuple[bytes, bytes] | None = server_keys(config.auth_dir) if config.auth_dir else None
         self._metrics: Metrics | None = None
         self._proxy: ReadProxy | None = None
+        self._deferred: list[tuple[bytes, P.Reply]] = []  # commit replies waiting for the pass's publish
         self._proxy_args: tuple[Any, ...] = ()
 
     def stop(self) -> None:
@@ -191,6 +192,7 @@ class Server:
                     except zmq.Again:
                         break
                     self._serve(sock, service, frames)
+                self._publish(sock, service)
             now = time.monotonic()
             if monitor in events:
                 while monitor.poll(0):
@@ -211,6 +213,17 @@ class Server:
                     auth.reload()  # keys dropped into actors/ or learners/ are admitted
                 next_expire = now + 1.0
 
+    def _publish(self, sock: zmq.Socket[Any], service: Service) -> None:
+        """Publish the commits of this pass, then send their replies: a commit is acknowledged only
+        once it is in the file and flushed. One publish serves every commit of the pass."""
+        deferred, self._deferred = self._deferred, []
+        try:
+            service.publish()
+        except Exception as exc:  # the file refused them: every one of them failed
+            deferred = [(identity, P.ErrorReply.from_exception(reply.request_id, exc)) for identity, reply in deferred]
+        for identity, reply in deferred:
+            self._send(sock, service, identity, reply)
+
     def _serve(self, sock: zmq.Socket[Any], service: Service, frames: list[zmq.Frame]) -> None:
         identity = frames[0].bytes
         body = frames[1:]
@@ -219,13 +232,18 @@ class Server:
         try:
             request = P.decode(body, service.limits, expect=P.Request)
             kind = request.KIND.value
+            if service.unpublished and isinstance(request, READ_KINDS):
+                self._publish(sock, service)  # a read must not see a commit before it is acknowledged
             reply = service.handle(identity, request, self._granted_role(body))
         except Exception as exc:  # the boundary: every refusal becomes an error reply
             service.stats.errors += 1
             reply = P.ErrorReply.from_exception(P.peek_request_id(body, service.limits), exc)
             if reply.code == P.ErrorCode.INTERNAL.value:
                 log.exception("internal error while serving a request")
-        self._send(sock, service, identity, reply)
+        if isinstance(reply, (P.CommitReply, P.PushEpisodeReply)):
+            self._deferred.append((identity, reply))
+        else:
+            self._send(sock, service, identity, reply)
         if self._metrics is not None:
             self._metrics.observe(kind, time.perf_counter() - started)
 

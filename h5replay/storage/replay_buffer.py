@@ -231,10 +231,22 @@ class ReplayBuffer:
         self.storage.flush()
         self._published = (begin, self._end)
 
-    def flush(self) -> None:
-        """Publish everything added so far: it survives a crash and readers see it."""
+    def flush(self, fsync: bool = False) -> None:
+        """Publish everything added so far: it survives a crash and readers see it. With `fsync`,
+        also force it to the disk (survives power loss).
+
+        Raises:
+            StorageError: HDF5 failed; the buffer is reloaded as the file last published it.
+        """
         self._require_writable("flush")
-        self._publish()
+        try:
+            self._publish()
+            if fsync:
+                self.storage.flush(fsync=True)
+        except StorageError:
+            with contextlib.suppress(Exception):
+                self._load_state(force=True)
+            raise
 
     def _evict(self, new_end: int) -> None:
         """Before rows [end, new_end) are written, unpublish every slot they overwrite.
@@ -318,10 +330,12 @@ class ReplayBuffer:
         self._require_writable("open a segment writer")
         return self.storage.open_segment_writer()
 
-    def commit_segment(self, writer: SegmentWriter) -> CommitInfo | None:
+    def commit_segment(self, writer: SegmentWriter, publish: bool = True) -> CommitInfo | None:
         """Append the writer's rows at the tail as one episode, and publish it before returning.
 
-        Returns None for an empty writer (aborted, nothing recorded).
+        With `publish=False` the episode is in place but not yet durable nor visible to other
+        processes: a later `flush()` publishes it with everything else (a group commit: one
+        publish for many episodes). Returns None for an empty writer (aborted, nothing recorded).
 
         Raises:
             SegmentStateError: the writer belongs to another storage, was already committed or
@@ -351,7 +365,8 @@ class ReplayBuffer:
             dropped = self._advance(n)
             episode_id = self._record_episode(start, n)
             self._open_start = self._end
-            self._publish()
+            if publish:
+                self._publish()
         except BaseException:
             # Nothing new was published (or, at worst, the eviction ahead): put the ring back as the
             # file shows it, so the caller's error means "not committed" and a retry is exact.
