@@ -219,8 +219,12 @@ class Server:
         deferred, self._deferred = self._deferred, []
         try:
             service.publish()
-        except Exception as exc:  # the file refused them: every one of them failed
-            deferred = [(identity, P.ErrorReply.from_exception(reply.request_id, exc)) for identity, reply in deferred]
+        except Exception as exc:  # the file refused them: every commit of the pass failed
+            deferred = [
+                (identity, P.ErrorReply.from_exception(reply.request_id, exc)
+                 if isinstance(reply, (P.CommitReply, P.PushEpisodeReply)) else reply)
+                for identity, reply in deferred
+            ]
         for identity, reply in deferred:
             self._send(sock, service, identity, reply)
 
@@ -240,7 +244,9 @@ class Server:
             reply = P.ErrorReply.from_exception(P.peek_request_id(body, service.limits), exc)
             if reply.code == P.ErrorCode.INTERNAL.value:
                 log.exception("internal error while serving a request")
-        if isinstance(reply, (P.CommitReply, P.PushEpisodeReply)):
+        # Commit replies wait for the pass's publish; a client's later replies queue behind its
+        # commit's, so every client still gets its replies in the order it asked.
+        if isinstance(reply, (P.CommitReply, P.PushEpisodeReply)) or any(i == identity for i, _ in self._deferred):
             self._deferred.append((identity, reply))
         else:
             self._send(sock, service, identity, reply)

@@ -217,11 +217,14 @@ class MappedRows:
                 return rows.take(flat, axis=0, mode="clip")
             return self.read(flat)
         window = self._window
-        if window is not None and flat.shape[0] and self._rowbase.shape[0] * self._chunk_rows >= self._num_rows:
-            offsets = self._rowbase.take(flat // self._chunk_rows)
-            offsets += flat * self.row_bytes
-            if int(offsets.view(np.uint64).max()) < window.shape[0]:  # unknown/missing chunks are negative
-                return window[offsets].view(self.dtype).reshape(flat.shape[0], *self.row_shape)
+        if window is not None and flat.shape[0]:
+            chunks = flat // self._chunk_rows
+            # Rows past the chunk table (a dataset that grew since it was scanned) go to `read`.
+            if int(chunks.max()) < self._rowbase.shape[0]:
+                offsets = self._rowbase.take(chunks)
+                offsets += flat * self.row_bytes
+                if int(offsets.view(np.uint64).max()) < window.shape[0]:  # unknown/missing chunks are negative
+                    return window[offsets].view(self.dtype).reshape(flat.shape[0], *self.row_shape)
         return self.read(flat)
 
     def refresh(self) -> None:

@@ -348,13 +348,18 @@ def test_max_rows_per_message(room):
 
 @pytest.mark.timeout(60)
 def test_max_open_segments_per_client(room):
-    with ActorClient(room.endpoint, timeout=10) as actor:
+    # batch_rows=1: every step leaves at once, so each segment is open on the server from its first step
+    with ActorClient(config=ClientConfig(endpoint=room.endpoint, timeout=10, batch_rows=1)) as actor:
         segments = [actor.segment() for _ in range(SMALL.max_open_segments_per_client)]
+        for seg in segments:
+            seg.extend(episode_rows(1, 0, 1))
         with pytest.raises(LimitExceededError, match=r"max_open_segments_per_client=3"):
-            actor.segment()
-        segments[0].extend(episode_rows(1, 0, 5))
+            actor.segment().extend(episode_rows(1, 0, 1))
+        segments[0].extend(episode_rows(1, 1, 4))
         assert segments[0].commit().length == 5
-        actor.segment().abort()  # a slot is free again
+        spare = actor.segment()
+        spare.extend(episode_rows(1, 2, 1))  # a slot is free again
+        spare.abort()
         for seg in segments[1:]:
             seg.abort()
 

@@ -164,7 +164,8 @@ def test_a_learner_key_cannot_write(secured, keys):
         with pytest.raises(ReadOnlyError, match="learner"):
             client.push_episode(episode_rows(8, 0, 5))
         with pytest.raises(ReadOnlyError):
-            client.segment()
+            with client.segment() as seg:  # the server first hears of it at the commit
+                seg.extend(episode_rows(8, 1, 5))
         assert client.info()["total_episodes"] == before
     with LearnerClient(secured.endpoint, timeout=10, **learner_as_actor) as learner:
         learner.get_segments()  # and read

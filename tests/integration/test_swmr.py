@@ -49,9 +49,10 @@ def reader(path: str, ready, done, out) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_reader_process_sees_only_committed_episodes(tmp_path):
+@pytest.mark.parametrize("capacity", [400, None])  # a ring that wraps; a file that grows under the reader
+def test_reader_process_sees_only_committed_episodes(tmp_path, capacity):
     path = str(tmp_path / "rb.h5")
-    rb = ReplayBuffer.create(SPACE, 400, path, multiprocessing=True)
+    rb = ReplayBuffer.create(SPACE, capacity, path, multiprocessing=True)
     ctx = mp.get_context("spawn")
     ready, done, out = ctx.Event(), ctx.Event(), ctx.Queue()
     proc = ctx.Process(target=reader, args=(path, ready, done, out))
@@ -99,3 +100,42 @@ def test_pickled_swmr_storage_reads_in_another_process(tmp_path):
     assert q.get(timeout=30) == 6
     p.join(10)
     s.close()
+
+
+def _sample_after_growth(path: str, grown, sampled, out) -> None:
+    rb = ReplayBuffer.load_from(path, read_only=True, multiprocessing=True)
+    rng = np.random.default_rng(0)
+    first = rb.sample(8, rng)  # maps the file while it holds one chunk's worth of rows
+    sampled.set()
+    grown.wait(30)
+    later = rb.sample(256, rng)  # most rows now live in chunks the reader never saw
+    out.put((first.tolist(), later.tolist(), len(rb)))
+    rb.close()
+
+
+@pytest.mark.timeout(60)
+def test_reader_samples_rows_in_chunks_written_after_it_opened(tmp_path):
+    path = str(tmp_path / "grow.h5")
+    space = BoxSpace(0, 1e9, (), np.int64)  # 8-byte rows: 8192 rows a chunk
+    rb = ReplayBuffer.create(space, None, path, multiprocessing=True)
+    w = rb.open_segment_writer()
+    w.extend(np.zeros(10, np.int64))
+    rb.commit_segment(w)
+    ctx = mp.get_context("spawn")
+    grown, sampled, out = ctx.Event(), ctx.Event(), ctx.Queue()
+    proc = ctx.Process(target=_sample_after_growth, args=(path, grown, sampled, out))
+    proc.start()
+    try:
+        assert sampled.wait(30)
+        w = rb.open_segment_writer()
+        w.extend(np.arange(1, 50_001, dtype=np.int64))
+        rb.commit_segment(w)
+        grown.set()
+        first, later, length = out.get(timeout=30)
+        proc.join(10)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+    assert first == [0] * 8 and length == 50_010
+    assert max(later) > 8192 and all(0 <= v <= 50_000 for v in later)
+    rb.close()
