@@ -17,9 +17,9 @@ import zmq
 
 from h5replay import protocol as P
 from h5replay.config import ClientConfig
-from h5replay.errors import ClosedError, ConfigError, ServerUnavailableError
+from h5replay.errors import ClosedError, ConfigError, ProtocolError, ServerUnavailableError
 
-__all__ = ["Connection", "curve_keys"]
+__all__ = ["Connection", "curve_keys", "say_hello"]
 
 
 def curve_keys(secret_key: str | os.PathLike[str] | None, server_key: str | os.PathLike[str] | None) -> dict[str, bytes] | None:
@@ -141,3 +141,23 @@ class Connection:
             self._closed = True
             if os.getpid() == self._pid:
                 self._sock.close(0)
+
+
+def say_hello(config: ClientConfig, role: str, curve: dict[str, bytes] | None) -> tuple[Connection, P.HelloReply]:
+    """Connect to `config.endpoint` and introduce this client; the connection then knows the
+    server's limits. Closes the connection again if the hello fails.
+
+    Raises:
+        ServerUnavailableError: no answer within `config.timeout`.
+        ProtocolError: the answer is not a hello reply.
+    """
+    conn = Connection(config.endpoint, config, curve=curve)
+    try:
+        hello = conn.request(lambda rid: P.Hello(rid, config.name, role))
+        if not isinstance(hello, P.HelloReply):
+            raise ProtocolError(f"expected a hello reply, got {type(hello).__name__}")
+    except BaseException:
+        conn.close()
+        raise
+    conn.limits = hello.limits
+    return conn, hello

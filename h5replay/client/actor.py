@@ -16,9 +16,9 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from h5replay import protocol as P
-from h5replay.client._connection import Connection, curve_keys
+from h5replay.client._connection import Connection, curve_keys, say_hello
 from h5replay.config import DEFAULT_ENDPOINT, ClientConfig
-from h5replay.errors import ClosedError, ProtocolError, SegmentStateError
+from h5replay.errors import ClosedError, SegmentStateError
 from h5replay.storage.spaces import Space, flatten_value, named_leaves, space_from_json
 
 __all__ = ["ActorClient", "ActorSegment", "Receipt"]
@@ -58,16 +58,8 @@ class ActorClient:
         server_key: str | os.PathLike[str] | None = None,
     ) -> None:
         self.config = config or ClientConfig(endpoint=endpoint, timeout=timeout, name=name or f"actor-{os.getpid()}")
-        self._conn = Connection(self.config.endpoint, self.config, curve=curve_keys(secret_key, server_key))
-        try:
-            hello = self._conn.request(lambda rid: P.Hello(rid, self.config.name, "actor"))
-        except BaseException:
-            self._conn.close()
-            raise
-        if not isinstance(hello, P.HelloReply):
-            raise ProtocolError(f"expected a hello reply, got {type(hello).__name__}")
+        self._conn, hello = say_hello(self.config, "actor", curve_keys(secret_key, server_key))
         self.limits = hello.limits
-        self._conn.limits = hello.limits
         self.space: Space = space_from_json(hello.space)
         self.capacity = hello.capacity
         self.server_version = hello.server_version

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from h5replay import protocol as P
-from h5replay.client._connection import Connection, curve_keys
+from h5replay.client._connection import Connection, curve_keys, say_hello
 from h5replay.config import DEFAULT_ENDPOINT, ClientConfig
 from h5replay.errors import ProtocolError
 from h5replay.storage.spaces import (
@@ -67,13 +67,9 @@ class LearnerClient:
     ) -> None:
         self.config = config or ClientConfig(endpoint=endpoint, timeout=timeout, name=name or f"learner-{os.getpid()}")
         curve = curve_keys(secret_key, server_key)
-        self._conn = Connection(self.config.endpoint, self.config, curve=curve)
+        self._conn, hello = say_hello(self.config, "learner", curve)
         self._reads: Connection | None = None
         try:
-            hello = self._conn.request(lambda rid: P.Hello(rid, self.config.name, "learner"))
-            if not isinstance(hello, P.HelloReply):
-                raise ProtocolError(f"expected a hello reply, got {type(hello).__name__}")
-            self._conn.limits = hello.limits
             read_endpoint = _reachable(hello.read_endpoint, self.config.endpoint)
             if read_endpoint == self.config.endpoint:
                 self._reads = self._conn

@@ -87,7 +87,6 @@ class Server:
         ctx = zmq.Context()
         tmpdir = tempfile.mkdtemp(prefix="h5replay-")
         readers: ReaderPool | None = None
-        proxy: ReadProxy | None = None
         sock = ctx.socket(zmq.ROUTER)
         monitor = None
         auth: RoleAuthenticator | None = None
@@ -102,7 +101,7 @@ class Server:
             if config.num_readers:
                 backend = f"ipc://{tmpdir}/readers"
                 self._proxy_args = (ctx, config.resolved_read_bind, backend)
-                proxy = self._proxy = ReadProxy(ctx, config.resolved_read_bind, backend, self._configure)
+                self._proxy = self._start_proxy()
                 readers = ReaderPool(config.path, backend, config.num_readers, config.limits)
                 read_endpoint = config.advertise_read or config.resolved_read_bind
             else:
@@ -208,7 +207,7 @@ class Server:
                     readers.revive()
                     if self._proxy is not None and not self._proxy.alive:  # it logged why; learners must not stay cut off
                         self._proxy.stop()
-                        self._proxy = ReadProxy(*self._proxy_args, self._configure)
+                        self._proxy = self._start_proxy()
                 if auth is not None:
                     auth.reload()  # keys dropped into actors/ or learners/ are admitted
                 next_expire = now + 1.0
@@ -252,6 +251,10 @@ class Server:
             self._send(sock, service, identity, reply)
         if self._metrics is not None:
             self._metrics.observe(kind, time.perf_counter() - started)
+
+    def _start_proxy(self) -> ReadProxy:
+        ctx, front, back = self._proxy_args
+        return ReadProxy(ctx, front, back, self._configure)
 
     def _granted_role(self, body: list[zmq.Frame]) -> str | None:
         """The role authentication gave the sender (the ZAP User-Id), or None without --auth."""
