@@ -39,7 +39,7 @@ from h5replay.errors import (
     StorageError,
 )
 from h5replay.storage.hdf5 import INTERNAL_GROUP, HDF5Storage, h5_errors, normalize_index
-from h5replay.storage.indexing import write_rows
+from h5replay.storage.indexing import read_slice, write_rows
 from h5replay.storage.segment import SegmentWriter
 from h5replay.storage.spaces import Space
 
@@ -91,6 +91,7 @@ class ReplayBuffer:
         self._episode_arrays: tuple[np.ndarray, np.ndarray] | None = None
         self._begin = self._end = self._ep_begin = self._ep_end = self._open_start = self._seq = 0
         self._published = (0, 0)  # (begin, end) as last written to the file
+        self._state_row = np.empty(_STATE_LEN, dtype=np.int64)  # reused for every state read
         if raw:
             self._end = len(storage)
             return
@@ -179,8 +180,9 @@ class ReplayBuffer:
         """Read the published state; reload episodes when it changed. True when it changed."""
         with h5_errors("reading the replay state"):
             if self._is_reader:
-                self._state_ds.refresh()
-            state = self._state_ds[...]
+                # Low-level: a reader does this twice a request, and the row's shape never changes.
+                self._state_ds.id.refresh()
+            state = read_slice(self._state_ds, 0, _STATE_LEN, out=self._state_row)
         if int(state[0]) != _STATE_MARK:
             raise StorageError(f"{self.storage.filename!r} has a damaged replay state row: {state.tolist()}")
         if not force and int(state[6]) == self._seq:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import pickle
+import time
 
 import numpy as np
 import pytest
@@ -24,7 +25,7 @@ def episode(e: int) -> dict:
     }
 
 
-def reader(path: str, ready, done, out) -> None:
+def reader(path: str, ready, done, out, first_batch) -> None:
     """Samples while the writer commits; every row must belong to a whole committed episode."""
     rb = ReplayBuffer.load_from(path, read_only=True, multiprocessing=True)
     ready.set()
@@ -35,6 +36,7 @@ def reader(path: str, ready, done, out) -> None:
             continue
         got = rb.sample(32, rng)
         batches += 1
+        first_batch.set()
         for e, s, img in zip(got["episode"], got["step"], got["image"]):
             if s >= len(episode(int(e))["step"]) or np.any(img != e % 251):
                 problems.append((int(e), int(s)))
@@ -54,8 +56,8 @@ def test_reader_process_sees_only_committed_episodes(tmp_path, capacity):
     path = str(tmp_path / "rb.h5")
     rb = ReplayBuffer.create(SPACE, capacity, path, multiprocessing=True)
     ctx = mp.get_context("spawn")
-    ready, done, out = ctx.Event(), ctx.Event(), ctx.Queue()
-    proc = ctx.Process(target=reader, args=(path, ready, done, out))
+    ready, done, out, first_batch = ctx.Event(), ctx.Event(), ctx.Queue(), ctx.Event()
+    proc = ctx.Process(target=reader, args=(path, ready, done, out, first_batch))
     proc.start()
     try:
         assert ready.wait(20)
@@ -65,6 +67,9 @@ def test_reader_process_sees_only_committed_episodes(tmp_path, capacity):
             for i in range(len(data["step"])):
                 w.append({k: v[i] for k, v in data.items()})
             rb.commit_segment(w)
+            if e == 10:  # let the reader start sampling while the buffer still grows
+                assert first_batch.wait(20)
+            time.sleep(0.002)
             # an aborted episode in between must never be seen
             junk = rb.open_segment_writer()
             junk.extend({"episode": np.full(3, 10**6, np.int64), "step": np.zeros(3, np.int64),
