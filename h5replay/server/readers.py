@@ -1,8 +1,9 @@
 """Reader processes: serve learners' reads from their own SWMR view of the file.
 
-The writer process forwards the read endpoint to these processes through a ZeroMQ proxy thread
-(ROUTER in front, DEALER behind, no Python in the path). Each reader opens the file as an SWMR
-reader, so reads never hold up the writer's loop; it sees exactly what the writer published.
+A single reader binds the learners' endpoint itself. Several sit behind a ZeroMQ proxy thread in
+the writer process (ROUTER in front, DEALER behind, no Python in the path), which spreads the
+requests over them. Each reader opens the file as an SWMR reader, so reads never hold up the
+writer's loop; it sees exactly what the writer published.
 """
 
 from __future__ import annotations
@@ -20,7 +21,10 @@ import numpy as np
 import zmq
 
 from h5replay import protocol as P
+from h5replay.config import ServerConfig
+from h5replay.server.auth import RoleAuthenticator, server_keys
 from h5replay.server.handlers import read_reply
+from h5replay.server.sockets import configure_router
 from h5replay.storage.replay_buffer import ReplayBuffer
 
 __all__ = ["ReaderPool", "ReadProxy"]
@@ -30,26 +34,45 @@ _POLL_MS = 100
 
 
 def reader_main(
-    path: str, backend: str, ready: Any, stop: Any, counters: Any, index: int, limits: P.Limits
+    config: ServerConfig, endpoint: str, direct: bool, ready: Any, stop: Any, counters: Any, index: int
 ) -> None:
-    """Body of one reader process (spawned). Exits when `stop` is set or its parent dies."""
+    """Body of one reader process (spawned). Exits when `stop` is set or its parent dies.
+
+    `direct`: bind the learners' endpoint itself (a ROUTER, with its own authenticator under
+    --auth); otherwise connect a DEALER to the writer's proxy at `endpoint`.
+    """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the writer coordinates shutdown
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     parent = os.getppid()
-    buffer = ReplayBuffer.load_from(path, read_only=True, multiprocessing=True)
+    limits = config.limits
+    buffer = ReplayBuffer.load_from(config.path, read_only=True, multiprocessing=True)
     ctx = zmq.Context()
-    # DEALER, not REP: learners' DEALERs send no empty delimiter frame, so a REP would drop them.
-    sock = ctx.socket(zmq.DEALER)
+    auth: RoleAuthenticator | None = None
+    if direct:
+        curve = server_keys(config.auth_dir) if config.auth_dir else None
+        if config.auth_dir:
+            auth = RoleAuthenticator(ctx, config.auth_dir)
+            auth.start()
+        sock = ctx.socket(zmq.ROUTER)
+        configure_router(sock, config, curve, mandatory=False)
+        sock.bind(endpoint)
+    else:
+        # DEALER, not REP: learners' DEALERs send no empty delimiter frame, so a REP would drop them.
+        sock = ctx.socket(zmq.DEALER)
+        sock.connect(endpoint)
     sock.linger = 0
-    sock.connect(backend)
     rng = np.random.default_rng()
     ready.set()
+    next_reload = time.monotonic() + 1.0
     try:
         while not stop.is_set() and os.getppid() == parent:
+            if auth is not None and time.monotonic() >= next_reload:
+                auth.reload()  # it keeps the keys it had when a directory is empty or unreadable
+                next_reload = time.monotonic() + 1.0
             if not sock.poll(_POLL_MS):
                 continue
             routed = sock.recv_multipart(copy=False)
-            route, frames = routed[:1], routed[1:]  # the proxy's ROUTER put the learner's id first
+            route, frames = routed[:1], routed[1:]  # a ROUTER (ours or the proxy's) put the learner's id first
             try:
                 request = P.decode(frames, limits, expect=P.Request)
                 reply = read_reply(buffer, request, rng, limits)
@@ -61,9 +84,12 @@ def reader_main(
                 if reply.code == P.ErrorCode.INTERNAL.value:
                     log.exception("reader %d failed on a request", index)
             counters[2 * index] += 1
-            sock.send_multipart([*route, *P.encode(reply)], copy=False)
+            with contextlib.suppress(zmq.Again):  # a learner not reading its replies is not answered
+                sock.send_multipart([*route, *P.encode(reply)], flags=zmq.NOBLOCK, copy=False)
     finally:
         sock.close(0)
+        if auth is not None:
+            auth.stop()
         ctx.term()
         buffer.close()
 
@@ -129,20 +155,20 @@ class ReadProxy:
 class ReaderPool:
     """K reader processes; started after the writer holds the file in SWMR mode."""
 
-    def __init__(self, path: str, backend: str, num_readers: int, limits: P.Limits) -> None:
+    def __init__(self, config: ServerConfig, endpoint: str, direct: bool) -> None:
         self._ctx = mp.get_context("spawn")
-        self._path, self._backend, self._limits = path, backend, limits
-        self.counters = self._ctx.Array("q", 2 * max(1, num_readers), lock=False)
+        self._config, self._endpoint, self._direct = config, endpoint, direct
+        self.counters = self._ctx.Array("q", 2 * max(1, config.num_readers), lock=False)
         self._procs: list[Any] = []
         self._stops: list[Any] = []
-        for index in range(num_readers):
+        for index in range(config.num_readers):
             self._spawn(index)
 
     def _spawn(self, index: int) -> None:
         ready, stop = self._ctx.Event(), self._ctx.Event()
         proc = self._ctx.Process(
             target=reader_main,
-            args=(self._path, self._backend, ready, stop, self.counters, index, self._limits),
+            args=(self._config, self._endpoint, self._direct, ready, stop, self.counters, index),
             name=f"h5replay-reader-{index}",
             daemon=True,
         )

@@ -35,6 +35,7 @@ from h5replay.server.auth import RoleAuthenticator, server_keys
 from h5replay.server.handlers import READ_KINDS, Service
 from h5replay.server.metrics import Metrics
 from h5replay.server.readers import ReaderPool, ReadProxy
+from h5replay.server.sockets import configure_router
 from h5replay.storage.replay_buffer import ReplayBuffer
 
 __all__ = ["Server", "ServerProcess"]
@@ -98,11 +99,14 @@ class Server:
             self._configure(sock)
             sock.bind(config.bind)
             monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-            if config.num_readers:
+            if config.num_readers == 1:  # the reader binds the learners' endpoint itself: no hop
+                readers = ReaderPool(config, config.resolved_read_bind, direct=True)
+                read_endpoint = config.advertise_read or config.resolved_read_bind
+            elif config.num_readers > 1:  # a proxy thread (C, no GIL) spreads requests over the readers
                 backend = f"ipc://{tmpdir}/readers"
                 self._proxy_args = (ctx, config.resolved_read_bind, backend)
                 self._proxy = self._start_proxy()
-                readers = ReaderPool(config.path, backend, config.num_readers, config.limits)
+                readers = ReaderPool(config, backend, direct=False)
                 read_endpoint = config.advertise_read or config.resolved_read_bind
             else:
                 read_endpoint = config.bind  # the writer serves reads itself, on its own endpoint
@@ -158,20 +162,7 @@ class Server:
         return 0
 
     def _configure(self, sock: zmq.Socket[Any]) -> None:
-        config = self.config
-        sock.linger = 1000
-        sock.router_mandatory = 1
-        # libzmq disconnects a peer sending a larger frame, without a word; leave room above the
-        # message limit so that decode, which answers with an error naming the limit, sees it first.
-        sock.maxmsgsize = 2 * config.limits.max_message_bytes
-        sock.rcvhwm = config.max_in_flight
-        sock.sndhwm = max(1000, config.max_in_flight)
-        sock.heartbeat_ivl = int(config.heartbeat_interval * 1000)
-        sock.heartbeat_timeout = int(config.heartbeat_timeout * 1000)
-        sock.heartbeat_ttl = int(config.heartbeat_timeout * 1000)
-        if self._curve is not None:
-            sock.curve_server = True
-            sock.curve_publickey, sock.curve_secretkey = self._curve
+        configure_router(sock, self.config, self._curve, mandatory=True)
 
     def _loop(
         self, sock: zmq.Socket[Any], monitor: zmq.Socket[Any], service: Service, readers: ReaderPool | None,

@@ -294,6 +294,20 @@ def test_writer_serves_reads_when_there_are_no_reader_processes(start_server, tm
 
 
 @pytest.mark.timeout(60)
+def test_several_reader_processes_behind_the_proxy(start_server, tmp_path):
+    server = start_server(num_readers=2)
+    with ActorClient(server.endpoint, timeout=10) as actor, LearnerClient(server.endpoint, timeout=10) as learner:
+        episodes = [episode_rows(4, e, 20) for e in range(5)]
+        for rows in episodes:
+            actor.push_episode(rows)
+        for _ in range(20):  # the proxy spreads these over both readers
+            assert_rows_equal(learner.get(np.arange(40, 60)), episodes[2])
+            assert learner.sample(16)["step"].shape == (16,)
+        assert learner.info()["read_requests"] >= 40
+    assert server.stop() == 0
+
+
+@pytest.mark.timeout(60)
 def test_a_space_that_is_one_bare_leaf(start_server, tmp_path):
     space = BoxSpace(-1000, 1000, (3,), np.float32)
     server = start_server(space=space, capacity=50)
