@@ -224,6 +224,9 @@ def crash_learner_main(endpoint: str, seed: int, stop: Any, out: Any) -> None:
             failures[type(exc).__name__] = failures.get(type(exc).__name__, 0) + 1
             learner.close()
             learner = None
+        except Exception as exc:  # anything else is a bug: report it rather than vanish
+            problems.append(f"unexpected {type(exc).__name__}: {exc}")
+            break
     if learner is not None:
         learner.close()
     out.put(("learner", seed, problems[:20], reads, failures))

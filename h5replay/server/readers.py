@@ -55,7 +55,7 @@ def reader_main(
             auth.start()
         sock = ctx.socket(zmq.ROUTER)
         configure_router(sock, config, curve, mandatory=False)
-        sock.bind(endpoint)
+        _bind_when_free(sock, endpoint)
     else:
         # DEALER, not REP: learners' DEALERs send no empty delimiter frame, so a REP would drop them.
         sock = ctx.socket(zmq.DEALER)
@@ -92,6 +92,20 @@ def reader_main(
             auth.stop()
         ctx.term()
         buffer.close()
+
+
+def _bind_when_free(sock: zmq.Socket[Any], endpoint: str, timeout: float = 10.0) -> None:
+    """Bind, waiting out a reader of a killed server that still holds the port: it notices its
+    parent is gone and exits within a poll interval."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            sock.bind(endpoint)
+            return
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 class ReadProxy:
