@@ -24,7 +24,7 @@ import h5py
 import numpy as np
 
 from h5replay.errors import ClosedError
-from h5replay.storage.indexing import _plain_dtype, _raw_file_type
+from h5replay.storage.indexing import _plain_dtype, _raw_file_type, check_out
 
 __all__ = ["MappedRows"]
 
@@ -482,11 +482,4 @@ class MappedRows:
             raise ClosedError("this MappedRows was closed; open a new one with MappedRows.open")
 
     def _check_out(self, out: np.ndarray, shape: tuple[int, ...]) -> None:
-        if not isinstance(out, np.ndarray):
-            raise TypeError(f"out must be a numpy array, got {type(out).__name__}")
-        if out.shape != shape:
-            raise ValueError(f"out has shape {out.shape}, expected {shape}")
-        if out.dtype != self.dtype:
-            raise TypeError(f"out has dtype {out.dtype}, expected the dataset's {self.dtype}")
-        if not (out.flags.c_contiguous and out.flags.writeable):
-            raise ValueError("out must be a C-contiguous, writeable array")
+        check_out(out, shape, self.dtype)

@@ -414,6 +414,24 @@ def _raw_file_type(dtype: np.dtype[Any], file_type: h5py.h5t.TypeID) -> bool:
     return True
 
 
+
+def check_out(out: Any, shape: tuple[int, ...], dtype: np.dtype[Any]) -> None:
+    """Check an `out=` array for rows: an ndarray of exactly `shape` and `dtype`, C-contiguous
+    and writeable.
+
+    Raises:
+        TypeError: not an ndarray, or another dtype.
+        ValueError: another shape, or not C-contiguous and writeable.
+    """
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"out must be a numpy array, got {type(out).__name__}")
+    if out.shape != shape:
+        raise ValueError(f"out has shape {out.shape}, expected {shape}")
+    if out.dtype != dtype:
+        raise TypeError(f"out has dtype {out.dtype}, expected the dataset's {dtype}")
+    if not (out.flags.c_contiguous and out.flags.writeable):
+        raise ValueError("out must be a C-contiguous, writeable array")
+
 class _RowIO:
     """What one open dataset needs for low-level row I/O, computed once.
 
@@ -468,14 +486,7 @@ class _RowIO:
         expected = (n, *self.row_shape)
         if out is None:
             return np.empty(expected, dtype=self.out_dtype)
-        if not isinstance(out, np.ndarray):
-            raise TypeError(f"out must be a numpy array, got {type(out).__name__}")
-        if out.shape != expected:
-            raise ValueError(f"out has shape {out.shape}, expected {expected}")
-        if out.dtype != self.out_dtype:
-            raise TypeError(f"out has dtype {out.dtype}, expected the dataset's {self.out_dtype}")
-        if not (out.flags.c_contiguous and out.flags.writeable):
-            raise ValueError("out must be a C-contiguous, writeable array")
+        check_out(out, expected, self.out_dtype)
         return out
 
     def choose(self, n: int, num_runs: int, span: int) -> str:
