@@ -723,9 +723,7 @@ class HDF5Storage:
     def _mapped_rows(self, flat: np.ndarray) -> dict[str, np.ndarray] | None:
         out = {}
         for path, _ in self._leaves:
-            if path not in self._mapped:
-                self._mapped[path] = MappedRows.open(self._datasets[path])
-            mapped = self._mapped[path]
+            mapped = self._mapping(path)
             rows = None if mapped is None else mapped.take_checked(flat)
             if rows is None:
                 return None
@@ -758,7 +756,7 @@ class HDF5Storage:
                 return read_slice(ds, start, stop)
             idx: np.ndarray = where
             flat = idx.reshape(-1)
-            rows = self._mapped_read(path, ds, flat)
+            rows = self._mapped_read(path, flat)
             if rows is None:
                 if flat.size > 1 and np.all(flat[1:] > flat[:-1]):
                     rows = read_sorted_unique_rows(ds, flat)
@@ -767,14 +765,18 @@ class HDF5Storage:
                     rows = read_sorted_unique_rows(ds, unique)[inverse.reshape(-1)]
             return rows.reshape(idx.shape + rows.shape[1:])
 
-    def _mapped_read(self, path: str, ds: h5py.Dataset, flat: np.ndarray) -> np.ndarray | None:
+    def _mapped_read(self, path: str, flat: np.ndarray) -> np.ndarray | None:
         # The map sees only what reached the file: skip it while this process has unflushed writes.
         if self._dirty or flat.size < 2:
             return None
-        if path not in self._mapped:
-            self._mapped[path] = MappedRows.open(ds)
-        mapped = self._mapped[path]
+        mapped = self._mapping(path)
         return None if mapped is None else mapped.take_checked(flat)
+
+    def _mapping(self, path: str) -> MappedRows | None:
+        """The leaf's memory map, opened on first use (None when its layout cannot be mapped)."""
+        if path not in self._mapped:
+            self._mapped[path] = MappedRows.open(self._datasets[path])
+        return self._mapped[path]
 
     def get_column(self, nested_keys: str | Sequence[str]) -> HDF5Storage:
         """A storage over the sub-space at `nested_keys` ("obs/image" or ("obs", "image")), sharing
