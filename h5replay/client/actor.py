@@ -236,8 +236,12 @@ class ActorSegment:
         while self._pending:
             self._settle_oldest()
         segment_id = self.segment_id
+        return self._conclude(lambda rid: P.Commit(rid, segment_id))
+
+    def _conclude(self, request: Any) -> Receipt:
+        """Send the request that commits the episode; its reply is the receipt."""
         try:
-            reply = self._conn.request(lambda rid: P.Commit(rid, segment_id))
+            reply = self._conn.request(request)
         except BaseException:
             self._state = "failed"
             raise
@@ -254,14 +258,7 @@ class ActorSegment:
             self.receipt = Receipt(-1, -1, 0)
             return self.receipt
         arrays = {path: rows[:n] for path, rows in batch.items()}
-        try:
-            reply = self._conn.request(lambda rid: P.PushEpisode(rid, n, arrays))
-        except BaseException:
-            self._state = "failed"
-            raise
-        self._state = "committed"
-        self.receipt = Receipt(reply.episode_id, reply.start, reply.length)  # type: ignore[attr-defined]
-        return self.receipt
+        return self._conclude(lambda rid: P.PushEpisode(rid, n, arrays))
 
     def abort(self) -> None:
         """Drop the episode: nothing of it becomes visible. Safe to call twice."""
