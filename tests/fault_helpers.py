@@ -15,7 +15,6 @@ import logging
 import os
 import random
 import resource
-import signal
 import socket
 import subprocess
 import sys
@@ -27,12 +26,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from service_helpers import EPISODE_SPACE, SPAWN, episode_problems, episode_rows, row_problems
+from service_helpers import EPISODE_SPACE, episode_problems, episode_rows, row_problems
 
 from h5replay.client import ActorClient, LearnerClient
 from h5replay.config import ClientConfig, ServerConfig
 from h5replay.errors import H5ReplayError, NotEnoughDataError
-from h5replay.server import Server
+from h5replay.server import Server, ServerProcess
 from h5replay.storage import ReplayBuffer
 
 __all__ = [
@@ -44,7 +43,7 @@ __all__ = [
 # ------------------------------------------------------------------------------- a limited server
 
 
-def limited_server_main(config: ServerConfig, ready: Any, fsize_bytes: int, log_level: int) -> None:
+def limited_server_main(config: ServerConfig, ready: Any, log_level: int, fsize_bytes: int) -> None:
     """Run a server whose files may not grow past `fsize_bytes` (RLIMIT_FSIZE): a disk that fills up.
 
     The server ignores SIGXFSZ itself, so a write past the limit fails with EFBIG instead of
@@ -55,39 +54,13 @@ def limited_server_main(config: ServerConfig, ready: Any, fsize_bytes: int, log_
     raise SystemExit(Server(config).run(ready))
 
 
-class LimitedServer:
-    """`limited_server_main` in a spawned process; started ready, like ServerProcess."""
+class LimitedServer(ServerProcess):
+    """`limited_server_main` in a spawned process; started ready, stopped, killed as ServerProcess."""
+
+    child_main = staticmethod(limited_server_main)
 
     def __init__(self, config: ServerConfig, fsize_bytes: int, timeout: float = 60.0) -> None:
-        self.config = config
-        ready = SPAWN.Event()
-        self.process = SPAWN.Process(
-            target=limited_server_main, args=(config, ready, fsize_bytes, logging.WARNING), name="h5replay-limited"
-        )
-        self.process.start()
-        deadline = time.monotonic() + timeout
-        while not ready.wait(0.05):
-            if not self.process.is_alive() or time.monotonic() > deadline:
-                self.kill()
-                raise RuntimeError(f"the limited server did not start (exit code {self.process.exitcode})")
-
-    @property
-    def endpoint(self) -> str:
-        return self.config.bind
-
-    def stop(self, timeout: float = 30.0) -> int | None:
-        if self.process.is_alive():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(self.process.pid or 0), signal.SIGTERM)
-            self.process.join(timeout)
-        if self.process.is_alive():
-            self.kill()
-        return self.process.exitcode
-
-    def kill(self) -> None:
-        if self.process.is_alive():
-            self.process.kill()
-        self.process.join(10)
+        super().__init__(config, timeout, logging.WARNING, child_args=(fsize_bytes,))
 
 
 # ------------------------------------------------------------------------- drain a results queue

@@ -278,13 +278,23 @@ def _serve_in_child(config: ServerConfig, ready: Any, log_level: int) -> None:
 
 
 class ServerProcess:
-    """A server in a background (spawned) process: started ready, stopped by SIGTERM."""
+    """A server in a background (spawned) process: started ready, stopped by SIGTERM.
 
-    def __init__(self, config: ServerConfig, timeout: float = 60.0, log_level: int = logging.WARNING) -> None:
+    `child_main(config, ready, log_level, *child_args)` runs in the child; a subclass may name
+    another (a module-level function, so the spawned child can import it).
+    """
+
+    child_main = staticmethod(_serve_in_child)
+
+    def __init__(
+        self, config: ServerConfig, timeout: float = 60.0, log_level: int = logging.WARNING, child_args: tuple[Any, ...] = ()
+    ) -> None:
         self.config = config
         ctx = mp.get_context("spawn")
         ready = ctx.Event()
-        self.process = ctx.Process(target=_serve_in_child, args=(config, ready, log_level), name="h5replay-server")
+        self.process = ctx.Process(
+            target=type(self).child_main, args=(config, ready, log_level, *child_args), name="h5replay-server"
+        )
         self.process.start()
         deadline = time.monotonic() + timeout
         while not ready.wait(0.05):
