@@ -319,7 +319,7 @@ class _Progress:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from h5replay.storage.replay_buffer import export_file
+    from h5replay.storage import export_file
 
     export_file(args.path, args.out, overwrite=args.overwrite, progress=_Progress("export"), **_layout_kwargs(args))
     print(f"wrote {args.out}")
@@ -329,7 +329,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_compact(args: argparse.Namespace) -> int:
     import os
 
-    from h5replay.storage.replay_buffer import compact_file
+    from h5replay.storage import compact_file
 
     before = os.path.getsize(args.path)
     compact_file(args.path, progress=_Progress("compact"), **_layout_kwargs(args))

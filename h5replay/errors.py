@@ -10,6 +10,7 @@ Callers catch one root, or one branch, and never parse messages::
     │   └── FormatVersionError                          the file was written by an unknown h5replay format
     ├── SegmentStateError           (also RuntimeError) a segment writer used after commit/abort, or misused
     ├── NotEnoughDataError          (also ValueError)   sampling asks for more than the buffer holds
+    ├── EvictedError                (also IndexError)   a row id is no longer held (the ring moved past it)
     ├── ProtocolError                                   malformed message, unknown kind, version mismatch
     │   ├── UnsupportedVersionError                     the peer speaks another protocol version
     │   └── LimitExceededError                          a request is over a limit; the message names it
@@ -31,6 +32,7 @@ __all__ = [
     "FormatVersionError",
     "SegmentStateError",
     "NotEnoughDataError",
+    "EvictedError",
     "ProtocolError",
     "UnsupportedVersionError",
     "LimitExceededError",
@@ -70,6 +72,10 @@ class SegmentStateError(H5ReplayError, RuntimeError):
 
 class NotEnoughDataError(H5ReplayError, ValueError):
     """Sampling from an empty buffer, or asking for sequences longer than every episode held."""
+
+
+class EvictedError(H5ReplayError, IndexError):
+    """A row id asked for is no longer held: the ring overwrote it, or `clear()` dropped it."""
 
 
 class ProtocolError(H5ReplayError):

@@ -10,9 +10,16 @@ A message is a list of frames. Frame 0 is a msgpack map, the header::
      "arrays": [["obs/image", "|u1", [64, 84, 84, 3]], ["reward", "<f4", [64]]]}
 
 Each array the header lists follows as its own raw frame (C order, exactly prod(shape) * itemsize
-bytes). A message's own array fields (``indices``, ``starts``, ``segments``: int64) come first in the
-order below, then the leaf arrays keyed by leaf path ('obs/image'; 'data' when the space is a single
-leaf), each in the leaf's storage dtype: bool, int, uint, float, or fixed bytes ``S{k}`` for text.
+bytes). A message's own array fields (``indices``, ``row_ids``, ``episodes``: int64; ``episode_ids``:
+uint64; ``probabilities``: float64) come first in the order below, then the leaf arrays keyed by leaf
+path ('obs/image'; 'data' when the space is a single leaf), each in the leaf's storage dtype: bool,
+int, uint, float, or fixed bytes ``S{k}`` for text.
+
+Ids are global (see h5replay.records): a row id never changes while the row is held and is never
+reused. Every read reply says which published state ("view") answered it: ``seq`` (the journal's
+publish counter), ``generation`` (its clear counter) and the row ids ``begin`` (oldest held) and
+``end`` (the next to be given). A learner sends the highest ``seq`` it has seen as ``min_seq``, and
+a reader never answers from an older state, so a learner's view never goes back in time.
 
 A reply has kind "reply", ``"ok": true`` and ``"for": <the kind it answers>``. An error reply is
 ``{"version", "kind": "reply", "id", "ok": false, "fields": {"code", "message"}, "arrays": []}``;
@@ -24,21 +31,30 @@ kind               sent by      request fields                       reply field
 =================  ===========  ===================================  =======================================
 hello              any client   client_name, role                    space (JSON), capacity (int|None),
                                 ('actor' | 'learner')                length, num_episodes, server_version,
-                                                                     protocol_version, limits, read_endpoint
+                                                                     protocol_version, limits, read_endpoint,
+                                                                     replay_id, instance_id
 open_segment       actor        -                                    segment_id
 append             actor        segment_id, num_rows, leaf arrays    segment_length
-commit             actor        segment_id                           start, length, episode_id
+commit             actor        segment_id                           episode_id, first_row_id (nil when
+                                                                     empty), length
 abort              actor        segment_id                           -
-push_episode       actor        num_rows, leaf arrays                start, length, episode_id
-get                learner      indices: int64 (n,)                  num_rows, leaf arrays (n, ...)
-sample             learner      batch_size, seed (int|None)          indices: int64 (b,), leaf arrays (b, ...)
-sample_sequences   learner      batch_size, length, seed (int|None)  starts: int64 (b,), leaf arrays
-                                                                     (b, length, ...)
-segments           learner      -                                    segments: int64 (n, 2) of (start, length)
+push_episode       actor        num_rows, leaf arrays                episode_id, first_row_id, length
+get                learner      min_seq, indices: int64 (n,)         view, row_ids (n,), leaf arrays (n, ...)
+                                (logical: 0 is the oldest row held)
+get_rows           learner      min_seq, row_ids: int64 (n,)         view, leaf arrays (n, ...)
+sample             learner      batch_size, seed (int|None),         view, row_ids (b,), episode_ids (b,),
+                                min_seq                              probabilities (b,), leaf arrays (b, ...)
+sample_sequences   learner      batch_size, length, seed, min_seq,   view, row_ids, episode_ids, probabilities
+                                with_rows (bool)                     (of each window's first row), leaf
+                                                                     arrays (b, length, ...) when with_rows
+episodes           learner      min_seq                              view, episodes: int64 (n, 3) of
+                                                                     (episode_id, first_row_id, length)
 info               any client   -                                    stats: {name: scalar}
 heartbeat          any client   -                                    -
 reply              server       answers any request                  on error: code, message
 =================  ===========  ===================================  =======================================
+
+"view" is the four fields seq, generation, begin, end.
 
 Every request gets exactly one reply with the same ``request_id``. A changed message bumps
 PROTOCOL_VERSION and extends tests/property/test_protocol_roundtrip.py.
@@ -63,6 +79,7 @@ from numpy.typing import NDArray
 from h5replay.errors import (
     ClosedError,
     ConfigError,
+    EvictedError,
     LimitExceededError,
     NotEnoughDataError,
     ProtocolError,
@@ -79,16 +96,17 @@ if TYPE_CHECKING:
     from h5replay.storage.spaces import LeafSpace, Space
 
 __all__ = [
-    "PROTOCOL_VERSION", "ROWS_MESSAGE_OVERHEAD", "ROLES", "Kind", "ErrorCode", "ERROR_CLASSES", "Limits", "DEFAULT_LIMITS",
+    "PROTOCOL_VERSION", "ROWS_MESSAGE_OVERHEAD", "ID_BYTES", "SAMPLE_INFO_BYTES", "ROLES", "Kind", "ErrorCode", "ERROR_CLASSES", "Limits", "DEFAULT_LIMITS",
     "Message", "Request", "Reply", "Hello", "OpenSegment", "Append", "Commit", "Abort", "PushEpisode",
-    "Get", "Sample", "SampleSequences", "Segments", "Info", "Heartbeat", "HelloReply",
+    "Get", "GetRows", "Sample", "SampleSequences", "Episodes", "Info", "Heartbeat", "HelloReply",
     "OpenSegmentReply", "AppendReply", "CommitReply", "AbortReply", "PushEpisodeReply", "GetReply",
-    "SampleReply", "SampleSequencesReply", "SegmentsReply", "InfoReply", "HeartbeatReply", "ErrorReply",
+    "GetRowsReply", "SampleReply", "SampleSequencesReply", "EpisodesReply", "InfoReply", "HeartbeatReply",
+    "ErrorReply", "ReadReply",
     "encode", "decode", "peek_request_id", "error_to_exception", "exception_to_error", "check_rows",
     "wire_leaves",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 ROLES = ("actor", "learner")
 
 Array = NDArray[Any]
@@ -105,9 +123,10 @@ class Kind(str, Enum):
     ABORT = "abort"
     PUSH_EPISODE = "push_episode"
     GET = "get"
+    GET_ROWS = "get_rows"
     SAMPLE = "sample"
     SAMPLE_SEQUENCES = "sample_sequences"
-    SEGMENTS = "segments"
+    EPISODES = "episodes"
     INFO = "info"
     HEARTBEAT = "heartbeat"
     REPLY = "reply"
@@ -121,6 +140,7 @@ class ErrorCode(str, Enum):
     LIMIT_EXCEEDED = "limit_exceeded"  # the message names the limit
     SPACE_MISMATCH = "space_mismatch"  # arrays do not fit the space: missing/extra key, dtype, shape, text
     INDEX_OUT_OF_RANGE = "index_out_of_range"
+    EVICTED = "evicted"  # a row id is no longer held
     NOT_ENOUGH_DATA = "not_enough_data"  # sampling before the buffer holds enough; retry later
     UNKNOWN_SEGMENT = "unknown_segment"  # no open segment of that id for this client
     READ_ONLY = "read_only"  # a learner tried to write, or the store is read-only
@@ -138,6 +158,7 @@ ERROR_CLASSES: Mapping[str, type[Exception]] = {
     ErrorCode.LIMIT_EXCEEDED.value: LimitExceededError,
     ErrorCode.SPACE_MISMATCH.value: SpaceMismatchError,
     ErrorCode.INDEX_OUT_OF_RANGE.value: IndexError,
+    ErrorCode.EVICTED.value: EvictedError,
     ErrorCode.NOT_ENOUGH_DATA.value: NotEnoughDataError,
     ErrorCode.UNKNOWN_SEGMENT.value: SegmentStateError,
     ErrorCode.READ_ONLY.value: ReadOnlyError,
@@ -154,6 +175,7 @@ _CODE_OF_EXCEPTION: tuple[tuple[type[BaseException], ErrorCode], ...] = (
     (ProtocolError, ErrorCode.BAD_REQUEST),
     (ConfigError, ErrorCode.BAD_REQUEST),  # an argument the server cannot use (e.g. a bad seed)
     (SpaceMismatchError, ErrorCode.SPACE_MISMATCH),
+    (EvictedError, ErrorCode.EVICTED),
     (IndexError, ErrorCode.INDEX_OUT_OF_RANGE),
     (NotEnoughDataError, ErrorCode.NOT_ENOUGH_DATA),
     (SegmentStateError, ErrorCode.UNKNOWN_SEGMENT),
@@ -238,6 +260,10 @@ DEFAULT_LIMITS = Limits()
 #: Bytes to leave for the header when sizing a message that carries rows (append, reply to a read):
 #: rows * row_bytes + ROWS_MESSAGE_OVERHEAD must stay within max_message_bytes.
 ROWS_MESSAGE_OVERHEAD = 16 * 1024
+#: Bytes a row id takes on the wire (get's indices and reply ids, get_rows' ids).
+ID_BYTES = 8
+#: Bytes a sample reply adds per sample: its row id, episode id and probability.
+SAMPLE_INFO_BYTES = 24
 
 # ---------------------------------------------------------------------------------------- messages
 
@@ -315,6 +341,7 @@ class PushEpisode(Request):
 @dataclass(frozen=True)
 class Get(Request):
     KIND = Kind.GET
+    min_seq: int
     indices: Array
 
     def _validate(self, limits: Limits) -> None:
@@ -322,10 +349,23 @@ class Get(Request):
 
 
 @dataclass(frozen=True)
+class GetRows(Request):
+    KIND = Kind.GET_ROWS
+    min_seq: int
+    row_ids: Array
+
+    def _validate(self, limits: Limits) -> None:
+        _check_rows_limit(len(self.row_ids), "row_ids", limits)
+        if len(self.row_ids) and int(np.min(self.row_ids)) < 0:
+            raise ProtocolError(f"row ids must be >= 0, got {int(np.min(self.row_ids))}")
+
+
+@dataclass(frozen=True)
 class Sample(Request):
     KIND = Kind.SAMPLE
     batch_size: int
     seed: int | None = None
+    min_seq: int = 0
 
 
 @dataclass(frozen=True)
@@ -334,16 +374,20 @@ class SampleSequences(Request):
     batch_size: int
     length: int
     seed: int | None = None
+    min_seq: int = 0
+    with_rows: bool = True  # False: only the windows' ids (the learner then fetches rows by id)
 
     def _validate(self, limits: Limits) -> None:
         if self.length < 1:
             raise ProtocolError(f"field 'length' must be >= 1, got {self.length}")
-        _check_rows_limit(self.batch_size * self.length, "batch_size * length", limits)
+        if self.with_rows:
+            _check_rows_limit(self.batch_size * self.length, "batch_size * length", limits)
 
 
 @dataclass(frozen=True)
-class Segments(Request):
-    KIND = Kind.SEGMENTS
+class Episodes(Request):
+    KIND = Kind.EPISODES
+    min_seq: int = 0
 
 
 @dataclass(frozen=True)
@@ -366,7 +410,9 @@ class HelloReply(Reply):
     server_version: str
     protocol_version: int
     limits: Limits
-    read_endpoint: str  # where learners send get/sample/segments (reader processes)
+    read_endpoint: str  # where learners send their reads (reader processes)
+    replay_id: str  # the file's UUID: tells this replay from any other
+    instance_id: str  # this server process's UUID: tells a restarted server from the same one
 
 
 @dataclass(frozen=True)
@@ -384,9 +430,9 @@ class AppendReply(Reply):
 @dataclass(frozen=True)
 class CommitReply(Reply):
     KIND = Kind.COMMIT
-    start: int  # logical index of the episode's first row
+    episode_id: int | None  # None: the segment was empty, nothing was recorded
+    first_row_id: int | None
     length: int
-    episode_id: int
 
 
 @dataclass(frozen=True)
@@ -397,14 +443,35 @@ class AbortReply(Reply):
 @dataclass(frozen=True)
 class PushEpisodeReply(Reply):
     KIND = Kind.PUSH_EPISODE
-    start: int
+    episode_id: int | None
+    first_row_id: int | None
     length: int
-    episode_id: int
 
 
 @dataclass(frozen=True)
-class GetReply(Reply):
+class ReadReply(Reply):
+    """Base of the replies to reads: the published state ("view") that answered."""
+
+    seq: int
+    generation: int
+    begin: int  # id of the oldest row held
+    end: int  # id the next committed row gets
+
+
+@dataclass(frozen=True)
+class GetReply(ReadReply):
     KIND = Kind.GET
+    row_ids: Array
+    arrays: Arrays
+
+    def _validate(self, limits: Limits) -> None:
+        _check_rows_limit(len(self.row_ids), "row_ids", limits)
+        _check_leading(self.arrays, len(self.row_ids))
+
+
+@dataclass(frozen=True)
+class GetRowsReply(ReadReply):
+    KIND = Kind.GET_ROWS
     num_rows: int
     arrays: Arrays
 
@@ -413,35 +480,41 @@ class GetReply(Reply):
 
 
 @dataclass(frozen=True)
-class SampleReply(Reply):
+class SampleReply(ReadReply):
     KIND = Kind.SAMPLE
-    indices: Array
+    row_ids: Array
+    episode_ids: Array
+    probabilities: Array
     arrays: Arrays
 
     def _validate(self, limits: Limits) -> None:
-        _check_rows_limit(len(self.indices), "indices", limits)
-        _check_leading(self.arrays, len(self.indices))
+        _check_rows_limit(len(self.row_ids), "row_ids", limits)
+        _check_info(self.row_ids, self.episode_ids, self.probabilities)
+        _check_leading(self.arrays, len(self.row_ids))
 
 
 @dataclass(frozen=True)
-class SampleSequencesReply(Reply):
+class SampleSequencesReply(ReadReply):
     KIND = Kind.SAMPLE_SEQUENCES
-    starts: Array
-    arrays: Arrays  # each (batch, length, ...)
+    row_ids: Array  # of each window's first row
+    episode_ids: Array
+    probabilities: Array
+    arrays: Arrays  # each (batch, length, ...); none when the request asked for ids only
 
     def _validate(self, limits: Limits) -> None:
-        _check_leading(self.arrays, len(self.starts))
+        _check_info(self.row_ids, self.episode_ids, self.probabilities)
+        _check_leading(self.arrays, len(self.row_ids))
         lengths = {np.shape(a)[1] if np.ndim(a) >= 2 else -1 for a in self.arrays.values()}
         if len(lengths) > 1 or -1 in lengths:
             shapes = {name: np.shape(a) for name, a in self.arrays.items()}
             raise ProtocolError(f"sequence arrays must all be (batch, length, ...), got shapes {shapes}")
-        _check_rows_limit(len(self.starts) * max(lengths, default=0), "batch_size * length", limits)
+        _check_rows_limit(len(self.row_ids) * max(lengths, default=0), "batch_size * length", limits)
 
 
 @dataclass(frozen=True)
-class SegmentsReply(Reply):
-    KIND = Kind.SEGMENTS
-    segments: Array  # int64 (n, 2): (start, length) per committed episode, oldest first
+class EpisodesReply(ReadReply):
+    KIND = Kind.EPISODES
+    episodes: Array  # int64 (n, 3): (episode_id, first_row_id, length) per complete episode, oldest first
 
 
 @dataclass(frozen=True)
@@ -478,13 +551,13 @@ class ErrorReply(Reply):
 
 _REQUEST_CLASSES: dict[str, type[Request]] = {
     c.KIND.value: c
-    for c in (Hello, OpenSegment, Append, Commit, Abort, PushEpisode, Get, Sample, SampleSequences,
-              Segments, Info, Heartbeat)
+    for c in (Hello, OpenSegment, Append, Commit, Abort, PushEpisode, Get, GetRows, Sample, SampleSequences,
+              Episodes, Info, Heartbeat)
 }
 _REPLY_CLASSES: dict[str, type[Reply]] = {
     c.KIND.value: c
     for c in (HelloReply, OpenSegmentReply, AppendReply, CommitReply, AbortReply, PushEpisodeReply,
-              GetReply, SampleReply, SampleSequencesReply, SegmentsReply, InfoReply, HeartbeatReply)
+              GetReply, GetRowsReply, SampleReply, SampleSequencesReply, EpisodesReply, InfoReply, HeartbeatReply)
 }
 
 # --------------------------------------------------------------------------------- field checks
@@ -576,15 +649,38 @@ def _limits(value: Any, name: str, limits: Limits) -> Limits:
     return Limits.from_json(value)
 
 
+def _bool(value: Any, name: str, limits: Limits) -> bool:
+    if type(value) is not bool:
+        raise ProtocolError(f"field {name!r} must be a bool, got {_show(value)}")
+    return value
+
+
 _SCALAR_CHECKS: dict[str, Callable[[Any, str, Limits], Any]] = {
     "client_name": _client_name, "role": _role, "segment_id": _uint, "num_rows": _rows,
-    "batch_size": _batch_size, "length": _uint, "seed": _optional_uint, "start": _uint,
-    "episode_id": _uint, "segment_length": _uint, "capacity": _optional_uint, "num_episodes": _uint,
+    "batch_size": _batch_size, "length": _uint, "seed": _optional_uint, "first_row_id": _optional_uint,
+    "episode_id": _optional_uint, "segment_length": _uint, "capacity": _optional_uint, "num_episodes": _uint,
     "server_version": _text, "protocol_version": _uint, "space": _json_map, "limits": _limits,
-    "stats": _stats, "code": _text, "message": _text, "read_endpoint": _text,
+    "stats": _stats, "code": _text, "message": _text, "read_endpoint": _text, "replay_id": _text,
+    "instance_id": _text, "min_seq": _uint, "seq": _uint, "generation": _uint, "begin": _uint, "end": _uint,
+    "with_rows": _bool,
 }
-# Array fields: always int64, of this many dimensions ('segments' is (n, 2)).
-_ARRAY_FIELDS: dict[str, int] = {"indices": 1, "starts": 1, "segments": 2}
+
+
+@dataclass(frozen=True)
+class _ArrayField:
+    dtype: np.dtype[Any]
+    ndim: int
+    columns: int | None = None  # the second axis of a 2-d field
+
+
+# A message's own arrays: one dtype and shape each, whatever message carries them.
+_ARRAY_FIELDS: dict[str, _ArrayField] = {
+    "indices": _ArrayField(np.dtype("<i8"), 1),
+    "row_ids": _ArrayField(np.dtype("<i8"), 1),
+    "episode_ids": _ArrayField(np.dtype("<u8"), 1),
+    "probabilities": _ArrayField(np.dtype("<f8"), 1),
+    "episodes": _ArrayField(np.dtype("<i8"), 2, 3),
+}
 
 
 @dataclass(frozen=True)
@@ -612,6 +708,12 @@ def _layout(cls: type[Message]) -> _Layout:
 
 
 _LAYOUTS = {cls: _layout(cls) for cls in [*_REQUEST_CLASSES.values(), *_REPLY_CLASSES.values(), ErrorReply]}
+
+
+def _check_info(row_ids: Array, episode_ids: Array, probabilities: Array) -> None:
+    if not len(row_ids) == len(episode_ids) == len(probabilities):
+        raise ProtocolError(f"row_ids, episode_ids and probabilities must have one entry per sample, got "
+                            f"{len(row_ids)}, {len(episode_ids)} and {len(probabilities)}")
 
 
 def _check_leading(arrays: Arrays, num_rows: int) -> None:
@@ -677,14 +779,14 @@ def _field_to_wire(value: Any) -> Any:
     return value.to_json() if isinstance(value, Limits) else value
 
 
-def _int64_field(value: Any, name: str) -> Array:
+def _own_array(value: Any, name: str) -> Array:
+    spec = _ARRAY_FIELDS[name]
     arr = np.asarray(value)
     if arr.size == 0:
-        arr = arr.astype(np.int64)
-    if arr.dtype.kind not in "iu" or arr.ndim != _ARRAY_FIELDS[name]:
-        raise ProtocolError(f"array field {name!r} must be a {_ARRAY_FIELDS[name]}-d integer array, "
-                            f"got {arr.dtype} {arr.shape}")
-    return np.ascontiguousarray(arr, dtype=np.int64)
+        arr = arr.astype(spec.dtype).reshape((0,) if spec.ndim == 1 else (0, spec.columns or 0))
+    if arr.dtype.kind not in ("f" if spec.dtype.kind == "f" else "iu") or arr.ndim != spec.ndim:
+        raise ProtocolError(f"array field {name!r} must be a {spec.ndim}-d {spec.dtype} array, got {arr.dtype} {arr.shape}")
+    return np.ascontiguousarray(arr, dtype=spec.dtype)
 
 
 def _leaf_array(value: Any, name: str) -> Array:
@@ -711,7 +813,7 @@ def encode(msg: Message, limits: Limits | None = None) -> list[bytes | memoryvie
         LimitExceededError: the message is over `limits`.
     """
     layout = _LAYOUTS[type(msg)]
-    arrays = [(name, _int64_field(getattr(msg, name), name)) for name in layout.array_fields]
+    arrays = [(name, _own_array(getattr(msg, name), name)) for name in layout.array_fields]
     if layout.has_leaves:
         arrays += [(name, _leaf_array(a, name)) for name, a in getattr(msg, "arrays").items()]  # noqa: B009
     header: dict[str, Any] = {"version": PROTOCOL_VERSION, "kind": msg.KIND.value, "id": msg.request_id}
@@ -877,11 +979,12 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS, *, expect: ty
         raise ProtocolError(f"{cls.__name__} starts with arrays {list(layout.array_fields)}, "
                             f"got {[name for name, _ in arrays[:num_fixed]]}")
     for name, arr in arrays[:num_fixed]:
-        if arr.dtype.kind != "i" or arr.itemsize != 8 or arr.ndim != _ARRAY_FIELDS[name] or (
-                arr.ndim == 2 and arr.shape[1] != 2):
-            raise ProtocolError(f"array field {name!r} must be int64 of {_ARRAY_FIELDS[name]} dims, "
-                                f"got {arr.dtype.str} {arr.shape}")
-        values[name] = arr if arr.dtype.isnative else arr.astype(np.int64)
+        spec = _ARRAY_FIELDS[name]
+        if arr.dtype.newbyteorder("<") != spec.dtype or arr.ndim != spec.ndim or (
+                spec.columns is not None and arr.shape[1] != spec.columns):
+            shape = f"(n, {spec.columns})" if spec.columns else "(n,)"
+            raise ProtocolError(f"array field {name!r} must be {spec.dtype} of shape {shape}, got {arr.dtype.str} {arr.shape}")
+        values[name] = arr if arr.dtype.isnative else arr.astype(spec.dtype.newbyteorder("="))
     leaves = dict(arrays[num_fixed:])
     if len(leaves) != len(arrays) - num_fixed:
         raise ProtocolError(f"leaf array names must be unique, got {[name for name, _ in arrays[num_fixed:]]}")

@@ -94,7 +94,7 @@ def crash_actor_main(endpoint: str, actor: int, seed: int, max_len: int, stop: A
 
     Every episode is tried once, under a new (actor, episode) id, and reported on `out`:
       ("start", actor, episode, length, will_abort)   before its first request
-      ("ack", actor, episode, length, episode_id)      its commit was acknowledged
+      ("ack", actor, episode, length, episode_id, first_row_id)  its commit was acknowledged
       ("lost", actor, episode, phase)                  a request failed (server gone): not retried
       ("aborted", actor, episode)                      given up on purpose after streaming half
       ("wrong", actor, episode, length, receipt)       acknowledged with another length (a bug)
@@ -150,7 +150,7 @@ def crash_actor_main(endpoint: str, actor: int, seed: int, max_len: int, stop: A
             out.put(("wrong", actor, e, n, tuple(receipt)))
             continue
         acks += 1
-        out.put(("ack", actor, e, n, int(receipt.episode_id)))
+        out.put(("ack", actor, e, n, int(receipt.episode_id), int(receipt.first_row_id)))
     if client is not None:
         client.close()
     out.put(("done", actor, acks, lost))
@@ -161,9 +161,9 @@ def crash_actor_main(endpoint: str, actor: int, seed: int, max_len: int, stop: A
 def crash_learner_main(endpoint: str, seed: int, stop: Any, out: Any) -> None:
     """Sample and read from a server that gets killed and restarted; check every row read.
 
-    A row must be self-consistent (obs matches actor, episode, step) and a sampled window must lie
-    in one episode, in order. Whole segments are not checked here: between get_segments and get
-    the ring may move. Puts ("learner", seed, problems, reads, failures) on `out` at the end.
+    A row must be self-consistent (obs matches actor, episode, step), a sampled window must lie in
+    one episode, in order, and an episode read by its row ids must come back whole (or not at all,
+    once the ring has evicted it). Puts ("learner", seed, problems, reads, failures) on `out`.
     """
     rng = np.random.default_rng(seed)
     config = ClientConfig(endpoint=endpoint, timeout=1.0, name=f"crash-learner-{seed}", heartbeat_interval=0.2)
@@ -187,11 +187,14 @@ def crash_learner_main(endpoint: str, seed: int, stop: Any, out: Any) -> None:
                 problems.append("a sampled window crosses an episode boundary or skips steps")
             segments = learner.get_segments()
             problems.extend(segment_table_problems(segments, None, None))
-            if segments:
-                start, length = segments[int(rng.integers(0, len(segments)))]
-                problems.extend(row_problems(learner.get(np.arange(start, start + length))))
+            episodes = learner.episodes()
+            if episodes:
+                episode = episodes[int(rng.integers(0, len(episodes)))]
+                rows = learner.get_rows(np.arange(episode.first_row_id, episode.first_row_id + episode.length))
+                problems.extend(row_problems(rows))
+                problems.extend(episode_problems(rows, episode.length))
             reads += 1
-        except (NotEnoughDataError, IndexError):
+        except (NotEnoughDataError, IndexError):  # EvictedError: the ring moved past the episode
             time.sleep(0.01)
         except H5ReplayError as exc:
             failures[type(exc).__name__] = failures.get(type(exc).__name__, 0) + 1
@@ -240,6 +243,7 @@ class FileState:
     segments: list[tuple[int, int]]
     episodes: list[tuple[int, int, int]]  # (actor, episode, length) of each held segment, oldest first
     problems: list[str] = field(default_factory=list)
+    first_rows: dict[int, int] = field(default_factory=dict)  # episode id -> its first row id
 
     @property
     def first_id(self) -> int:
@@ -254,8 +258,10 @@ def read_file_state(path: Path | str, max_len: int) -> FileState:
         info = rb.info()
         segments = rb.get_segments()
         rows = rb.get_at(slice(None)) if info["length"] else {}
+        first_rows = {e.episode_id: e.first_row_id for e in rb.episodes()}
     length, capacity = int(info["length"]), int(info["capacity"])
-    state = FileState(length, capacity, int(info["total_rows"]), int(info["total_episodes"]), segments, [])
+    state = FileState(length, capacity, int(info["total_rows"]), int(info["total_episodes"]), segments, [],
+                      first_rows=first_rows)
     problems = state.problems
     problems += segment_table_problems(segments, length, max_len)
     if int(info["num_episodes"]) != len(segments):
@@ -279,7 +285,8 @@ class CrashHistory:
 
     def __init__(self) -> None:
         self.started: dict[tuple[int, int], tuple[int, bool]] = {}
-        self.acks: dict[tuple[int, int], tuple[int, int]] = {}  # (actor, episode) -> (length, episode id)
+        # (actor, episode) -> (length, episode id, first row id)
+        self.acks: dict[tuple[int, int], tuple[int, int, int]] = {}
         self.lost: dict[tuple[int, int], str] = {}
         self.done: list[tuple[Any, ...]] = []
         self.learners: list[tuple[Any, ...]] = []
@@ -293,7 +300,7 @@ class CrashHistory:
             if kind == "start":
                 self.started[(event[1], event[2])] = (event[3], event[4])
             elif kind == "ack":
-                self.acks[(event[1], event[2])] = (event[3], event[4])
+                self.acks[(event[1], event[2])] = (event[3], event[4], event[5])
                 acks += 1
             elif kind == "lost":
                 self.lost[(event[1], event[2])] = event[3]
@@ -324,15 +331,18 @@ class CrashHistory:
                 problems.append(f"episode ({a}, {e}) was aborted on purpose but is held")
             elif started[0] != n:
                 problems.append(f"episode ({a}, {e}) is held with {n} rows but {started[0]} were sent")
-        lengths_by_id = {eid: n for (_, _), (n, eid) in self.acks.items()}
+        lengths_by_id = {eid: n for (_, _), (n, eid, _) in self.acks.items()}
         lengths_by_id.update({eid: n for eid, (_, _, n) in held_ids.items()})
-        for (a, e), (n, eid) in sorted(self.acks.items(), key=lambda kv: kv[1][1]):
+        for (a, e), (n, eid, first_row) in sorted(self.acks.items(), key=lambda kv: kv[1][1]):
             if eid >= state.total_episodes:
                 problems.append(f"acknowledged episode ({a}, {e}) id {eid} is lost: the file has only "
                                 f"{state.total_episodes} episodes")
             elif eid >= first:
                 if held_ids[eid] != (a, e, n):
                     problems.append(f"acknowledged episode ({a}, {e}, {n} rows) id {eid} is held as {held_ids[eid]}")
+                elif state.first_rows.get(eid) != first_row:
+                    problems.append(f"acknowledged episode ({a}, {e}) id {eid} was given row id {first_row} but "
+                                    f"is held from row id {state.first_rows.get(eid)}")
             else:
                 # Evicted: legitimate only if the rows committed from it on overflow the ring (an upper
                 # bound counts every episode never acknowledged as max_len rows).
@@ -430,7 +440,7 @@ class Fuzzer:
         rid = self.request_id()
         seg = rng.choice(segment_ids) if segment_ids and rng.random() < 0.7 else rng.randrange(0, 50)
         n = rng.randrange(0, 20)
-        kind = rng.randrange(0, 12)
+        kind = rng.randrange(0, 13)
         return [
             lambda: P.Hello(rid, "fuzz", "actor" if rng.random() < 0.8 else "learner"),
             lambda: P.OpenSegment(rid),
@@ -438,10 +448,11 @@ class Fuzzer:
             lambda: P.Commit(rid, seg),
             lambda: P.Abort(rid, seg),
             lambda: P.PushEpisode(rid, n, _valid_rows(self.np_rng, n)),
-            lambda: P.Get(rid, np.array([rng.randrange(-50, 50) for _ in range(rng.randrange(0, 10))], np.int64)),
+            lambda: P.Get(rid, 0, np.array([rng.randrange(-50, 50) for _ in range(rng.randrange(0, 10))], np.int64)),
+            lambda: P.GetRows(rid, 0, np.array([rng.randrange(0, 5000) for _ in range(rng.randrange(0, 10))], np.int64)),
             lambda: P.Sample(rid, rng.randrange(1, 64), None if rng.random() < 0.5 else rng.randrange(0, 2**63)),
-            lambda: P.SampleSequences(rid, rng.randrange(1, 8), rng.randrange(1, 8), None),
-            lambda: P.Segments(rid),
+            lambda: P.SampleSequences(rid, rng.randrange(1, 8), rng.randrange(1, 8), None, 0, rng.random() < 0.8),
+            lambda: P.Episodes(rid),
             lambda: P.Info(rid),
             lambda: P.Heartbeat(rid),
         ][kind]()
@@ -451,19 +462,21 @@ class Fuzzer:
         rid = self.request_id()
         n = rng.randrange(0, 6)
         rows = _valid_rows(self.np_rng, n)
-        kind = rng.randrange(0, 13)
+        kind = rng.randrange(0, 14)
+        view = (rng.randrange(0, 9), 0, 0, n)
+        info = (np.arange(n, dtype=np.int64), np.zeros(n, np.uint64), np.full(n, 0.5))
         return [
-            lambda: P.HelloReply(rid, self._space_json, 1000, 5, 1, "0.1.0", 1, P.Limits(), "tcp://127.0.0.1:1"),
+            lambda: P.HelloReply(rid, self._space_json, 1000, 5, 1, "0.1.0", 1, P.Limits(), "tcp://127.0.0.1:1", "r", "i"),
             lambda: P.OpenSegmentReply(rid, 3),
             lambda: P.AppendReply(rid, n),
-            lambda: P.CommitReply(rid, 0, n, 7),
+            lambda: P.CommitReply(rid, 7, 0, n),
             lambda: P.AbortReply(rid),
-            lambda: P.PushEpisodeReply(rid, 1, n, 2),
-            lambda: P.GetReply(rid, n, rows),
-            lambda: P.SampleReply(rid, np.arange(n, dtype=np.int64), rows),
-            lambda: P.SampleSequencesReply(rid, np.arange(n, dtype=np.int64),
-                                           {k: np.stack([v, v], axis=1) for k, v in rows.items()}),
-            lambda: P.SegmentsReply(rid, np.arange(2 * n, dtype=np.int64).reshape(n, 2)),
+            lambda: P.PushEpisodeReply(rid, 2, 1, n),
+            lambda: P.GetReply(rid, *view, np.arange(n, dtype=np.int64), rows),
+            lambda: P.GetRowsReply(rid, *view, n, rows),
+            lambda: P.SampleReply(rid, *view, *info, rows),
+            lambda: P.SampleSequencesReply(rid, *view, *info, {k: np.stack([v, v], axis=1) for k, v in rows.items()}),
+            lambda: P.EpisodesReply(rid, *view, np.arange(3 * n, dtype=np.int64).reshape(n, 3)),
             lambda: P.InfoReply(rid, {"length": n, "capacity": None, "uptime": 0.5}),
             lambda: P.HeartbeatReply(rid),
             lambda: P.ErrorReply(rid if rng.random() < 0.8 else None, "bad_request", "no"),

@@ -324,7 +324,7 @@ def actor_main(endpoint: str, actor: int, num_episodes: int, seed: int, out: Any
                 seg.abort()
                 continue
             assert receipt is not None and receipt.length == n, (receipt, n)
-            committed.append((e, n, receipt.episode_id, receipt.start))
+            committed.append((e, n, receipt.episode_id, receipt.first_row_id))
         out.put(("committed", actor, committed))
         if not victim:
             return
@@ -401,3 +401,13 @@ def child_pids(pid: int) -> list[int]:
         if int(fields[1]) == pid and fields[0] not in "ZX" and b"resource_tracker" not in cmdline:
             children.append(int(entry))
     return children
+
+
+def pushing_actor_main(endpoint: str, actor: int, stop: Any, out: Any) -> None:
+    """Push short episodes back to back until `stop`; put the number pushed on `out`."""
+    pushed = 0
+    with ActorClient(endpoint, timeout=30.0, name=f"pusher-{actor}") as client:
+        while not stop.is_set():
+            client.push_episode(episode_rows(actor, pushed, 1 + pushed % 7))
+            pushed += 1
+    out.put(pushed)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import collections
 import os
 import time
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -19,18 +19,17 @@ from h5replay import protocol as P
 from h5replay.client._connection import Connection, curve_keys, say_hello
 from h5replay.config import DEFAULT_ENDPOINT, ClientConfig
 from h5replay.errors import ClosedError, SegmentStateError
+from h5replay.records import Receipt
 from h5replay.storage.spaces import Space, flatten_value, named_leaves, space_from_json
 
 __all__ = ["ActorClient", "ActorSegment", "Receipt"]
 
 
-class Receipt(NamedTuple):
-    """What the server acknowledged for a committed episode. Length 0 means nothing was recorded
-    (an empty episode; its episode_id and start are then -1)."""
-
-    episode_id: int
-    start: int
-    length: int
+def _receipt(reply: Any) -> Receipt:
+    """The receipt of a commit or push reply: global ids, or (-1, -1, 0) when nothing was recorded."""
+    if reply.episode_id is None or reply.first_row_id is None or reply.length == 0:
+        return Receipt(-1, -1, 0)
+    return Receipt(int(reply.episode_id), int(reply.first_row_id), int(reply.length))
 
 
 class ActorClient:
@@ -63,6 +62,8 @@ class ActorClient:
         self.space: Space = space_from_json(hello.space)
         self.capacity = hello.capacity
         self.server_version = hello.server_version
+        self.replay_id: str = hello.replay_id
+        self.instance_id: str = hello.instance_id
         self._leaves = named_leaves(self.space)
         self._row_bytes = sum(leaf.row_bytes for _, leaf in self._leaves)
         # Rows per message: the client's batching settings, within the server's message limits
@@ -81,11 +82,13 @@ class ActorClient:
         return ActorSegment(self)
 
     def push_episode(self, batch: Any) -> Receipt:
-        """Send one whole episode (a leading axis on every leaf) and wait for its commit."""
+        """Send one whole episode (a leading axis on every leaf) and wait for its commit. Returns
+        the global ids the server gave it; an empty episode records nothing: Receipt(-1, -1, 0)."""
         encoded, n = self.encode_batch(batch)
+        if n == 0:
+            return Receipt(-1, -1, 0)
         if n <= self.rows_per_message:
-            reply = self._conn.request(lambda rid: P.PushEpisode(rid, n, encoded))
-            return Receipt(reply.episode_id, reply.start, reply.length)  # type: ignore[attr-defined]
+            return _receipt(self._conn.request(lambda rid: P.PushEpisode(rid, n, encoded)))
         with self.segment() as seg:
             seg.extend_encoded(encoded, n)
         return seg.receipt  # type: ignore[return-value]
@@ -246,7 +249,7 @@ class ActorSegment:
             self._state = "failed"
             raise
         self._state = "committed"
-        self.receipt = Receipt(reply.episode_id, reply.start, reply.length)  # type: ignore[attr-defined]
+        self.receipt = _receipt(reply)
         return self.receipt
 
     def _push_whole(self) -> Receipt:

@@ -1,35 +1,52 @@
 """LearnerClient: read rows and sample batches from an h5replay server.
 
 The hello goes to the writer's endpoint, which names the read endpoint served by reader
-processes; gets and samples go there, so learners never slow down ingest. Logical index 0 is
-the oldest row held when the request is served: the ring moves as actors commit, so indices
-from one call address the buffer as it was at that call.
+processes; every read (and `len`, and the buffer's figures in `info`) goes there, so learners
+never slow down ingest and every answer comes from the same kind of view: a published state of
+the file. The client remembers the newest state it has seen (its `seq`) and sends it with every
+read; no reader answers from an older one, so a learner's view never goes back in time. An
+episode whose commit an actor saw acknowledged is visible to every read sent after that moment.
 
-Returned arrays are read-only views of the received message (no copy); copy them to modify.
+Logical index 0 is the oldest row held when the request is served: the ring moves as actors
+commit. Row ids (`get_rows`, `SampleInfo.row_ids`) never move. A request bigger than the server's
+message limits is split into several messages, sent together, and put back together in order.
+
+Returned arrays are read-only views of the received message when one message carried them (no
+copy); copy them to modify.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from h5replay import protocol as P
 from h5replay.client._connection import Connection, curve_keys, say_hello
 from h5replay.config import DEFAULT_ENDPOINT, ClientConfig
-from h5replay.errors import ProtocolError
-from h5replay.storage.spaces import (
-    Space,
-    named_leaves,
-    space_from_json,
-    unflatten_value,
-)
+from h5replay.errors import ConfigError, ProtocolError
+from h5replay.records import Episode, SampleInfo
+from h5replay.storage.spaces import Space, named_leaves, space_from_json, unflatten_value
 
-__all__ = ["LearnerClient"]
+__all__ = ["LearnerClient", "View"]
 
 _WILDCARD_HOSTS = ("0.0.0.0", "*", "::", "[::]")
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+class View(NamedTuple):
+    """The published state a reply came from: publish counter, clear counter, row ids held."""
+
+    seq: int
+    generation: int
+    begin: int
+    end: int
+
+    @property
+    def length(self) -> int:
+        return self.end - self.begin
 
 
 def _reachable(advertised: str, dialed: str) -> str:
@@ -40,6 +57,40 @@ def _reachable(advertised: str, dialed: str) -> str:
         if host in _WILDCARD_HOSTS:
             return f"tcp://{dialed[len('tcp://'):].rpartition(':')[0]}:{port}"
     return advertised
+
+
+def _integer_array(values: Any, what: str) -> np.ndarray:
+    """`values` as a flat int64 array, refusing what is not an integer index (bools, floats)."""
+    arr = values if isinstance(values, np.ndarray) else np.asarray(values)
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"{what} must be integers, got an array of {arr.dtype}"
+                        + ("; a boolean mask selects rows locally only: pass np.flatnonzero(mask)"
+                           if arr.dtype.kind == "b" else ""))
+    flat = arr.reshape(-1)
+    if arr.dtype.kind == "u" and int(flat.max()) > _INT64_MAX:
+        raise IndexError(f"{what[:-1]} {int(flat.max())} is out of range")
+    return flat.astype(np.int64, copy=False)
+
+
+def _positive(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ConfigError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+def _chunks(n: int, per: int) -> list[tuple[int, int]]:
+    return [(lo, min(n, lo + per)) for lo in range(0, n, per)]
+
+
+def _request(cls: Callable[..., P.Request], *fields: Any) -> Callable[[int], P.Request]:
+    """A request factory for Connection.send (which picks the request id)."""
+    return lambda request_id: cls(request_id, *fields)
+
+
+def _seed(seed: int | None, part: int) -> int | None:
+    return None if seed is None else seed + part
 
 
 class LearnerClient:
@@ -82,58 +133,198 @@ class LearnerClient:
         self.limits = hello.limits
         self.space: Space = space_from_json(hello.space)
         self.capacity: int | None = hello.capacity
-        self.read_endpoint = _reachable(hello.read_endpoint, self.config.endpoint)
+        self.read_endpoint = read_endpoint
         self.server_version = hello.server_version
+        self.replay_id: str = hello.replay_id
+        self.instance_id: str = hello.instance_id
         self._leaves = named_leaves(self.space)
+        row_bytes = sum(leaf.row_bytes for _, leaf in self._leaves)
+        room = self.limits.max_message_bytes - P.ROWS_MESSAGE_OVERHEAD
+        #: Rows one reply may carry, with their ids and probabilities: a bigger read is split (a
+        #: single row bigger than a message is refused).
+        self.rows_per_message = max(1, min(self.limits.max_rows_per_message, room // (row_bytes + P.SAMPLE_INFO_BYTES)))
+        # A request naming rows carries their ids: it must fit a message too.
+        self._ids_per_message = max(1, min(self.rows_per_message, room // P.ID_BYTES))
+        self._view: View | None = None
+
+    # ------------------------------------------------------------------ the view
+
+    @property
+    def view(self) -> View | None:
+        """The newest published state a reply of this client came from (None before any read)."""
+        return self._view
+
+    @property
+    def _min_seq(self) -> int:
+        return self._view.seq if self._view is not None else 0
+
+    def _observe(self, reply: P.ReadReply) -> View:
+        view = View(reply.seq, reply.generation, reply.begin, reply.end)
+        if self._view is None or view.seq >= self._view.seq:
+            self._view = view
+        return view
+
+    def _observe_stats(self, stats: Mapping[str, Any]) -> None:
+        seq = stats.get("seq")
+        if isinstance(seq, int) and (self._view is None or seq >= self._view.seq):
+            begin = int(stats.get("oldest_row_id", 0) or 0)
+            self._view = View(seq, int(stats.get("generation", 0) or 0), begin, begin + int(stats.get("length", 0) or 0))
 
     # ------------------------------------------------------------------ figures
 
+    def _reader_stats(self) -> dict[str, Any]:
+        stats = dict(self._read(lambda rid: P.Info(rid)).stats)
+        self._observe_stats(stats)
+        return stats
+
     def info(self) -> dict[str, Any]:
-        """The server's figures: length, capacity, num_episodes, clients, rows_in, rows_out, ..."""
-        return dict(self._conn.request(lambda rid: P.Info(rid)).stats)  # type: ignore[attr-defined]
+        """The server's figures (clients, rows in and out, commits, ...), with the buffer's own
+        (length, num_episodes, seq, ...) as this client's view of the file shows them."""
+        writer = dict(self._conn.request(lambda rid: P.Info(rid)).stats)  # type: ignore[attr-defined]
+        if self._reads is self._conn:
+            self._observe_stats(writer)
+            return writer
+        return {**writer, **self._reader_stats()}
 
     def __len__(self) -> int:
-        return int(self.info()["length"])
+        return int(self._reader_stats()["length"])
 
-    # ------------------------------------------------------------------ reads
+    # ------------------------------------------------------------------ plumbing
 
     def _decode(self, arrays: Mapping[str, np.ndarray]) -> Any:
         return unflatten_value(self.space, {path: leaf.decode_batch(arrays[path]) for path, leaf in self._leaves})
 
-    def _read(self, factory: Any) -> Any:
+    def _read(self, factory: Callable[[int], P.Request]) -> Any:
         if self._reads is None:
             raise ProtocolError("this learner has no read connection")
         return self._reads.request(factory)
 
+    def _read_many(self, factories: Sequence[Callable[[int], P.Request]]) -> list[Any]:
+        """Replies to several reads, keeping up to `max_in_flight` of them travelling at once."""
+        if self._reads is None:
+            raise ProtocolError("this learner has no read connection")
+        conn, window = self._reads, self.config.max_in_flight
+        replies: list[Any] = []
+        pending: list[int] = []
+        try:
+            for factory in factories:
+                if len(pending) >= window:
+                    replies.append(conn.wait(pending.pop(0)))
+                pending.append(conn.send(factory))
+            while pending:
+                replies.append(conn.wait(pending.pop(0)))
+        except BaseException:
+            for request_id in pending:
+                conn.forget(request_id)
+            raise
+        for reply in replies:
+            self._observe(reply)
+        return replies
+
+    def _joined(self, parts: list[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        if len(parts) == 1:
+            return dict(parts[0])
+        return {path: np.concatenate([p[path] for p in parts]) for path, _ in self._leaves}
+
+    # ------------------------------------------------------------------ reads
+
     def get(self, indices: Any) -> Any:
-        """Rows at logical `indices` (ints, negatives from the end, any order, duplicates kept).
+        """Rows at logical `indices` (ints, negatives from the end, any order, duplicates kept), as
+        the buffer is when the request is served; returned flat (n, ...).
 
         Raises:
-            IndexError: an index is out of range for the buffer as it is now.
+            IndexError: an index is out of range.
+            TypeError: the indices are not integers (a boolean mask is refused: pass its
+                np.flatnonzero; the buffer moves between the mask and the read).
+            EvictedError: a request split over several messages met rows the ring dropped meanwhile.
         """
-        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
-        reply = self._read(lambda rid: P.Get(rid, idx))
-        return self._decode(reply.arrays)
+        idx = _integer_array(indices, "indices")
+        per = self._ids_per_message
+        first = self._read_many([_request(P.Get, self._min_seq, idx[:per])])[0]
+        if idx.shape[0] <= per:
+            return self._decode(first.arrays)
+        # The rest by row id, resolved against the view the first part came from.
+        view = View(first.seq, first.generation, first.begin, first.end)
+        rest = idx[per:].copy()
+        rest[rest < 0] += view.length
+        bad = (rest < 0) | (rest >= view.length)
+        if bad.any():
+            raise IndexError(f"index {int(idx[per:][np.argmax(bad)])} is out of range for {view.length} rows")
+        parts = [first.arrays, self._rows_by_id(rest + view.begin, view.seq)]
+        return self._decode(self._joined(parts))
 
-    def sample(self, batch_size: int, seed: int | None = None) -> Any:
-        """`batch_size` rows drawn uniformly with replacement from all rows held."""
-        return self.sample_with_indices(batch_size, seed)[1]
+    def get_rows(self, row_ids: Any) -> Any:
+        """Rows by global row id (any order, duplicates kept); returned flat (n, ...).
 
-    def sample_with_indices(self, batch_size: int, seed: int | None = None) -> tuple[np.ndarray, Any]:
-        """(logical indices, batch) for `sample`."""
-        reply = self._read(lambda rid: P.Sample(rid, int(batch_size), seed))
-        return reply.indices, self._decode(reply.arrays)
+        Raises:
+            EvictedError: an id is no longer held (the message names the first such id).
+            IndexError: an id was never committed, or is negative.
+            TypeError: the ids are not integers.
+        """
+        ids = _integer_array(row_ids, "row ids")
+        if ids.size and int(ids.min()) < 0:
+            raise IndexError(f"row id {int(ids.min())} is negative; row ids count from 0")
+        return self._decode(self._rows_by_id(ids, self._min_seq))
 
-    def sample_sequences(self, batch_size: int, length: int, seed: int | None = None) -> Any:
-        """`batch_size` windows of `length` consecutive steps, each inside one episode; leaves come
-        back shaped (batch_size, length, ...)."""
-        reply = self._read(lambda rid: P.SampleSequences(rid, int(batch_size), int(length), seed))
-        return self._decode(reply.arrays)
+    def _rows_by_id(self, ids: np.ndarray, min_seq: int) -> dict[str, np.ndarray]:
+        parts = _chunks(ids.shape[0], self._ids_per_message) or [(0, 0)]
+        min_seq = max(min_seq, self._min_seq)
+        replies = self._read_many([_request(P.GetRows, min_seq, ids[lo:hi]) for lo, hi in parts])
+        return self._joined([r.arrays for r in replies])
+
+    def sample(self, batch_size: int, seed: int | None = None, *, with_info: bool = False) -> Any:
+        """`batch_size` rows drawn uniformly with replacement from all rows held. With
+        `with_info=True` returns (batch, SampleInfo): row ids, episode ids, draw probabilities.
+        A batch bigger than one message is drawn in parts (seed, seed + 1, ...)."""
+        size = _positive(batch_size, "batch_size")
+        parts = _chunks(size, self.rows_per_message)
+        replies = self._read_many([
+            _request(P.Sample, hi - lo, _seed(seed, k), self._min_seq) for k, (lo, hi) in enumerate(parts)
+        ])
+        batch = self._decode(self._joined([r.arrays for r in replies]))
+        return (batch, self._info(replies)) if with_info else batch
+
+    def sample_sequences(self, batch_size: int, length: int, seed: int | None = None, *, with_info: bool = False) -> Any:
+        """`batch_size` windows of `length` consecutive steps, each inside one complete episode;
+        leaves come back shaped (batch_size, length, ...). With `with_info=True` returns
+        (batch, SampleInfo) of each window's first row."""
+        size, steps = _positive(batch_size, "batch_size"), _positive(length, "length")
+        windows = self.rows_per_message // steps
+        if windows >= 1:
+            replies = self._read_many([
+                _request(P.SampleSequences, hi - lo, steps, _seed(seed, k), self._min_seq, True)
+                for k, (lo, hi) in enumerate(_chunks(size, windows))
+            ])
+            batch = self._decode(self._joined([r.arrays for r in replies]))
+            return (batch, self._info(replies)) if with_info else batch
+        # One window is bigger than a message: draw the windows, then read each one by row ids.
+        replies = self._read_many([
+            _request(P.SampleSequences, hi - lo, steps, _seed(seed, k), self._min_seq, False)
+            for k, (lo, hi) in enumerate(_chunks(size, self.limits.max_rows_per_message))
+        ])
+        info = self._info(replies)
+        ids = (info.row_ids.astype(np.int64)[:, None] + np.arange(steps, dtype=np.int64)[None, :]).reshape(-1)
+        rows = self._rows_by_id(ids, self._min_seq)
+        batch = self._decode({path: rows[path].reshape(size, steps, *rows[path].shape[1:]) for path, _ in self._leaves})
+        return (batch, info) if with_info else batch
+
+    @staticmethod
+    def _info(replies: list[Any]) -> SampleInfo:
+        infos = [SampleInfo(r.row_ids.astype(np.uint64), r.episode_ids, r.probabilities) for r in replies]
+        info = infos[0]
+        for more in infos[1:]:
+            info = info.concatenate(more)
+        return info
+
+    def episodes(self) -> list[Episode]:
+        """Every complete episode held, oldest first: Episode(episode_id, first_row_id, length)."""
+        reply = self._read_many([_request(P.Episodes, self._min_seq)])[0]
+        return [Episode(*row) for row in reply.episodes.tolist()]
 
     def get_segments(self) -> list[tuple[int, int]]:
         """(logical start, length) of every complete episode held, oldest first."""
-        reply = self._read(lambda rid: P.Segments(rid))
-        return [(int(s), int(n)) for s, n in reply.segments]
+        reply = self._read_many([_request(P.Episodes, self._min_seq)])[0]
+        return [(first - reply.begin, n) for _, first, n in reply.episodes.tolist()]
 
     # ------------------------------------------------------------------ closing
 

@@ -19,11 +19,18 @@ import numpy as np
 
 from h5replay import __version__
 from h5replay import protocol as P
-from h5replay.errors import LimitExceededError, ProtocolError, ReadOnlyError, SegmentStateError, StorageError
+from h5replay.errors import (
+    LimitExceededError,
+    ProtocolError,
+    ReadOnlyError,
+    SegmentStateError,
+    ServerUnavailableError,
+    StorageError,
+)
 from h5replay.storage.replay_buffer import ReplayBuffer
 from h5replay.storage.segment import SegmentWriter
 
-__all__ = ["Session", "Service", "read_reply", "Stats"]
+__all__ = ["Session", "Service", "read_reply", "reply_rows", "Stats", "READ_KINDS", "WRITE_KINDS"]
 
 log = logging.getLogger("h5replay.server")
 
@@ -38,7 +45,6 @@ class Session:
     name: str = ""
     last_seen: float = field(default_factory=time.monotonic)
     segments: dict[int, SegmentWriter] = field(default_factory=dict)
-    next_segment_id: int = 1
 
 
 @dataclass
@@ -55,49 +61,92 @@ class Stats:
     started: float = field(default_factory=time.monotonic)
 
 
-def _arrays_reply_rows(arrays: dict[str, np.ndarray]) -> int:
-    return int(next(iter(arrays.values())).shape[0]) if arrays else 0
+def reply_rows(reply: P.Reply) -> int:
+    """Rows a read reply carries (windows count every row)."""
+    arrays = getattr(reply, "arrays", None)
+    if not arrays:
+        return 0
+    first = next(iter(arrays.values()))
+    return int(first.shape[0] * (first.shape[1] if isinstance(reply, P.SampleSequencesReply) else 1))
 
 
-def _check_reply_rows(buffer: ReplayBuffer, rows: int, limits: P.Limits) -> None:
-    """Refuse, before any work, a read whose reply could not travel within the message limit."""
-    row_bytes = sum(leaf.row_bytes for _, leaf in buffer.storage.leaves)
-    if rows * row_bytes + P.ROWS_MESSAGE_OVERHEAD > limits.max_message_bytes:
+def _check_reply_rows(buffer: ReplayBuffer, rows: int, limits: P.Limits, per_sample: int = 0) -> None:
+    """Refuse, before any work, a read whose reply could not travel within the message limit
+    (`per_sample`: bytes of ids and probabilities the reply adds)."""
+    size = rows * buffer.storage.row_bytes + per_sample
+    if size + P.ROWS_MESSAGE_OVERHEAD > limits.max_message_bytes:
         raise LimitExceededError(
-            f"a reply of {rows} rows would be {rows * row_bytes} bytes, over the limit max_message_bytes="
+            f"a reply of {rows} rows would be {size} bytes, over the limit max_message_bytes="
             f"{limits.max_message_bytes}; ask for fewer rows per request"
         )
 
 
+_FRESH_RETRIES = 5
+_FRESH_PAUSE = 0.01
+
+
+def _at_least(buffer: ReplayBuffer, min_seq: int) -> None:
+    """Never answer from a state older than one the client has already seen."""
+    for _ in range(_FRESH_RETRIES):
+        if buffer.view.seq >= min_seq:
+            return
+        buffer.refresh()
+        if buffer.view.seq >= min_seq:
+            return
+        time.sleep(_FRESH_PAUSE)
+    raise ServerUnavailableError(
+        f"this server's newest state is publish {buffer.view.seq}, older than publish {min_seq} this client has "
+        f"already seen: it was restored from an older copy of the file, or serves another replay"
+    )
+
+
+def _view(buffer: ReplayBuffer) -> tuple[int, int, int, int]:
+    v = buffer.last_view
+    return v.seq, v.generation, v.begin, v.end
+
+
 def read_reply(buffer: ReplayBuffer, request: P.Request, rng: np.random.Generator, limits: P.Limits) -> P.Reply:
-    """Answer a read request (get, sample, sample_sequences, segments) from `buffer`.
+    """Answer a read request (get, get_rows, sample, sample_sequences, episodes) from `buffer`,
+    from a state no older than the request's `min_seq`.
 
     Raises:
-        IndexError, NotEnoughDataError, ConfigError: the request cannot be served as asked.
+        IndexError, EvictedError, NotEnoughDataError, ConfigError: the request cannot be served as asked.
         LimitExceededError: the reply would exceed the message size limit.
+        ServerUnavailableError: the file is older than what the client has seen.
         ProtocolError: `request` is not a read request.
     """
+    if not isinstance(request, READ_KINDS):
+        raise ProtocolError(f"{request.KIND.value} is not a read request")
+    _at_least(buffer, request.min_seq)
+    rid = request.request_id
     if isinstance(request, P.Get):
-        _check_reply_rows(buffer, len(request.indices), limits)
-        arrays = buffer.get_stored(request.indices)
-        return P.GetReply(request.request_id, len(request.indices), arrays)
+        _check_reply_rows(buffer, len(request.indices), limits, len(request.indices) * P.ID_BYTES)
+        arrays, ids = buffer.get_at_with_ids(request.indices, decode=False)
+        return P.GetReply(rid, *_view(buffer), ids, arrays)
+    if isinstance(request, P.GetRows):
+        _check_reply_rows(buffer, len(request.row_ids), limits)
+        arrays = buffer.get_rows(request.row_ids, decode=False)
+        return P.GetRowsReply(rid, *_view(buffer), len(request.row_ids), arrays)
     if isinstance(request, P.Sample):
-        _check_reply_rows(buffer, request.batch_size, limits)
+        _check_reply_rows(buffer, request.batch_size, limits, request.batch_size * P.SAMPLE_INFO_BYTES)
         gen = rng if request.seed is None else np.random.default_rng(request.seed)
-        indices, arrays = buffer.sample_with_indices(request.batch_size, gen, decode=False)
-        return P.SampleReply(request.request_id, indices, arrays)
+        arrays, info = buffer.sample(request.batch_size, gen, with_info=True, decode=False)
+        return P.SampleReply(rid, *_view(buffer), info.row_ids, info.episode_ids, info.probabilities, arrays)
     if isinstance(request, P.SampleSequences):
-        _check_reply_rows(buffer, request.batch_size * request.length, limits)
+        _check_reply_rows(buffer, request.batch_size * request.length if request.with_rows else 0, limits,
+                          request.batch_size * P.SAMPLE_INFO_BYTES)
         gen = rng if request.seed is None else np.random.default_rng(request.seed)
-        starts, arrays = buffer.sample_sequences_with_starts(request.batch_size, request.length, gen, decode=False)
-        return P.SampleSequencesReply(request.request_id, starts, arrays)
-    if isinstance(request, P.Segments):
-        segments = np.array(buffer.get_segments(), dtype=np.int64).reshape(-1, 2)
-        return P.SegmentsReply(request.request_id, segments)
-    raise ProtocolError(f"{request.KIND.value} is not a read request")
+        arrays, info = buffer.sample_sequences(
+            request.batch_size, request.length, gen, with_info=True, decode=False, rows=request.with_rows
+        )
+        return P.SampleSequencesReply(
+            rid, *_view(buffer), info.row_ids, info.episode_ids, info.probabilities, arrays or {}
+        )
+    table = buffer.episode_table()
+    return P.EpisodesReply(rid, *_view(buffer), table)
 
 
-READ_KINDS = (P.Get, P.Sample, P.SampleSequences, P.Segments)
+READ_KINDS = (P.Get, P.GetRows, P.Sample, P.SampleSequences, P.Episodes)
 WRITE_KINDS = (P.OpenSegment, P.Append, P.Commit, P.Abort, P.PushEpisode)
 
 
@@ -112,8 +161,10 @@ class Service:
         *,
         fsync: bool = False,
         extra_stats: Callable[[], dict[str, Any]] | None = None,
+        instance_id: str = "",
     ) -> None:
         self.buffer = buffer
+        self.instance_id = instance_id
         self.limits = limits
         self.read_endpoint = read_endpoint
         self.fsync = fsync
@@ -125,6 +176,10 @@ class Service:
         self.unpublished = 0  # commits placed but not yet published: their replies must wait
         self._extra_stats = extra_stats
         self._rng = np.random.default_rng()
+        # Segment ids are unique for the life of this process, whoever asks: a client that lost its
+        # session (silence, reconnect) can never reach a segment of its new one with an old id.
+        self._next_segment_id = 1
+        self._segment_owner: dict[int, bytes] = {}
         self._handlers: dict[type[P.Request], Callable[[Any, Session], P.Reply]] = {
             P.Hello: self.hello,
             P.OpenSegment: self.open_segment,
@@ -160,8 +215,9 @@ class Service:
 
     def _abort_all_of(self, session: Session) -> int:
         count = 0
-        for writer in session.segments.values():
+        for segment_id, writer in session.segments.items():
             writer.abort()
+            self._segment_owner.pop(segment_id, None)
             count += 1
         session.segments.clear()
         self.stats.aborts += count
@@ -181,7 +237,7 @@ class Service:
 
     @property
     def open_segments(self) -> int:
-        return sum(len(s.segments) for s in self.sessions.values())
+        return len(self._segment_owner)
 
     # ------------------------------------------------------------------ dispatch
 
@@ -197,9 +253,7 @@ class Service:
             session.granted_role = session.role = granted_role
         if isinstance(request, READ_KINDS):
             reply = read_reply(self.buffer, request, self._rng, self.limits)
-            arrays = getattr(reply, "arrays", None)
-            if arrays:
-                self.stats.rows_out += _arrays_reply_rows(dict(arrays))
+            self.stats.rows_out += reply_rows(reply)
             return reply
         if isinstance(request, WRITE_KINDS) and session.role != "actor":
             raise ReadOnlyError(f"a {session.role} may not {request.KIND.value.replace('_', ' ')}; connect as an actor")
@@ -229,16 +283,25 @@ class Service:
         buffer = self.buffer
         return P.HelloReply(
             request.request_id, buffer.space.to_json(), buffer.capacity, len(buffer), buffer.num_episodes,
-            __version__, P.PROTOCOL_VERSION, self.limits, self.read_endpoint,
+            __version__, P.PROTOCOL_VERSION, self.limits, self.read_endpoint, buffer.replay_id, self.instance_id,
         )
 
     def _writer(self, session: Session, segment_id: int) -> SegmentWriter:
         writer = session.segments.get(segment_id)
         if writer is None:
+            if segment_id in self._segment_owner:
+                raise SegmentStateError(f"segment {segment_id} belongs to another client; a client may only use "
+                                        "the segments it opened")
             raise SegmentStateError(
                 f"no open segment {segment_id} for this client (never opened, already committed or aborted, "
-                "or aborted because the client went silent)"
+                "or aborted because the client went silent or reconnected)"
             )
+        return writer
+
+    def _close_segment(self, session: Session, segment_id: int) -> SegmentWriter:
+        writer = self._writer(session, segment_id)
+        del session.segments[segment_id]
+        self._segment_owner.pop(segment_id, None)
         return writer
 
     def open_segment(self, request: P.OpenSegment, session: Session) -> P.OpenSegmentReply:
@@ -247,9 +310,10 @@ class Service:
                 f"this client already has {len(session.segments)} open segments, the limit "
                 f"max_open_segments_per_client={self.limits.max_open_segments_per_client}; commit or abort some"
             )
-        segment_id = session.next_segment_id
-        session.next_segment_id += 1
+        segment_id = self._next_segment_id
+        self._next_segment_id += 1
         session.segments[segment_id] = self.buffer.open_segment_writer()
+        self._segment_owner[segment_id] = session.identity
         return P.OpenSegmentReply(request.request_id, segment_id)
 
     def _add_rows(self, writer: SegmentWriter, num_rows: int, arrays: P.Arrays) -> None:
@@ -270,28 +334,27 @@ class Service:
         except BaseException:
             if writer.state != "open":  # the file refused the rows: the segment is gone
                 session.segments.pop(request.segment_id, None)
+                self._segment_owner.pop(request.segment_id, None)
                 self.stats.aborts += 1
             raise
         return P.AppendReply(request.request_id, len(writer))
 
-    def _commit(self, writer: SegmentWriter) -> tuple[int, int, int]:
+    def _commit(self, writer: SegmentWriter) -> tuple[int | None, int | None, int]:
         # Group commit: the episode is placed now and published by `publish()`, once for every
         # commit the writer loop handled in one pass, before any of their replies leaves.
-        info = self.buffer.commit_segment(writer, publish=False)
+        receipt = self.buffer.commit_segment(writer, publish=False)
         self.unpublished += 1
         self.stats.commits += 1
-        if info is None:
-            return len(self.buffer), 0, 0
-        return info.start, info.length, info.episode_id
+        if receipt.length == 0:
+            return None, None, 0  # nothing recorded: no id was given
+        return receipt.episode_id, receipt.first_row_id, receipt.length
 
     def commit(self, request: P.Commit, session: Session) -> P.CommitReply:
-        writer = self._writer(session, request.segment_id)
-        del session.segments[request.segment_id]
+        writer = self._close_segment(session, request.segment_id)
         return P.CommitReply(request.request_id, *self._commit(writer))
 
     def abort(self, request: P.Abort, session: Session) -> P.AbortReply:
-        writer = self._writer(session, request.segment_id)
-        del session.segments[request.segment_id]
+        writer = self._close_segment(session, request.segment_id)
         writer.abort()
         self.stats.aborts += 1
         return P.AbortReply(request.request_id)
@@ -309,7 +372,9 @@ class Service:
         """Publish the commits placed since the last call (flushed; with fsync, on disk).
 
         Raises:
-            StorageError: the file could not take them; the service stops writing.
+            StorageError: the file could not take them; the service stops writing. Commits whose
+                episode id is below `buffer.published.ep_end` did reach the file all the same (an
+                eviction published them on the way): `is_durable` tells them apart.
         """
         if not self.unpublished:
             return
@@ -321,6 +386,11 @@ class Service:
             raise
         finally:
             self.unpublished = 0
+
+    def is_durable(self, reply: P.Reply) -> bool:
+        """Whether a commit reply's episode is in the file as published (after a failed publish)."""
+        episode_id = getattr(reply, "episode_id", None)
+        return episode_id is None or episode_id < self.buffer.published.ep_end
 
     def info(self, request: P.Info, session: Session) -> P.InfoReply:
         return P.InfoReply(request.request_id, self.snapshot())
@@ -334,11 +404,8 @@ class Service:
         uptime = time.monotonic() - self.stats.started
         path = self.buffer.storage.filename
         stats: dict[str, Any] = {
-            "length": info["length"],
-            "capacity": info["capacity"],
-            "num_episodes": info["num_episodes"],
-            "total_rows": info["total_rows"],
-            "total_episodes": info["total_episodes"],
+            **info,
+            "instance_id": self.instance_id,
             "open_segments": self.open_segments,
             "clients": len(self.sessions),
             "rows_in": self.stats.rows_in,

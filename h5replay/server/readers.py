@@ -22,8 +22,9 @@ import zmq
 
 from h5replay import protocol as P
 from h5replay.config import ServerConfig
+from h5replay.errors import ProtocolError
 from h5replay.server.auth import RoleAuthenticator, server_keys
-from h5replay.server.handlers import read_reply
+from h5replay.server.handlers import READ_KINDS, read_reply, reply_rows
 from h5replay.server.sockets import configure_router
 from h5replay.storage.replay_buffer import ReplayBuffer
 
@@ -33,8 +34,29 @@ log = logging.getLogger("h5replay.server")
 _POLL_MS = 100
 
 
+def answer(buffer: ReplayBuffer, request: P.Request, rng: np.random.Generator, limits: P.Limits,
+           instance_id: str) -> P.Reply:
+    """A reader's reply: reads, and `info` / `heartbeat` from its own view of the file (so that
+    everything a learner asks is answered by the same kind of view).
+
+    Raises:
+        ProtocolError: a request only the writer serves (the message names the writer endpoint's job).
+    """
+    if isinstance(request, READ_KINDS):
+        return read_reply(buffer, request, rng, limits)
+    if isinstance(request, P.Info):
+        return P.InfoReply(request.request_id, {**buffer.info(), "instance_id": instance_id})
+    if isinstance(request, P.Heartbeat):
+        return P.HeartbeatReply(request.request_id)
+    raise ProtocolError(
+        f"this is a read endpoint: it serves reads, info and heartbeats, not {request.KIND.value}; "
+        "send hello and writes to the server's writer endpoint"
+    )
+
+
 def reader_main(
-    config: ServerConfig, endpoint: str, direct: bool, ready: Any, stop: Any, counters: Any, index: int
+    config: ServerConfig, endpoint: str, direct: bool, ready: Any, stop: Any, counters: Any, index: int,
+    instance_id: str = "",
 ) -> None:
     """Body of one reader process (spawned). Exits when `stop` is set or its parent dies.
 
@@ -75,10 +97,8 @@ def reader_main(
             route, frames = routed[:1], routed[1:]  # a ROUTER (ours or the proxy's) put the learner's id first
             try:
                 request = P.decode(frames, limits, expect=P.Request)
-                reply = read_reply(buffer, request, rng, limits)
-                arrays = getattr(reply, "arrays", None)
-                if arrays:
-                    counters[2 * index + 1] += int(next(iter(arrays.values())).shape[0])
+                reply = answer(buffer, request, rng, limits, instance_id)
+                counters[2 * index + 1] += reply_rows(reply)
             except Exception as exc:  # every refusal becomes an error reply; the reader keeps serving
                 reply = P.ErrorReply.from_exception(P.peek_request_id(frames, limits), exc)
                 if reply.code == P.ErrorCode.INTERNAL.value:
@@ -169,34 +189,39 @@ class ReadProxy:
 class ReaderPool:
     """K reader processes; started after the writer holds the file in SWMR mode."""
 
-    def __init__(self, config: ServerConfig, endpoint: str, direct: bool) -> None:
+    def __init__(self, config: ServerConfig, endpoint: str, direct: bool, instance_id: str = "") -> None:
         self._ctx = mp.get_context("spawn")
         self._config, self._endpoint, self._direct = config, endpoint, direct
+        self._instance_id = instance_id
         self.counters = self._ctx.Array("q", 2 * max(1, config.num_readers), lock=False)
         self._procs: list[Any] = []
-        self._stops: list[Any] = []
+        # Each reader's (ready, stop) events, kept as long as the reader: a replacement does not
+        # wait for its start, and an event the parent let go of is gone before the child loads it.
+        self._events: list[tuple[Any, Any]] = []
         for index in range(config.num_readers):
             self._spawn(index)
 
-    def _spawn(self, index: int) -> None:
+    def _spawn(self, index: int, wait: bool = True) -> None:
+        """Start reader `index`; with `wait`, until it is ready (at server start). A replacement
+        does not wait: the writer loop must not stall while a new interpreter imports numpy."""
         ready, stop = self._ctx.Event(), self._ctx.Event()
         proc = self._ctx.Process(
             target=reader_main,
-            args=(self._config, self._endpoint, self._direct, ready, stop, self.counters, index),
+            args=(self._config, self._endpoint, self._direct, ready, stop, self.counters, index, self._instance_id),
             name=f"h5replay-reader-{index}",
             daemon=True,
         )
         proc.start()
         deadline = time.monotonic() + 60
-        while not ready.wait(0.1):
+        while wait and not ready.wait(0.1):
             if not proc.is_alive() or time.monotonic() > deadline:
                 proc.kill()
                 raise RuntimeError(f"reader process {index} failed to start (exit code {proc.exitcode})")
         if index < len(self._procs):
-            self._procs[index], self._stops[index] = proc, stop
+            self._procs[index], self._events[index] = proc, (ready, stop)
         else:
             self._procs.append(proc)
-            self._stops.append(stop)
+            self._events.append((ready, stop))
 
     def revive(self) -> int:
         """Restart readers that died; returns how many were restarted."""
@@ -204,7 +229,7 @@ class ReaderPool:
         for index, proc in enumerate(self._procs):
             if not proc.is_alive():
                 log.warning("reader process %d exited with code %s; restarting it", index, proc.exitcode)
-                self._spawn(index)
+                self._spawn(index, wait=False)
                 restarted += 1
         return restarted
 
@@ -213,7 +238,7 @@ class ReaderPool:
         return {"read_requests": sum(values[0::2]), "rows_out": sum(values[1::2])}
 
     def stop(self, timeout: float = 5.0) -> None:
-        for stop in self._stops:
+        for _, stop in self._events:
             stop.set()
         deadline = time.monotonic() + timeout
         for proc in self._procs:

@@ -19,11 +19,13 @@ import errno
 import logging
 import multiprocessing as mp
 import os
+import queue
 import shutil
 import signal
 import tempfile
 import threading
 import time
+import uuid
 from typing import Any
 
 import zmq
@@ -71,6 +73,12 @@ class Server:
         self._proxy: ReadProxy | None = None
         self._deferred: list[tuple[bytes, P.Reply]] = []  # commit replies waiting for the pass's publish
         self._proxy_args: tuple[Any, ...] = ()
+        #: This server process's UUID (hello, info): tells a restarted server from the same one.
+        self.instance_id = uuid.uuid4().hex
+        # The metrics thread never reads the loop's live structures (a scrape must not iterate
+        # what the loop is changing): it asks, and the loop takes the figures between two passes.
+        self._figures: dict[str, Any] = {}
+        self._figure_requests: queue.SimpleQueue[threading.Event] = queue.SimpleQueue()
 
     def stop(self) -> None:
         """Ask the loop to finish (thread- and signal-safe)."""
@@ -100,19 +108,19 @@ class Server:
             sock.bind(config.bind)
             monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             if config.num_readers == 1:  # the reader binds the learners' endpoint itself: no hop
-                readers = ReaderPool(config, config.resolved_read_bind, direct=True)
+                readers = ReaderPool(config, config.resolved_read_bind, direct=True, instance_id=self.instance_id)
                 read_endpoint = config.advertise_read or config.resolved_read_bind
             elif config.num_readers > 1:  # a proxy thread (C, no GIL) spreads requests over the readers
                 backend = f"ipc://{tmpdir}/readers"
                 self._proxy_args = (ctx, config.resolved_read_bind, backend)
                 self._proxy = self._start_proxy()
-                readers = ReaderPool(config, backend, direct=False)
+                readers = ReaderPool(config, backend, direct=False, instance_id=self.instance_id)
                 read_endpoint = config.advertise_read or config.resolved_read_bind
             else:
                 read_endpoint = config.bind  # the writer serves reads itself, on its own endpoint
             service = Service(
                 buffer, config.limits, read_endpoint, fsync=config.fsync,
-                extra_stats=readers.totals if readers else None,
+                extra_stats=readers.totals if readers else None, instance_id=self.instance_id,
             )
             log.info(
                 "h5replay serving %s (%d rows, capacity %s) on %s; reads on %s by %d reader process(es)%s",
@@ -121,7 +129,8 @@ class Server:
                 " (INSECURE: no authentication)" if config.insecure else " (no authentication: loopback only)",
             )
             if config.metrics_port is not None:
-                self._metrics = Metrics(service.snapshot, config.metrics_port, config.metrics_address)
+                self._figures = service.snapshot()
+                self._metrics = Metrics(self._ask_figures, config.metrics_port, config.metrics_address)
                 log.info("metrics on http://%s:%d/metrics", config.metrics_address, config.metrics_port)
             if ready is not None:
                 ready.set()
@@ -202,6 +211,10 @@ class Server:
                 if auth is not None:
                     auth.reload()  # keys dropped into actors/ or learners/ are admitted
                 next_expire = now + 1.0
+            if not self._figure_requests.empty():
+                self._figures = service.snapshot()
+                while not self._figure_requests.empty():
+                    self._figure_requests.get_nowait().set()
 
     def _publish(self, sock: zmq.Socket[Any], service: Service) -> None:
         """Publish the commits of this pass, then send their replies: a commit is acknowledged only
@@ -209,10 +222,10 @@ class Server:
         deferred, self._deferred = self._deferred, []
         try:
             service.publish()
-        except Exception as exc:  # the file refused them: every commit of the pass failed
+        except Exception as exc:  # the file refused them: the commits it did not take failed
             deferred = [
                 (identity, P.ErrorReply.from_exception(reply.request_id, exc)
-                 if isinstance(reply, (P.CommitReply, P.PushEpisodeReply)) else reply)
+                 if isinstance(reply, (P.CommitReply, P.PushEpisodeReply)) and not service.is_durable(reply) else reply)
                 for identity, reply in deferred
             ]
         for identity, reply in deferred:
@@ -242,6 +255,14 @@ class Server:
             self._send(sock, service, identity, reply)
         if self._metrics is not None:
             self._metrics.observe(kind, time.perf_counter() - started)
+
+    def _ask_figures(self) -> dict[str, Any]:
+        """The service's figures, taken by the loop between two passes (called by the metrics
+        thread; waits at most a second, then answers with the last ones taken)."""
+        taken = threading.Event()
+        self._figure_requests.put(taken)
+        taken.wait(1.0)
+        return self._figures
 
     def _start_proxy(self) -> ReadProxy:
         ctx, front, back = self._proxy_args

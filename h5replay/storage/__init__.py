@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from h5replay.records import Episode, Receipt, SampleInfo
+from h5replay.storage.export import compact_file, export_buffer, export_file
 from h5replay.storage.hdf5 import FORMAT_VERSION, HDF5Storage
 from h5replay.storage.indexing import (
     CHUNK_TARGET_BYTES,
@@ -31,12 +33,18 @@ __all__ = [
     "CHUNK_TARGET_BYTES",
     "CommitInfo",
     "DictSpace",
+    "Episode",
     "FORMAT_VERSION",
     "HDF5Storage",
+    "Receipt",
     "ReplayBuffer",
+    "SampleInfo",
     "SegmentWriter",
     "Space",
     "TextSpace",
+    "compact_file",
+    "export_buffer",
+    "export_file",
     "fancy_indexing_to_supported_indexing",
     "fancy_indexing_to_supported_set_indexing",
     "io_reduced_indexing",

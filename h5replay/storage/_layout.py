@@ -9,7 +9,9 @@ Rules (per leaf):
     cannot open contiguous datasets) -> whole-row chunks of about CHUNK_TARGET_BYTES, never less
     than one row, clamped to a fixed capacity;
   * an explicit tuple is padded with the row shape;
-  * chunks=False asks for contiguous storage and is refused where it cannot be honoured.
+  * chunks=False asks for contiguous storage and is refused where it cannot be honoured;
+  * compression with a fixed capacity and multiprocessing (SWMR) is refused: the file would grow
+    without bound (HDF5 never reuses file space under SWMR).
 `compression`, `compression_level` and `chunks` may be mappings keyed by leaf path ("obs/image"),
 by a top-level key ("obs"), or "*" for the rest.
 """
@@ -38,6 +40,15 @@ def resolve_option(option: Any, path: str) -> Any:
             value = option[key]
             return resolve_option(value, "/".join(parts[depth:])) if isinstance(value, Mapping) else value
     return option.get("*")
+
+
+def swmr_compressed_ring(path: str, compression: Any) -> str:
+    """Why a compressed fixed-capacity dataset cannot be written in SWMR mode (the one message)."""
+    return (
+        f"dataset '{path}' is compressed ({compression}) and has a fixed capacity: under SWMR, HDF5 never reuses "
+        "file space, so every rewrite of a compressed chunk of the ring grows the file without bound. Store it "
+        "uncompressed (h5replay compact FILE --compression none), or write it without multiprocessing"
+    )
 
 
 def whole_row_chunk_rows(row_bytes: int, capacity: int | None) -> int:
@@ -73,6 +84,8 @@ def dataset_kwargs(
     if comp == "gzip" and level is not None and (not isinstance(level, int) or not 0 <= level <= 9):
         raise ConfigError(f"gzip level for '{path}' must be an int in 0..9, got {level!r}")
 
+    if comp is not None and multiprocessing and capacity is not None:
+        raise ConfigError(swmr_compressed_ring(path, comp))
     shape = (capacity if capacity is not None else initial_rows, *row_shape)
     kwargs: dict[str, Any] = {"shape": shape}
     contiguous_possible = capacity is not None and comp is None and not multiprocessing

@@ -24,7 +24,7 @@ import h5py
 import numpy as np
 
 from h5replay.errors import ClosedError
-from h5replay.storage.indexing import _plain_dtype, _raw_file_type, check_out
+from h5replay.storage._rowio import check_out, plain_dtype, raw_file_type
 
 __all__ = ["MappedRows"]
 
@@ -75,7 +75,7 @@ def _unmappable_reason(dataset: Any) -> str | None:
         names = [dcpl.get_filter(i)[3].decode(errors="replace") for i in range(dcpl.get_nfilters())]
         return f"dataset {dataset.name!r} has filters {names}; their bytes are not rows"
     dtype = dataset.dtype
-    if not (_raw_file_type(dtype, dataset.id.get_type()) and dtype.isnative):
+    if not (raw_file_type(dtype, dataset.id.get_type()) and dtype.isnative):
         return f"dataset {dataset.name!r} has dtype {dtype}, not a native fixed-size type"
     if math.prod(shape[1:]) == 0:
         return f"dataset {dataset.name!r} has empty rows (shape {shape})"
@@ -121,7 +121,7 @@ class MappedRows:
             raise ValueError(reason)
         self._dataset = dataset
         self._dsid = dataset.id
-        dtype = _plain_dtype(dataset.dtype)
+        dtype = plain_dtype(dataset.dtype)
         self.dtype: np.dtype[Any] = dtype
         self.row_shape: tuple[int, ...] = tuple(dataset.shape[1:])
         self.row_bytes: int = math.prod(self.row_shape) * dtype.itemsize

@@ -1,19 +1,18 @@
 """HDF5Storage: rows of one (nested) space in one HDF5 file, one dataset per leaf.
 
-This module owns the file: creating it (atomically, under a temporary name renamed into place),
-opening it (plain, SWMR writer or SWMR reader), its attributes (format version, space as JSON,
-capacity) and the row I/O of `get` / `set`. It never decides where rows go: ring arithmetic and
-episode bookkeeping live in `replay_buffer.py`; streaming segments in `segment.py`.
+The class of the design document, and nothing else: `get` / `set` of rows, length management,
+segment writers, flushing. Opening and creating the file is `_h5file.py`'s job, index forms are
+`_indices.py`'s, the row I/O engine is `_rowio.py` (and `fastread.py`, the memory-mapped path),
+raw-file inference is `_rawfile.py`'s. It never decides where rows go: ring arithmetic and
+episodes belong to `replay_buffer.py` and its journal.
 
 Layout of a file::
 
-    /                       attrs: h5replay_format_version, h5replay_space (JSON), h5replay_capacity
+    /                       attrs: h5replay_format_version, h5replay_space (JSON), h5replay_capacity,
+                            h5replay_replay_id
     /<leaf path>            one dataset per leaf ("obs/image"); a bare leaf space is stored as "data"
     /_h5replay/staging/...  hidden rows of open segment writers (never part of the space)
-    /_h5replay/replay/...   ReplayBuffer bookkeeping, when the file belongs to one
-
-Every HDF5 object exists before SWMR starts (SWMR forbids creating objects later). Text leaves are
-fixed-length UTF-8 byte fields, because SWMR cannot write variable-length strings.
+    /_h5replay/replay/...   the replay journal, when the file belongs to a ReplayBuffer
 
 Not thread-safe: one thread at a time per storage (h5py serialises HDF5 calls anyway).
 """
@@ -21,41 +20,29 @@ Not thread-safe: one thread at a time per storage (h5py serialises HDF5 calls an
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import tempfile
 import typing
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import h5py
 import numpy as np
 
-from h5replay.errors import (
-    ClosedError,
-    ConfigError,
-    FormatVersionError,
-    ReadOnlyError,
-    SpaceMismatchError,
-    StorageError,
-)
-from h5replay.storage import _layout
+from h5replay.errors import ClosedError, ConfigError, ReadOnlyError, SpaceMismatchError, StorageError
+from h5replay.storage import _h5file, _layout
+from h5replay.storage._h5file import INTERNAL_GROUP, STAGING_GROUP, Prepare, h5_errors
+from h5replay.storage._indices import normalize_index
+from h5replay.storage._rawfile import infer_space
+from h5replay.storage._rowio import read_slice, read_sorted_unique_rows, write_rows, write_sorted_unique_rows
 from h5replay.storage.fastread import MappedRows
-from h5replay.storage.indexing import (
-    fancy_indexing_to_supported_indexing,
-    fancy_indexing_to_supported_set_indexing,
-    read_slice,
-    read_sorted_unique_rows,
-    write_rows,
-    write_sorted_unique_rows,
-)
-from h5replay.storage.recovery import WriterLock, clear_status_flags, status_flags
+from h5replay.storage.indexing import fancy_indexing_to_supported_indexing, fancy_indexing_to_supported_set_indexing
+from h5replay.storage.recovery import WriterLock
+from h5replay.storage.segment import SegmentWriter, Staging
 from h5replay.storage.spaces import (
     DEFAULT_KEY,
-    BinarySpace,
-    BoxSpace,
     DictSpace,
     LeafSpace,
     Space,
@@ -68,95 +55,36 @@ from h5replay.storage.spaces import (
 
 if TYPE_CHECKING:
     from h5replay.storage.replay_buffer import ReplayBuffer
-    from h5replay.storage.segment import SegmentWriter
 
 __all__ = ["HDF5Storage", "FORMAT_VERSION"]
 
+FORMAT_VERSION = _h5file.FORMAT_VERSION
 log = logging.getLogger("h5replay.storage")
 
-FORMAT_VERSION = 1
-ATTR_FORMAT = "h5replay_format_version"
-ATTR_SPACE = "h5replay_space"
-ATTR_CAPACITY = "h5replay_capacity"
-INTERNAL_GROUP = "_h5replay"
-_SWMR_WRITE_FLAG = 0x04  # superblock status flag: open for SWMR writing
-# HDF5 format bounds: v110 structures are what SWMR needs; capping at v114 keeps files readable by
-# HDF5 1.14 tools even when h5py is built on HDF5 2.x.
-_LIBVER = ("v110", "v114")
+#: Set by replay_buffer.py, which builds on this module: how a raw file becomes a ReplayBuffer.
+#: (A registration, not an import, so the two modules do not import each other.)
+raw_replay_buffer_factory: Callable[[str], ReplayBuffer] | None = None
 
 
-@contextlib.contextmanager
-def h5_errors(what: str) -> Iterator[None]:
-    """Turn h5py / HDF5 failures into StorageError naming what was being done (the one place)."""
-    try:
-        yield
-    except (OSError, RuntimeError, KeyError) as exc:
-        if isinstance(exc, (FileNotFoundError, IndexError)):
-            raise
-        raise StorageError(f"HDF5 failed while {what}: {exc}") from exc
+class _SharedIO:
+    """What a storage and its column views must agree on: whether the file has writes HDF5 still
+    holds in its caches (then the memory map would read stale bytes), and the maps themselves,
+    keyed by dataset name so a flush seen by one is seen by all."""
 
+    def __init__(self) -> None:
+        self.dirty = False
+        self.maps: dict[str, MappedRows | None] = {}
 
-def _libver() -> tuple[str, str]:
-    # h5py learnt the 'v114' bound in 3.6; older ones only know 'latest' as the upper bound.
-    from h5py._hl import files as _files
+    def refresh_maps(self) -> None:
+        for mapped in self.maps.values():
+            if mapped is not None:
+                mapped.refresh()
 
-    return _LIBVER if "v114" in getattr(_files, "libver_dict", {}) else ("v110", "latest")
-
-
-def _h5_dtype(leaf: LeafSpace) -> Any:
-    if isinstance(leaf, TextSpace):
-        return h5py.string_dtype("utf-8", length=leaf.storage_dtype.itemsize)
-    return leaf.storage_dtype
-
-
-def _normalize_int(i: Any, length: int) -> int:
-    j = int(i)
-    if j < 0:
-        j += length
-    if not 0 <= j < length:
-        raise IndexError(f"index {int(i)} is out of range for {length} rows")
-    return j
-
-
-def normalize_index(index: Any, length: int) -> tuple[str, Any]:
-    """Classify a row index: ('int', i), ('slice', (start, stop)) or ('array', int64 ndarray).
-
-    Negative values count from the end; every row is range-checked. Stepped slices and boolean
-    masks become arrays. Raises IndexError (out of range) or TypeError (not an index).
-    """
-    if isinstance(index, (bool, np.bool_)):
-        raise TypeError("a boolean is not a row index; use a boolean mask array")
-    if isinstance(index, (int, np.integer)):
-        return "int", _normalize_int(index, length)
-    if index is Ellipsis:
-        return "slice", (0, length)
-    if isinstance(index, slice):
-        start, stop, step = index.indices(length)
-        if step == 1:
-            return "slice", (start, max(start, stop))
-        return "array", np.arange(start, stop, step, dtype=np.int64)
-    if isinstance(index, (list, tuple)):
-        index = np.asarray(index) if len(index) else np.zeros(0, dtype=np.int64)
-    if isinstance(index, np.ndarray):
-        if index.dtype.kind == "b":
-            if index.shape != (length,):
-                raise IndexError(f"boolean mask has shape {index.shape} but the storage has {length} rows")
-            return "array", np.flatnonzero(index).astype(np.int64)
-        if index.dtype.kind not in "iu":
-            raise TypeError(f"row indices must be integers, got an array of {index.dtype}")
-        if index.ndim == 0:
-            return "int", _normalize_int(index[()], length)
-        idx = index.astype(np.int64, copy=True)
-        if idx.size:
-            neg = idx < 0
-            if neg.any():
-                idx[neg] += length
-            lo, hi = int(idx.min()), int(idx.max())
-            if lo < 0 or hi >= length:
-                bad = int(index.reshape(-1)[np.argmax((idx.reshape(-1) < 0) | (idx.reshape(-1) >= length))])
-                raise IndexError(f"index {bad} is out of range for {length} rows")
-        return "array", idx
-    raise TypeError(f"unsupported row index of type {type(index).__name__}: use an int, slice, list, int array or mask")
+    def drop_maps(self) -> None:
+        for mapped in self.maps.values():
+            if mapped is not None:
+                mapped.close()
+        self.maps = {}
 
 
 class HDF5Storage:
@@ -164,11 +92,11 @@ class HDF5Storage:
 
     Build one with `create` or `load_from`. The constructor wraps an already-open h5py root
     (File, Group or, for a single-leaf column, Dataset); `owns_root=False` marks a view that
-    must not close the file.
+    must not close the file. `reduce_io=False` reads through h5py's own selections instead of
+    the sorted-run engine and the memory map (slower; for files that must not be mapped).
     """
 
     DEFAULT_KEY = DEFAULT_KEY
-    single_file_ext = ".hdf5"
     #: Memory a segment writer may buffer before it spills rows to the file's staging area.
     DEFAULT_SEGMENT_BUFFER_BYTES = 8 * 1024 * 1024
 
@@ -192,7 +120,7 @@ class HDF5Storage:
             raise ConfigError(f"capacity must be a positive int or None, got {capacity!r}")
         self.single_instance_space = single_instance_space
         self.capacity = None if capacity is None else int(capacity)
-        self.reduce_io = reduce_io
+        self.reduce_io = bool(reduce_io)
         self.multiprocessing = multiprocessing
         self._owns_root = owns_root
         self._h5py_kwargs = dict(h5py_kwargs or {})
@@ -201,11 +129,11 @@ class HDF5Storage:
         self._root: h5py.Group | h5py.Dataset | None = None
         self._file: h5py.File | None = None
         self._datasets: dict[str, h5py.Dataset] = {}
-        self._mapped: dict[str, MappedRows | None] = {}
-        self._dirty = False
+        self._io = _SharedIO()
+        self._stale = False  # an SWMR reader's view of HDF5's metadata may be behind the writer
         self._cursor: int | None = None
         self._writers: weakref.WeakSet[SegmentWriter] = weakref.WeakSet()
-        self._staging: Any = None
+        self._staging: Staging | None = None
         self._writer_lock: WriterLock | None = None
         self.segment_buffer_bytes = self.DEFAULT_SEGMENT_BUFFER_BYTES
         self._leaves = named_leaves(single_instance_space)
@@ -246,7 +174,7 @@ class HDF5Storage:
             if check_file:
                 self._check_dataset(path, leaf, ds)
             self._datasets[path] = ds
-        self._mapped = {}
+        self._io.drop_maps()
 
     def _check_dataset(self, path: str, leaf: LeafSpace, ds: h5py.Dataset) -> None:
         if ds.shape[1:] != leaf.shape:
@@ -274,18 +202,10 @@ class HDF5Storage:
             return
         if self.filename is None:
             raise ClosedError("this storage has no file to reopen")
-        kwargs = dict(self._h5py_kwargs)
-        if self._mode == "r" and self.multiprocessing:
-            kwargs["swmr"] = True
-        with h5_errors(f"opening {self.filename}"):
-            try:
-                f = h5py.File(self.filename, self._mode, **kwargs)
-            except OSError:
-                if self._mode != "r" or "locking" in kwargs:
-                    raise
-                # Another process holds the file for writing (HDF5 locks it), or this process opened
-                # it with other locking flags: a reader of flushed data may skip the lock.
-                f = h5py.File(self.filename, self._mode, locking=False, **kwargs)
+        f, swmr, kwargs = _h5file.open_file(
+            self.filename, writable=False, multiprocessing=self.multiprocessing, h5kw=self._h5py_kwargs
+        )
+        self.multiprocessing, self._h5py_kwargs = swmr or self.multiprocessing, kwargs
         root = f if self._full_name is None else f[self._full_name]
         self._owns_root = True
         self._attach(root, check_file=False)
@@ -297,26 +217,44 @@ class HDF5Storage:
         self._ensure_open()
         return typing.cast("h5py.Group | h5py.Dataset", self._root)
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
-        """Close the file (when this storage owns it). Safe to call twice. Open segment writers die."""
+        """Flush (when writable) and close the file, when this storage owns it. Safe to call twice;
+        open segment writers die.
+
+        Raises:
+            StorageError: the final flush failed. The file is closed anyway; what was not flushed
+                may be lost (a ReplayBuffer reopens at its last published state).
+        """
         if self._closed:
             return
         for writer in list(self._writers):
             writer._invalidate("its storage was closed")
         self._cursor = None
-        for mapped in self._mapped.values():
-            if mapped is not None:
-                mapped.close()
-        self._mapped = {}
         root, self._root = self._root, None
         self._file = None
         self._datasets = {}
         self._closed = True
-        if root is not None and self._owns_root:
-            with contextlib.suppress(Exception):
-                root.file.close()
-        if self._writer_lock is not None:
-            self._writer_lock.release()
+        failure: BaseException | None = None
+        try:
+            if root is not None and self._owns_root:
+                self._io.drop_maps()
+                try:
+                    with h5_errors(f"flushing {self.filename} before closing it"):
+                        if self.is_mutable:
+                            root.file.flush()
+                except StorageError as exc:
+                    failure = exc
+                with contextlib.suppress(Exception):
+                    root.file.close()
+        finally:
+            if self._writer_lock is not None:
+                self._writer_lock.release()
+        if failure is not None:
+            raise failure
 
     def __enter__(self) -> HDF5Storage:
         return self
@@ -361,14 +299,6 @@ class HDF5Storage:
         return self._len
 
     @property
-    def is_multiprocessing_safe(self) -> bool:
-        return self.multiprocessing or not self.is_mutable
-
-    @property
-    def cache_filename(self) -> str | None:
-        return self.filename
-
-    @property
     def file(self) -> h5py.File:
         """The h5py File (kept: h5py builds a new File object on every `.file` access)."""
         if self._file is None:
@@ -379,6 +309,11 @@ class HDF5Storage:
     def leaves(self) -> list[tuple[str, LeafSpace]]:
         """(dataset path, leaf space) for every leaf, in storage order."""
         return list(self._leaves)
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row, every leaf included."""
+        return sum(leaf.row_bytes for _, leaf in self._leaves)
 
     def dataset(self, path: str) -> h5py.Dataset:
         """The h5py dataset of one leaf."""
@@ -404,27 +339,31 @@ class HDF5Storage:
         compression_level: Mapping[str, Any] | int | None = None,
         chunks: Mapping[str, Any] | bool | tuple[int, ...] | None = None,
         reduce_io: bool = True,
+        *,
+        overwrite: bool = False,
+        segment_buffer_bytes: int | None = None,
+        prepare: Prepare | None = None,
         **kwargs: Any,
     ) -> HDF5Storage:
         """Create a new file at `cache_path` and return a writable storage over it.
 
-        The file is built under a temporary name in the same directory and renamed into place, so
-        a crash never leaves a half-made file at `cache_path`. With `multiprocessing=True` the
-        file is then held in SWMR write mode: other processes may open it with
-        `load_from(path, space, read_only=True, multiprocessing=True)` while this one writes.
+        The file is built under a temporary name in the same directory, renamed into place and
+        reopened by its final name, so a crash never leaves a half-made file at `cache_path`. With
+        `multiprocessing=True` the file is then held in SWMR write mode: other processes may open it
+        with `load_from(path, space, read_only=True, multiprocessing=True)` while this one writes.
 
-        Extra keyword arguments: `overwrite=False` (replace an existing file), `before_swmr`
-        (a callable given the root group to add datasets before SWMR starts; used by
-        ReplayBuffer), `segment_buffer_bytes`, and anything else goes to `h5py.File`.
+        Args:
+            overwrite: replace an existing file.
+            segment_buffer_bytes: memory a segment writer buffers before spilling to the file.
+            prepare: given the new file before SWMR starts, to add datasets of its own (the
+                replay buffer's journal): SWMR forbids creating objects later.
+            kwargs: anything else goes to `h5py.File`.
 
         Raises:
             ConfigError: a missing path, an existing file without overwrite, or invalid options.
         """
         if cache_path is None:
             raise ConfigError("HDF5Storage.create needs cache_path: the file to create")
-        overwrite = bool(kwargs.pop("overwrite", False))
-        before_swmr: Callable[[h5py.Group], None] | None = kwargs.pop("before_swmr", None)
-        buffer_bytes = kwargs.pop("segment_buffer_bytes", None)
         path = os.fspath(cache_path)
         if os.path.isdir(path):
             raise ConfigError(f"cache_path {path!r} is a directory; give the path of the file to create")
@@ -452,63 +391,20 @@ class HDF5Storage:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         lock = WriterLock(path).acquire()
         try:
-            storage = cls._create_locked(
-                single_instance_space, capacity, path, multiprocessing, leaves, layouts, reduce_io,
-                before_swmr, buffer_bytes, kwargs,
-            )
+            _h5file.create_file(path, single_instance_space, capacity, layouts, leaves, prepare, kwargs)
         except BaseException:
             lock.release()
             raise
-        storage._writer_lock = lock
-        return storage
-
-    @classmethod
-    def _create_locked(
-        cls, single_instance_space: Space, capacity: int | None, path: str, multiprocessing: bool,
-        leaves: list[tuple[str, LeafSpace]], layouts: dict[str, dict[str, Any]], reduce_io: bool,
-        before_swmr: Callable[[h5py.Group], None] | None, buffer_bytes: int | None, kwargs: dict[str, Any],
-    ) -> HDF5Storage:
-        """The body of `create`, run while holding the file's writer lock."""
-        directory = os.path.dirname(os.path.abspath(path))
-        os.makedirs(directory, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".h5replay-", suffix=".tmp", dir=directory)
-        os.close(fd)
         try:
-            try:
-                f = h5py.File(tmp, "w", libver=_libver(), **kwargs)
-            except TypeError as exc:
-                raise ConfigError(f"invalid h5py.File option: {exc}") from exc
-            with h5_errors(f"creating {path}"):
-                for p, leaf in leaves:
-                    f.create_dataset(p, dtype=_h5_dtype(leaf), **layouts[p])
-                f.attrs[ATTR_FORMAT] = FORMAT_VERSION
-                f.attrs[ATTR_SPACE] = json.dumps(single_instance_space.to_json())
-                f.attrs[ATTR_CAPACITY] = -1 if capacity is None else int(capacity)
-                internal = f.create_group(INTERNAL_GROUP)
-                from h5replay.storage.segment import create_staging  # staging layout lives with the writer
-
-                create_staging(internal, leaves)
-                if before_swmr is not None:
-                    before_swmr(f)
-                f.flush()
-            os.replace(tmp, path)
+            return cls._open_locked(
+                path, single_instance_space, capacity, lock, multiprocessing=multiprocessing,
+                reduce_io=reduce_io, segment_buffer_bytes=segment_buffer_bytes, prepare=None, h5kw=kwargs,
+            )
         except BaseException:
-            with contextlib.suppress(Exception):
-                f.close()
             with contextlib.suppress(OSError):
-                os.unlink(tmp)
+                os.unlink(path)  # ours, just made, never used: leave nothing behind
+            lock.release()
             raise
-        storage = cls(
-            single_instance_space, f, capacity=capacity, reduce_io=reduce_io, check_file=True,
-            is_mutable=True, multiprocessing=multiprocessing, h5py_kwargs=kwargs,
-        )
-        storage.filename = path
-        if buffer_bytes is not None:
-            storage.segment_buffer_bytes = int(buffer_bytes)
-        if multiprocessing:
-            with h5_errors("starting SWMR write mode"):
-                f.swmr_mode = True
-        return storage
 
     @classmethod
     def load_from(
@@ -520,84 +416,90 @@ class HDF5Storage:
         read_only: bool = True,
         multiprocessing: bool = False,
         reduce_io: bool = True,
+        segment_buffer_bytes: int | None = None,
+        prepare: Prepare | None = None,
         **kwargs: Any,
     ) -> HDF5Storage:
         """Open an existing file. The space and capacity are read from the file when it has them.
 
         `read_only=False, multiprocessing=True` reopens the file as the SWMR writer;
         `read_only=True, multiprocessing=True` opens it as an SWMR reader that sees rows the
-        writer flushed (call `refresh()` to pick up new ones).
+        writer flushed (call `refresh()` to pick up new ones). A writer takes the file's writer
+        lock and recovers a file whose writer was killed. `prepare` is given the file before SWMR
+        starts when it is opened for writing (to upgrade what the caller keeps in it).
 
         Raises:
             FileNotFoundError: no file at `path`.
             FormatVersionError: the file was written by an unknown h5replay format.
             SpaceMismatchError: the file does not hold `single_instance_space`.
-            StorageError: HDF5 cannot open the file.
+            ConfigError: `capacity` differs from the file's, or a layout SWMR cannot write.
+            StorageError: HDF5 cannot open the file, or another process writes it.
         """
         path = os.fspath(path)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"no HDF5 file at {path!r}")
-        buffer_bytes = kwargs.pop("segment_buffer_bytes", None)
-        h5kw = dict(kwargs)
-        mode = "r" if read_only else "r+"
-        if not read_only:
-            h5kw.setdefault("libver", _libver())  # SWMR writing needs the v110 format bounds
-        if read_only and multiprocessing:
-            h5kw["swmr"] = True
-            h5kw.setdefault("locking", False)
-        lock = None if read_only else WriterLock(path).acquire()
+        if read_only:
+            return cls._open_locked(
+                path, single_instance_space, capacity, None, multiprocessing=multiprocessing,
+                reduce_io=reduce_io, segment_buffer_bytes=segment_buffer_bytes, prepare=None, h5kw=kwargs,
+            )
+        lock = WriterLock(path).acquire()
         try:
-            if lock is not None and clear_status_flags(path):
+            if _h5file.recover(path, lock):
                 log.warning("%s was not closed cleanly (its writer died); cleared its status flags and reopening "
                             "it at its last published state", path)
-            with h5_errors(f"opening {path}"):
-                try:
-                    f = h5py.File(path, mode, **h5kw)
-                except TypeError as exc:
-                    raise ConfigError(f"invalid h5py.File option: {exc}") from exc
-                except OSError:
-                    # A live (or killed) SWMR writer marks the file; plain readers are refused, SWMR
-                    # readers are not. Read it as one: it sees exactly what the writer published.
-                    if not read_only or multiprocessing or not status_flags(path) & _SWMR_WRITE_FLAG:
-                        raise
-                    multiprocessing = True
-                    h5kw.update(swmr=True, locking=False)
-                    f = h5py.File(path, mode, **h5kw)
-        except BaseException:
-            if lock is not None:
-                lock.release()
-            raise
-        try:
-            stored_space, stored_capacity = _read_header(f)
-            if stored_space is None:
-                length, inferred_capacity, inferred_space = cls.build_space_from_hdf5_file(f)
-                stored_space = inferred_space
-                stored_capacity = inferred_capacity
-            space = stored_space
-            if single_instance_space is not None:
-                if single_instance_space != stored_space:
-                    raise SpaceMismatchError(
-                        f"{path!r} holds {stored_space!r}, not the requested {single_instance_space!r}"
-                    )
-                space = single_instance_space
-            if capacity is not None and stored_capacity is not None and capacity != stored_capacity:
-                raise ConfigError(f"{path!r} has capacity {stored_capacity}, not {capacity}")
-            storage = cls(
-                space, f, capacity=stored_capacity, reduce_io=reduce_io, check_file=True,
-                is_mutable=not read_only, multiprocessing=multiprocessing, h5py_kwargs=h5kw,
+            return cls._open_locked(
+                path, single_instance_space, capacity, lock, multiprocessing=multiprocessing,
+                reduce_io=reduce_io, segment_buffer_bytes=segment_buffer_bytes, prepare=prepare, h5kw=kwargs,
             )
-            if buffer_bytes is not None:
-                storage.segment_buffer_bytes = int(buffer_bytes)
-            storage._writer_lock = lock
-            if multiprocessing and not read_only:
-                with h5_errors("starting SWMR write mode"):
-                    f.swmr_mode = True
+        except BaseException:
+            lock.release()
+            raise
+
+    @classmethod
+    def _open_locked(
+        cls, path: str, expected_space: Space | None, expected_capacity: int | None, lock: WriterLock | None, *,
+        multiprocessing: bool, reduce_io: bool, segment_buffer_bytes: int | None, prepare: Prepare | None,
+        h5kw: dict[str, Any],
+    ) -> HDF5Storage:
+        """Open `path` (writable when `lock` is held), check it, start SWMR writing if asked."""
+        writable = lock is not None
+        f, swmr_reader, h5kw = _h5file.open_file(path, writable=writable, multiprocessing=multiprocessing, h5kw=h5kw)
+        try:
+            space, capacity = _h5file.read_header(f)
+            if space is None:
+                _, capacity, space = infer_space(f)
+            if expected_space is not None and expected_space != space:
+                raise SpaceMismatchError(f"{path!r} holds {space!r}, not the requested {expected_space!r}")
+            if expected_capacity is not None and capacity is not None and expected_capacity != capacity:
+                raise ConfigError(f"{path!r} has capacity {capacity}, not {expected_capacity}")
+            storage = cls(
+                space, f, capacity=capacity, reduce_io=reduce_io, check_file=True, is_mutable=writable,
+                multiprocessing=multiprocessing or swmr_reader, h5py_kwargs=h5kw,
+            )
+            if segment_buffer_bytes is not None:
+                storage.segment_buffer_bytes = int(segment_buffer_bytes)
+            if writable:
+                if multiprocessing:
+                    storage._check_swmr_writable()
+                if prepare is not None:
+                    with h5_errors(f"preparing {path}"):
+                        prepare(f)
+                if multiprocessing:
+                    _h5file.start_swmr(f)
         except BaseException:
             f.close()
-            if lock is not None:
-                lock.release()
             raise
+        storage._writer_lock = lock
         return storage
+
+    def _check_swmr_writable(self) -> None:
+        """Refuse a layout that SWMR writing would damage: a compressed fixed-capacity ring."""
+        if self.capacity is None:
+            return
+        for path, ds in self._datasets.items():
+            if ds.compression is not None:
+                raise ConfigError(f"{self.filename!r}: " + _layout.swmr_compressed_ring(path, ds.compression))
 
     @staticmethod
     def build_space_from_hdf5_file(root: h5py.Group | h5py.Dataset) -> tuple[int, int | None, Space]:
@@ -609,19 +511,19 @@ class HDF5Storage:
         that can grow (maxshape[0] != shape[0]) makes the storage unbounded.
         """
         if isinstance(root, h5py.Group):
-            space, capacity = _read_header(root)
+            space, capacity = _h5file.read_header(root)
             if space is not None:
                 leaves = named_leaves(space)
                 length = capacity if capacity is not None else min(root[p].shape[0] for p, _ in leaves)
                 return int(length), capacity, space
-        return _infer_space(root, "")
+        return infer_space(root)
 
     @staticmethod
     def load_replay_buffer_from_raw_hdf5(path: str | os.PathLike[str]) -> ReplayBuffer:
         """A read-only ReplayBuffer over a file written by plain h5py (datasets sharing a first axis)."""
-        from h5replay.storage.replay_buffer import ReplayBuffer
-
-        return ReplayBuffer.from_raw_hdf5(path)
+        if raw_replay_buffer_factory is None:
+            raise ConfigError("import h5replay.storage (which registers the ReplayBuffer) before opening raw files")
+        return raw_replay_buffer_factory(os.fspath(path))
 
     @staticmethod
     def call_function_on_first_dataset(root: h5py.Group, function: Callable[[h5py.Dataset], Any]) -> Any:
@@ -714,21 +616,11 @@ class HDF5Storage:
         # The sampling hot path: a 1-D int64 array, checked with one reduction (negatives wrap to
         # huge unsigned values), gathered straight from the file's memory map.
         if (type(index) is np.ndarray and index.dtype == np.int64 and index.ndim == 1 and index.size > 1
-                and not self._dirty and int(index.view(np.uint64).max()) < self._len):
+                and int(index.view(np.uint64).max()) < self._len):
             rows = self._mapped_rows(index)
             if rows is not None:
                 return self.unflatten({path: leaf.decode_batch(rows[path]) for path, leaf in self._leaves})
         return self.read(*normalize_index(index, self._len))
-
-    def _mapped_rows(self, flat: np.ndarray) -> dict[str, np.ndarray] | None:
-        out = {}
-        for path, _ in self._leaves:
-            mapped = self._mapping(path)
-            rows = None if mapped is None else mapped.take_checked(flat)
-            if rows is None:
-                return None
-            out[path] = rows
-        return out
 
     def read(self, kind: str, where: Any, decode: bool = True) -> Any:
         """Rows for an index already normalized by `normalize_index` (no range check here).
@@ -748,39 +640,67 @@ class HDF5Storage:
             return rows
         return self.unflatten({path: leaf.decode_batch(rows[path]) for path, leaf in self._leaves})
 
+    def _mapped_rows(self, flat: np.ndarray) -> dict[str, np.ndarray] | None:
+        out = {}
+        for path, _ in self._leaves:
+            rows = self._mapped_read(path, flat)
+            if rows is None:
+                return None
+            out[path] = rows
+        return out
+
     def _read_rows(self, path: str, kind: str, where: Any) -> np.ndarray:
         ds = self._datasets[path]
+        if kind == "array" and where.size > 1:
+            flat = where.reshape(-1)
+            mapped = self._mapped_read(path, flat)
+            if mapped is not None:
+                return mapped.reshape(where.shape + mapped.shape[1:])
+        self._refresh_if_stale()
         with h5_errors(f"reading '{path}'"):
             if kind == "slice":
                 start, stop = where
                 return read_slice(ds, start, stop)
             idx: np.ndarray = where
             flat = idx.reshape(-1)
-            rows = self._mapped_read(path, flat)
-            if rows is None:
-                if flat.size > 1 and np.all(flat[1:] > flat[:-1]):
-                    rows = read_sorted_unique_rows(ds, flat)
-                else:
-                    unique, inverse = fancy_indexing_to_supported_indexing(flat)
-                    rows = read_sorted_unique_rows(ds, unique)[inverse.reshape(-1)]
+            if not self.reduce_io:
+                unique, inverse = fancy_indexing_to_supported_indexing(flat)
+                rows = ds[unique] if unique.size else read_slice(ds, 0, 0)
+                rows = np.asarray(rows)[inverse.reshape(-1)]
+            elif flat.size > 1 and np.all(flat[1:] > flat[:-1]):
+                rows = read_sorted_unique_rows(ds, flat)
+            else:
+                unique, inverse = fancy_indexing_to_supported_indexing(flat)
+                rows = read_sorted_unique_rows(ds, unique)[inverse.reshape(-1)]
             return rows.reshape(idx.shape + rows.shape[1:])
 
     def _mapped_read(self, path: str, flat: np.ndarray) -> np.ndarray | None:
+        """Rows from the memory map, or None (unmappable, unflushed writes, unallocated rows)."""
         # The map sees only what reached the file: skip it while this process has unflushed writes.
-        if self._dirty or flat.size < 2:
+        if self._io.dirty or not self.reduce_io:
             return None
         mapped = self._mapping(path)
-        return None if mapped is None else mapped.take_checked(flat)
+        if mapped is None:
+            return None
+        rows = mapped.take_checked(flat)
+        if rows is None and self._stale:
+            # An SWMR reader may not know of chunks the writer allocated since: ask HDF5 afresh.
+            self._refresh_if_stale()
+            rows = mapped.take_checked(flat)
+        return rows
 
     def _mapping(self, path: str) -> MappedRows | None:
         """The leaf's memory map, opened on first use (None when its layout cannot be mapped)."""
-        if path not in self._mapped:
-            self._mapped[path] = MappedRows.open(self._datasets[path])
-        return self._mapped[path]
+        ds = self._datasets[path]
+        key = ds.name
+        maps = self._io.maps
+        if key not in maps:
+            maps[key] = MappedRows.open(ds)
+        return maps[key]
 
     def get_column(self, nested_keys: str | Sequence[str]) -> HDF5Storage:
         """A storage over the sub-space at `nested_keys` ("obs/image" or ("obs", "image")), sharing
-        this storage's file handle: writes through it are visible here; closing this one ends it."""
+        this storage's file handle: writes through either are seen by both; closing this one ends it."""
         keys = nested_keys.split("/") if isinstance(nested_keys, str) else list(nested_keys)
         space: Space = self.single_instance_space
         for key in keys:
@@ -793,6 +713,7 @@ class HDF5Storage:
             is_mutable=self.is_mutable, multiprocessing=self.multiprocessing, owns_root=False, length=self._len,
         )
         view.filename = self.filename
+        view._io = self._io  # one dirty flag and one set of maps for the file
         return view
 
     # ------------------------------------------------------------------ writing
@@ -821,11 +742,11 @@ class HDF5Storage:
         encoded, _ = self._encode_for_index(value, idx)
         flat = idx.reshape(-1)
         unique, positions = fancy_indexing_to_supported_set_indexing(flat)
+        self._io.dirty = True
         with h5_errors("writing rows"):
             for path, _ in self._leaves:
                 arr = encoded[path]  # (rows, *row_shape): _encode_for_index flattened an N-d index
                 write_sorted_unique_rows(self._datasets[path], unique, np.ascontiguousarray(arr[positions]))
-        self._dirty = True
 
     def _encode_for_index(self, value: Any, idx: np.ndarray) -> tuple[dict[str, np.ndarray], int]:
         if idx.ndim == 1:
@@ -836,12 +757,12 @@ class HDF5Storage:
 
     def _write_range(self, start: int, encoded: Mapping[str, np.ndarray]) -> None:
         """Write whole rows [start, start + n) of every leaf; rows must already exist."""
+        self._io.dirty = True  # before the write: a failed write may still have reached HDF5's caches
         with h5_errors("writing rows"):
             for path, _ in self._leaves:
                 ds, arr = self._datasets[path], encoded[path]
                 if arr.shape[0] and not write_rows(ds, start, arr):
                     ds[start : start + arr.shape[0]] = arr
-        self._dirty = True
 
     def write_ring(self, start: int, encoded: Mapping[str, np.ndarray]) -> None:
         """Write rows at [start, start + n) modulo the capacity (two writes when they wrap).
@@ -879,17 +800,20 @@ class HDF5Storage:
         self._resize_all(self._len + int(length))
 
     def shrink_length(self, length: int) -> None:
-        """Drop the last `length` rows of an unbounded storage."""
+        """Drop the last `length` rows of an unbounded storage. Their file space may be reused,
+        so memory maps of them are dropped (a reader must do the same: see ReplayBuffer)."""
         self._require_mutable("shrink the length")
         if self.capacity is not None:
             raise ConfigError(f"cannot shrink a storage of fixed capacity {self.capacity}")
         if isinstance(length, bool) or not 0 <= int(length) <= self._len:
             raise ConfigError(f"length to shrink by must be an int in [0, {self._len}], got {length!r}")
         self._resize_all(self._len - int(length))
+        self._io.drop_maps()
 
     def _resize_all(self, new_len: int) -> None:
         old = self._len
         done: list[h5py.Dataset] = []
+        self._io.dirty = True
         try:
             with h5_errors(f"resizing to {new_len} rows"):
                 for ds in self._datasets.values():
@@ -901,8 +825,6 @@ class HDF5Storage:
                     ds.resize(old, axis=0)
             raise
         self._len = new_len
-        self._dirty = True
-        self._drop_maps()
 
     def clear(self) -> None:
         """Abort the open cursor segment; an unbounded storage becomes empty. A fixed-capacity
@@ -919,24 +841,27 @@ class HDF5Storage:
         """A streaming SegmentWriter: rows go to hidden staging rows in the file as they arrive
         (memory stays bounded), and become visible only at `commit(start_index)`."""
         self._require_mutable("open a segment writer")
-        from h5replay.storage.segment import SegmentWriter, Staging
-
         if self._staging is None:
-            self._staging = Staging(self)
+            with h5_errors("opening the staging area"):
+                group = self.file[STAGING_GROUP]
+                datasets = {path: group[path] for path, _ in self._leaves}
+            self._staging = Staging(datasets, self._leaves, self.segment_buffer_bytes)
         writer = SegmentWriter(self, self._staging)
         self._writers.add(writer)
         return writer
 
     @property
     def has_open_segment(self) -> bool:
+        """True between `mark_segment_start` and `mark_segment_end` (the single append cursor)."""
         return self._cursor is not None
 
-    @property
-    def pending_segment_length(self) -> int:
-        return 0
-
     def mark_segment_start(self, start_index: int) -> None:
-        """Open the single append cursor at `start_index` (modulo a fixed capacity)."""
+        """Open the single append cursor at `start_index` (modulo a fixed capacity).
+
+        Raises:
+            ConfigError: a cursor is already open.
+            IndexError: `start_index` would leave a gap in an unbounded storage.
+        """
         self._require_mutable("start a segment")
         if self._cursor is not None:
             raise ConfigError("a segment is already open; call mark_segment_end() first")
@@ -948,7 +873,12 @@ class HDF5Storage:
         self._cursor = start
 
     def append(self, value: Any) -> None:
-        """Write one sample at the cursor and advance it (rows are visible at once)."""
+        """Write one sample at the cursor and advance it (rows are visible at once in this process).
+
+        Raises:
+            ConfigError: no cursor is open.
+            SpaceMismatchError: the sample does not fit the space (nothing is written).
+        """
         if self._cursor is None:
             raise ConfigError("no open segment: call mark_segment_start(index) before append()")
         self._require_mutable("append")
@@ -959,6 +889,7 @@ class HDF5Storage:
             self._cursor %= self.capacity
 
     def mark_segment_end(self) -> None:
+        """Close the cursor (rows it wrote stay)."""
         self._cursor = None
 
     def abort_segment(self) -> None:
@@ -981,10 +912,8 @@ class HDF5Storage:
             self.file.flush()
             if fsync:
                 os.fsync(self.file.id.get_vfd_handle())
-        self._dirty = False
-        for mapped in self._mapped.values():
-            if mapped is not None:
-                mapped.refresh()
+        self._io.dirty = False
+        self._io.refresh_maps()
 
     def refresh(self) -> None:
         """Reader side: pick up rows and lengths another process flushed (SWMR readers)."""
@@ -994,15 +923,22 @@ class HDF5Storage:
                 for ds in self._datasets.values():
                     ds.refresh()
             self._len = self._read_length()
-        for mapped in self._mapped.values():
-            if mapped is not None:
-                mapped.refresh()
+        self._stale = False
+        self._io.refresh_maps()
 
-    def _drop_maps(self) -> None:
-        for mapped in self._mapped.values():
-            if mapped is not None:
-                mapped.close()
-        self._mapped = {}
+    def mark_stale(self) -> None:
+        """Reader side: the writer published; refresh HDF5's view of the datasets before the next
+        read that needs it (cheap now, paid only by reads that go through HDF5 or meet new chunks)."""
+        self._stale = True
+
+    def _refresh_if_stale(self) -> None:
+        if self._stale:
+            self.refresh()
+
+    def invalidate_maps(self) -> None:
+        """Forget every memory map and chunk address: the file's space was freed and reallocated
+        (a shrink or clear by the writer); the next read maps afresh."""
+        self._io.drop_maps()
 
     def dumps(self, path: str | os.PathLike[str]) -> None:
         """Flush (when `path` is this file) or write a complete copy of the storage to `path`,
@@ -1021,7 +957,7 @@ class HDF5Storage:
         fd, tmp = tempfile.mkstemp(prefix=".h5replay-", suffix=".tmp", dir=directory)
         os.close(fd)
         try:
-            with h5_errors(f"writing a copy to {target}"), h5py.File(tmp, "w", libver=_libver()) as out:
+            with h5_errors(f"writing a copy to {target}"), h5py.File(tmp, "w", libver=_h5file.libver()) as out:
                 root = self.root
                 if isinstance(root, h5py.Dataset):
                     root.file.copy(root, out, name=DEFAULT_KEY)
@@ -1029,24 +965,13 @@ class HDF5Storage:
                     for name in root:
                         if name != INTERNAL_GROUP:
                             root.copy(root[name], out, name=name)
-                    from h5replay.storage.segment import create_staging
-
-                    create_staging(out.create_group(INTERNAL_GROUP), self._leaves)
-                out.attrs[ATTR_FORMAT] = FORMAT_VERSION
-                out.attrs[ATTR_SPACE] = json.dumps(self.single_instance_space.to_json())
-                out.attrs[ATTR_CAPACITY] = -1 if self.capacity is None else self.capacity
+                    _h5file.create_staging(out, self._leaves)
+                _h5file.write_header(out, self.single_instance_space, self.capacity)
             os.replace(tmp, target)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
-
-
-# ---------------------------------------------------------------------- module helpers
-
-
-def _join_path(prefix: str, key: str) -> str:
-    return f"{prefix}/{key}" if prefix else key
 
 
 def _reshape_batch(flat: Mapping[str, Any], index_shape: tuple[int, ...]) -> dict[str, Any]:
@@ -1059,65 +984,3 @@ def _reshape_batch(flat: Mapping[str, Any], index_shape: tuple[int, ...]) -> dic
             )
         out[path] = arr.reshape((-1,) + arr.shape[len(index_shape):])
     return out
-
-
-def _read_header(group: h5py.Group) -> tuple[Space | None, int | None]:
-    """(space, capacity) from h5replay's attributes, or (None, None) for a raw file."""
-    attrs = group.attrs
-    if ATTR_SPACE not in attrs:
-        return None, None
-    version = int(attrs.get(ATTR_FORMAT, 0))
-    if version != FORMAT_VERSION:
-        raise FormatVersionError(
-            f"{group.file.filename!r} has h5replay format version {version}; this h5replay reads version "
-            f"{FORMAT_VERSION}. Upgrade h5replay, or export the file with the version that wrote it."
-        )
-    raw = attrs[ATTR_SPACE]
-    text = raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
-    try:
-        space = space_from_json(json.loads(text))
-    except (ValueError, TypeError) as exc:
-        raise StorageError(f"{group.file.filename!r} has an unreadable space description: {exc}") from exc
-    capacity = int(attrs.get(ATTR_CAPACITY, -1))
-    return space, (None if capacity < 0 else capacity)
-
-
-def _infer_space(node: h5py.Group | h5py.Dataset, path: str) -> tuple[int, int | None, Space]:
-    if isinstance(node, h5py.Dataset):
-        if node.ndim == 0:
-            raise SpaceMismatchError(f"dataset '{path or node.name}' is a scalar; rows need a first axis")
-        length = int(node.shape[0])
-        capacity = length if node.maxshape[0] == node.shape[0] else None
-        dt = node.dtype
-        string_info = h5py.check_string_dtype(dt)
-        leaf: LeafSpace
-        if string_info is not None:
-            # Variable-length strings have no stored limit: allow long texts (4096 characters).
-            leaf = TextSpace(dt.itemsize if string_info.length else 4096)
-        elif dt.kind == "b":
-            leaf = BinarySpace(node.shape[1:])
-        elif dt.kind in "fiu":
-            leaf = BoxSpace(-np.inf, np.inf, node.shape[1:], dt)
-        else:
-            raise SpaceMismatchError(f"dataset '{path or node.name}' has unsupported dtype {dt}")
-        return length, capacity, leaf
-    members = [n for n in node if not n.startswith(("_", "."))]
-    if DEFAULT_KEY in members and len(members) == 1:
-        return _infer_space(node[DEFAULT_KEY], _join_path(path, DEFAULT_KEY))
-    if not members:
-        raise SpaceMismatchError(f"group '{path or '/'}' holds no datasets")
-    parts: dict[str, Space] = {}
-    lengths: dict[str, tuple[int, int | None]] = {}
-    for name in members:
-        length, capacity, sub = _infer_space(node[name], _join_path(path, name))
-        parts[name] = sub
-        lengths[name] = (length, capacity)
-    first_name, first = next(iter(lengths.items()))
-    for name, lc in lengths.items():
-        if lc[0] != first[0]:
-            raise SpaceMismatchError(
-                f"'{_join_path(path, name)}' has {lc[0]} rows but '{_join_path(path, first_name)}' has {first[0]}; "
-                "all datasets must share their first axis"
-            )
-    capacity = first[1] if all(lc[1] == first[1] for lc in lengths.values()) else None
-    return first[0], capacity, DictSpace(parts)

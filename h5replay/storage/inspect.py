@@ -9,8 +9,9 @@ from typing import Any
 import h5py
 
 from h5replay.errors import ConfigError, StorageError
+from h5replay.storage._journal import REPLAY_GROUP
 from h5replay.storage.hdf5 import HDF5Storage
-from h5replay.storage.replay_buffer import REPLAY_GROUP, ReplayBuffer
+from h5replay.storage.replay_buffer import ReplayBuffer
 from h5replay.storage.spaces import BinarySpace, BoxSpace, DictSpace, Space, TextSpace
 
 __all__ = ["describe_file", "format_description", "space_tree"]

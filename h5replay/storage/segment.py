@@ -15,54 +15,43 @@ from __future__ import annotations
 
 import typing
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import h5py
 import numpy as np
 
 from h5replay.errors import SegmentStateError, StorageError
-from h5replay.storage import _layout
-from h5replay.storage.indexing import read_slice, write_rows
-from h5replay.storage.spaces import LeafSpace, TextSpace
+from h5replay.storage._h5file import h5_errors
+from h5replay.storage._rowio import read_slice, write_rows
+from h5replay.storage.spaces import LeafSpace
 
-if TYPE_CHECKING:
-    from h5replay.storage.hdf5 import HDF5Storage
+__all__ = ["SegmentWriter", "Staging", "SegmentTarget"]
 
-__all__ = ["SegmentWriter"]
-
-STAGING_GROUP = "staging"
 _SPARE_BUFFERS = 2
 
 
-def create_staging(internal: h5py.Group, leaves: list[tuple[str, LeafSpace]]) -> None:
-    """Create the empty, growable staging dataset of every leaf under `internal`."""
-    group = internal.create_group(STAGING_GROUP)
-    for path, leaf in leaves:
-        chunk_rows = _layout.whole_row_chunk_rows(leaf.row_bytes, None)
-        dtype: Any = (
-            h5py.string_dtype("utf-8", length=leaf.storage_dtype.itemsize)
-            if isinstance(leaf, TextSpace)
-            else leaf.storage_dtype
-        )
-        group.create_dataset(
-            path, shape=(0, *leaf.shape), maxshape=(None, *leaf.shape), chunks=(chunk_rows, *leaf.shape), dtype=dtype
-        )
+class SegmentTarget(Protocol):
+    """What a segment writer needs of its storage (HDF5Storage is one)."""
+
+    capacity: int | None
+
+    def __len__(self) -> int: ...
+    def encode_one(self, sample: Any) -> dict[str, np.ndarray]: ...
+    def encode_batch(self, batch: Any, num_rows: int | None = None) -> tuple[dict[str, np.ndarray], int]: ...
+    def write_ring(self, start: int, encoded: Mapping[str, np.ndarray]) -> None: ...
+    def extend_length(self, length: int) -> None: ...
+    def _require_mutable(self, what: str) -> None: ...
 
 
 class Staging:
-    """The free list of staging blocks of one open storage."""
+    """The free list of staging blocks of one open storage, over its staging datasets."""
 
-    def __init__(self, storage: HDF5Storage) -> None:
-        from h5replay.storage.hdf5 import INTERNAL_GROUP, h5_errors
-
-        self._h5_errors = h5_errors
-        self.storage = storage
-        row_bytes = sum(leaf.row_bytes for _, leaf in storage.leaves)
-        self.block_rows = max(1, storage.segment_buffer_bytes // max(1, row_bytes))
-        with h5_errors("opening the staging area"):
-            group = storage.file[f"{INTERNAL_GROUP}/{STAGING_GROUP}"]
-            self.datasets: dict[str, h5py.Dataset] = {path: group[path] for path, _ in storage.leaves}
-        rows = min(ds.shape[0] for ds in self.datasets.values())
+    def __init__(self, datasets: dict[str, h5py.Dataset], leaves: list[tuple[str, LeafSpace]], buffer_bytes: int) -> None:
+        self.datasets = datasets
+        self._leaves = leaves
+        row_bytes = sum(leaf.row_bytes for _, leaf in leaves)
+        self.block_rows = max(1, buffer_bytes // max(1, row_bytes))
+        rows = min(ds.shape[0] for ds in datasets.values())
         self.num_blocks = rows // self.block_rows
         self._free = list(range(self.num_blocks - 1, -1, -1))
         # Writers' memory blocks, kept for the next writer: fresh pages cost a fault each to touch.
@@ -72,10 +61,7 @@ class Staging:
         """One block of rows per leaf, in memory, for a writer."""
         if self._spare_buffers:
             return self._spare_buffers.pop()
-        return {
-            path: np.empty((self.block_rows, *leaf.shape), dtype=leaf.storage_dtype)
-            for path, leaf in self.storage.leaves
-        }
+        return {path: np.empty((self.block_rows, *leaf.shape), dtype=leaf.storage_dtype) for path, leaf in self._leaves}
 
     def give_buffers(self, buffers: dict[str, np.ndarray]) -> None:
         if len(self._spare_buffers) < _SPARE_BUFFERS:
@@ -85,7 +71,7 @@ class Staging:
         if self._free:
             return self._free.pop()
         block = self.num_blocks
-        with self._h5_errors("growing the staging area"):
+        with h5_errors("growing the staging area"):
             for ds in self.datasets.values():
                 if ds.shape[0] < (block + 1) * self.block_rows:
                     ds.resize((block + 1) * self.block_rows, axis=0)
@@ -96,7 +82,7 @@ class Staging:
         self._free.extend(reversed(blocks))
 
     def write(self, block: int, arrays: Mapping[str, np.ndarray]) -> None:
-        with self._h5_errors("staging segment rows"):
+        with h5_errors("staging segment rows"):
             for path, arr in arrays.items():
                 ds = self.datasets[path]
                 if not write_rows(ds, block * self.block_rows, arr):
@@ -104,7 +90,7 @@ class Staging:
 
     def read(self, block: int, first: int, stop: int) -> dict[str, np.ndarray]:
         base = block * self.block_rows
-        with self._h5_errors("reading staged rows"):
+        with h5_errors("reading staged rows"):
             return {path: read_slice(ds, base + first, base + stop) for path, ds in self.datasets.items()}
 
 
@@ -116,7 +102,7 @@ class SegmentWriter:
     manager it aborts on exit unless it was committed.
     """
 
-    def __init__(self, storage: HDF5Storage, staging: Staging) -> None:
+    def __init__(self, storage: SegmentTarget, staging: Staging) -> None:
         self.storage = storage
         self._staging = staging
         self._block_rows = staging.block_rows
@@ -187,7 +173,7 @@ class SegmentWriter:
         self._require_open("extend")
         if self.is_finished:
             raise SegmentStateError("cannot extend a finished segment writer")
-        self._push({path: arrays[path] for path, _ in self.storage.leaves}, num_rows)
+        self._push({path: arrays[path] for path in self._staging.datasets}, num_rows)
 
     def _push(self, encoded: Mapping[str, np.ndarray], n: int) -> None:
         if self._buffers is None:

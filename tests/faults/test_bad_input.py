@@ -78,9 +78,9 @@ class Live:
 
     def check_untouched(self) -> None:
         with LearnerClient(self.endpoint, timeout=5) as learner:
-            assert learner.get_segments() == [(r.start, r.length) for r, _ in self.committed]
+            assert learner.get_segments() == [(r.first_row_id, r.length) for r, _ in self.committed]
             for receipt, rows in self.committed:
-                got = learner.get(np.arange(receipt.start, receipt.start + receipt.length))
+                got = learner.get(np.arange(receipt.first_row_id, receipt.first_row_id + receipt.length))
                 for key in ("done", "obs", "step"):
                     np.testing.assert_array_equal(got[key], rows[key])
 
@@ -98,7 +98,7 @@ def live(tmp_path_factory):
         state.check_untouched()
         assert server.stop() == 0
     with ReplayBuffer.load_from(path) as rb:  # the file holds exactly what was committed
-        assert rb.get_segments() == [(r.start, r.length) for r, _ in state.committed]
+        assert rb.get_segments() == [(r.first_row_id, r.length) for r, _ in state.committed]
 
 
 def refused(live: Live, frames: list[bytes], cls: type[Exception], *words: str, role: str | None = None,
@@ -114,7 +114,7 @@ def refused(live: Live, frames: list[bytes], cls: type[Exception], *words: str, 
             assert word in str(exc), f"{word!r} not in {str(exc)!r}"
         assert reply.request_id == request_id
         # the same socket is served next...
-        follow_up = P.Info if where == "writer" else P.Segments
+        follow_up = P.Info if where == "writer" else P.Episodes
         assert not isinstance(raw.call(follow_up), P.ErrorReply)
     live.check_untouched()  # ... so is everyone else, and committed data is intact
     return exc
@@ -247,7 +247,7 @@ def test_segments_belong_to_the_client_that_opened_them(live):
     with RawClient(live.endpoint) as owner:
         segment_id = owner.call(P.OpenSegment).segment_id
         refused(live, [header("commit", fields={"segment_id": segment_id})], SegmentStateError,
-                f"no open segment {segment_id}")
+                f"segment {segment_id} belongs to another client")
         assert isinstance(owner.call(lambda rid: P.Abort(rid, segment_id)), P.AbortReply)
 
 
@@ -258,7 +258,7 @@ def test_commit_twice(live):
         assert raw.call(lambda rid: P.Append(rid, segment_id, 2, wire_rows(2, 50))).segment_length == 2
         first = raw.call(lambda rid: P.Commit(rid, segment_id))
         assert first.length == 2
-        live.committed.append((Receipt(first.episode_id, first.start, first.length), wire_rows(2, 50)))
+        live.committed.append((Receipt(first.episode_id, first.first_row_id, first.length), wire_rows(2, 50)))
         again = raw.call(lambda rid: P.Commit(rid, segment_id))
         exc = error_of(again)
         assert type(exc) is SegmentStateError and f"no open segment {segment_id}" in str(exc)
@@ -286,7 +286,7 @@ def test_a_refused_append_leaves_the_segment_usable(live):
         assert raw.call(lambda rid: P.Append(rid, segment_id, 3, good_b)).segment_length == 5
         done = raw.call(lambda rid: P.Commit(rid, segment_id))
     expected = {k: np.concatenate([good_a[k], good_b[k]]) for k in good_a}
-    live.committed.append((Receipt(done.episode_id, done.start, done.length), expected))
+    live.committed.append((Receipt(done.episode_id, done.first_row_id, done.length), expected))
     live.check_untouched()
 
 
@@ -300,8 +300,8 @@ def test_a_learner_may_not_write(live):
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("where", ["writer", "reader"])
 def test_index_out_of_range(live, where):
-    refused(live, P.encode(P.Get(1, np.array([0, 10**6]))), IndexError, "index 1000000", "out of range", where=where)
-    refused(live, P.encode(P.Get(1, np.array([-(10**6)]))), IndexError, "out of range", where=where)
+    refused(live, P.encode(P.Get(1, 0, np.array([0, 10**6]))), IndexError, "index 1000000", "out of range", where=where)
+    refused(live, P.encode(P.Get(1, 0, np.array([-(10**6)]))), IndexError, "out of range", where=where)
     with LearnerClient(live.endpoint, timeout=5) as learner:
         with pytest.raises(IndexError, match="out of range"):
             learner.get([0, 123_456])
@@ -310,8 +310,14 @@ def test_index_out_of_range(live, where):
 
 @pytest.mark.timeout(30)
 def test_kinds_a_reader_does_not_serve(live):
-    refused(live, [header("info")], ProtocolError, "info", "not a read request", where="reader")
-    refused(live, push(wire_rows(1)), ProtocolError, "push_episode", "not a read request", where="reader")
+    """A read endpoint serves reads, info and heartbeats (all from its view of the file); hello and
+    writes get an error that names the writer endpoint's job."""
+    refused(live, push(wire_rows(1)), ProtocolError, "push_episode", "read endpoint", "writer endpoint",
+            where="reader")
+    refused(live, [header("open_segment")], ProtocolError, "open_segment", "read endpoint", where="reader")
+    with RawClient(live.read_endpoint) as raw:
+        stats = raw.call(P.Info).stats
+        assert stats["length"] == sum(r.length for r, _ in live.committed) and stats["replay_id"]
 
 
 # ----------------------------------------------------------------------------------------- limits
@@ -342,19 +348,30 @@ def test_a_client_refuses_to_send_a_message_over_the_limits(live):
         with pytest.raises(LimitExceededError, match="max_message_bytes=65536"):
             actor.connection.request(lambda rid: P.PushEpisode(rid, 3000, rows))
         assert actor.info()["rows_in"] == before
-    with LearnerClient(live.endpoint, timeout=5) as learner:
-        with pytest.raises(LimitExceededError, match="max_rows_per_message"):
-            learner.sample(10**6)
+    with LearnerClient(live.endpoint, timeout=5) as learner:  # a learner splits what is over the limits
+        batch = learner.sample(5000)
+        assert batch["step"].shape == (5000,) and set(batch["step"].tolist()) <= set(range(50))
     live.check_untouched()
 
 
 @pytest.mark.timeout(30)
-def test_a_reply_over_max_message_bytes_is_refused_by_the_learner(live):
-    """The server answers a read however big its reply; the learner refuses to take it in, with
-    an error naming the limit, and its connection keeps working."""
+def test_a_read_over_max_message_bytes_is_split_by_the_learner(live):
+    """A read whose reply would not fit one message is asked for in parts and put back together in
+    order (issue 8, case 3); a reply over the limits that does reach the learner is refused with an
+    error naming the limit, and its connection keeps working."""
     with LearnerClient(live.endpoint, timeout=5) as learner:
-        with pytest.raises(LimitExceededError, match="max_message_bytes=65536"):
-            learner.get(np.zeros(3000, np.int64))  # 3000 rows of 37 bytes
+        got = learner.get(np.zeros(3000, np.int64))  # 3000 rows of 37 bytes: about 2 messages
+        assert got["step"].tolist() == [0] * 3000
+        held = sum(r.length for r, _ in live.committed)
+        order = np.arange(3000) % held
+        np.testing.assert_array_equal(learner.get(order[::-1])["obs"], learner.get(order)["obs"][::-1])
+        reads = learner._reads
+        assert reads is not None
+        small = P.Limits(max_message_bytes=1024)
+        reads.limits = small  # this connection now refuses what the server may send
+        with pytest.raises(LimitExceededError, match="max_message_bytes=1024"):
+            reads.request(lambda rid: P.Get(rid, 0, np.zeros(100, np.int64)))
+        reads.limits = P.Limits(max_message_bytes=MAX_MESSAGE_BYTES)
         assert learner.get([0, 0])["step"].tolist() == [0, 0]
     live.check_untouched()
 
@@ -371,7 +388,7 @@ def test_per_client_limits_name_the_limit(live):
         assert type(exc) is LimitExceededError and "max_rows_per_segment=1000" in str(exc)
         done = raw.call(lambda rid: P.Commit(rid, opened[0]))  # the refused rows are not in it
         assert done.length == 600
-        live.committed.append((Receipt(done.episode_id, done.start, done.length), rows))
+        live.committed.append((Receipt(done.episode_id, done.first_row_id, done.length), rows))
         for segment_id in opened[1:]:
             assert isinstance(raw.call(lambda rid, sid=segment_id: P.Abort(rid, sid)), P.AbortReply)
     live.check_untouched()
@@ -434,10 +451,10 @@ class Fuzzer:
             lambda: P.Commit(rid, segment_id),
             lambda: P.Abort(rid, segment_id),
             lambda: P.PushEpisode(rid, n, rows),
-            lambda: P.Get(rid, np.array([rng.randrange(-50, 50) for _ in range(n)], np.int64)),
+            lambda: P.Get(rid, 0, np.array([rng.randrange(-50, 50) for _ in range(n)], np.int64)),
             lambda: P.Sample(rid, rng.randrange(1, 64), rng.choice([None, rng.randrange(100)])),
             lambda: P.SampleSequences(rid, rng.randrange(1, 8), rng.randrange(1, 8), None),
-            lambda: P.Segments(rid),
+            lambda: P.Episodes(rid),
             lambda: P.Info(rid),
             lambda: P.Heartbeat(rid),
         ])()
@@ -522,7 +539,7 @@ def test_fuzzed_messages_between_real_commits(tmp_path):
                     if reply.code == P.ErrorCode.INTERNAL.value:
                         internal.append(f"{op}: {reply.message}")
                 elif isinstance(reply, (P.CommitReply, P.PushEpisodeReply)) and reply.length:
-                    fuzz_commits.append((reply.episode_id, reply.start, reply.length))
+                    fuzz_commits.append((reply.episode_id, reply.first_row_id, reply.length))
                 if sent % 100 == 0:  # a well-behaved actor keeps committing all along
                     tag = sent // 100
                     rows = user_rows(1 + tag % 7, tag)
@@ -535,10 +552,10 @@ def test_fuzzed_messages_between_real_commits(tmp_path):
                     actor_receipts.append((receipt, wire_rows(1 + tag % 7, tag)))
             # still serving: a fresh client works, and the fuzzing socket is still answered
             assert isinstance(raw.call(P.Info), P.InfoReply)
-            assert isinstance(raw_reads.call(P.Segments), P.SegmentsReply)
+            assert isinstance(raw_reads.call(P.Episodes), P.EpisodesReply)
             with LearnerClient(server.endpoint, timeout=5) as learner:
                 last, rows = actor_receipts[-1]
-                got = learner.get(np.arange(last.start, last.start + last.length))
+                got = learner.get(np.arange(last.first_row_id, last.first_row_id + last.length))
                 np.testing.assert_array_equal(got["obs"], rows["obs"])
         assert server.stop() == 0
 
@@ -551,8 +568,8 @@ def test_fuzzed_messages_between_real_commits(tmp_path):
         segments = rb.get_segments()
         assert len(segments) == len(actor_receipts) + len(fuzz_commits)  # nothing more, nothing less
         for receipt, rows in actor_receipts:
-            assert segments[receipt.episode_id] == (receipt.start, receipt.length)
-            got = rb.get_stored(slice(receipt.start, receipt.start + receipt.length))
+            assert segments[receipt.episode_id] == (receipt.first_row_id, receipt.length)
+            got = rb.get_rows(np.arange(receipt.first_row_id, receipt.first_row_id + receipt.length), decode=False)
             for key in rows:
                 np.testing.assert_array_equal(got[key], rows[key])
         for episode_id, start, length in fuzz_commits:

@@ -342,7 +342,7 @@ def test_max_header_bytes_and_max_frames(room):
 def test_max_rows_per_message(room):
     with RawClient(room.endpoint) as raw:
         _refused(raw.request(P.encode(P.Sample(raw.next_id(), 501, None))), "max_rows_per_message")
-        _refused(raw.request(P.encode(P.Get(raw.next_id(), np.zeros(501, np.int64)))), "max_rows_per_message")
+        _refused(raw.request(P.encode(P.Get(raw.next_id(), 0, np.zeros(501, np.int64)))), "max_rows_per_message")
         _refused(raw.request(P.encode(P.SampleSequences(raw.next_id(), 100, 6, None))), "max_rows_per_message")
 
 

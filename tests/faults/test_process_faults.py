@@ -69,7 +69,7 @@ def test_actors_that_die_or_stop_mid_segment_have_it_aborted(start_server, tmp_p
                 f"the segment of a {sig.name} actor stayed open"
             assert time.monotonic() - started < 5.0
             receipt = observer.push_episode(episode_rows(9, sig, 12))  # everyone else is still served
-            committed.setdefault(9, []).append((int(sig), 12, receipt.episode_id, receipt.start))
+            committed.setdefault(9, []).append((int(sig), 12, receipt.episode_id, receipt.first_row_id))
             with LearnerClient(server.endpoint, timeout=10) as learner:
                 seen = learner.get(np.arange(len(learner)))
                 assert not np.any(seen["episode"] == 3)
@@ -120,7 +120,7 @@ def test_a_signal_aborts_open_segments_flushes_and_exits_0(start_server, tmp_pat
             seg.commit()
         assert time.monotonic() - started < 2 * config.timeout + 1.5
     segments, _ = read_file(tmp_path / "rb.h5")
-    assert segments == [(r.start, r.length) for r in receipts]
+    assert segments == [(r.first_row_id, r.length) for r in receipts]
     found, problems = file_episodes(tmp_path / "rb.h5")
     assert problems == [] and found == [(1, 0), (1, 1), (1, 2)]
 
@@ -153,7 +153,7 @@ def test_a_writer_killed_mid_stream_keeps_every_acknowledged_episode(start_serve
     assert found[: len(receipts)] == [(4, e) for e in range(len(receipts))]
     assert len(found) - len(receipts) <= 1  # at most the commit whose reply was lost
     with ReplayBuffer.load_from(tmp_path / "rb.h5") as rb:
-        assert rb.get_segments()[: len(receipts)] == [(r.start, r.length) for r in receipts]
+        assert rb.get_segments()[: len(receipts)] == [(r.first_row_id, r.length) for r in receipts]
 
 
 # ------------------------------------------------------------------------------------- learners
@@ -265,7 +265,7 @@ class _StallingServer(threading.Thread):
                 if isinstance(request, P.Hello):
                     reply: P.Reply = P.HelloReply(
                         request.request_id, EPISODE_SPACE.to_json(), 1000, 0, 0, "stalling",
-                        P.PROTOCOL_VERSION, P.DEFAULT_LIMITS, self.where)
+                        P.PROTOCOL_VERSION, P.DEFAULT_LIMITS, self.where, "", "")
                 elif isinstance(request, P.OpenSegment):
                     reply = P.OpenSegmentReply(request.request_id, 1)
                 else:

@@ -113,7 +113,7 @@ def test_actor_and_learner_with_their_keys_work(secured, keys):
     with LearnerClient(secured.endpoint, timeout=10, **actor_keys(keys, "learner")) as learner:
         segments = learner.get_segments()
         for rows, receipt in zip(episodes, receipts):
-            start = next(s for s, n in segments if n == receipt.length and s >= receipt.start)
+            start = next(s for s, n in segments if n == receipt.length and s >= receipt.first_row_id)
             got = learner.get(np.arange(start, start + receipt.length))
             assert not episode_problems(got, receipt.length)
             np.testing.assert_array_equal(got["obs"], rows["obs"])

@@ -65,7 +65,7 @@ def test_round_trip_through_every_client_call(start_server, tmp_path):
         for i in range(5):
             seg.append(take(first, i))
         assert len(seg) == 5
-        assert seg.commit() == Receipt(episode_id=0, start=0, length=5)
+        assert seg.commit() == Receipt(episode_id=0, first_row_id=0, length=5)
         with pytest.raises(SegmentStateError, match="committed"):
             seg.commit()
 
@@ -101,13 +101,18 @@ def test_round_trip_through_every_client_call(start_server, tmp_path):
             learner.get([0, -1013])
         assert learner.get([])["obs"].shape == (0, 16)
 
-        indices, batch = learner.sample_with_indices(64, seed=7)
-        again_indices, again = learner.sample_with_indices(64, seed=7)
-        np.testing.assert_array_equal(indices, again_indices)
+        batch, info = learner.sample(64, seed=7, with_info=True)
+        again, again_info = learner.sample(64, seed=7, with_info=True)
+        np.testing.assert_array_equal(info.row_ids, again_info.row_ids)
+        assert info.row_ids.dtype == np.uint64 and info.episode_ids.dtype == np.uint64
         assert_rows_equal(batch, again)
-        assert_rows_equal(batch, take(everything, indices))
-        other_indices, _ = learner.sample_with_indices(64, seed=8)
-        assert not np.array_equal(indices, other_indices)
+        assert_rows_equal(batch, take(everything, info.row_ids.astype(np.int64)))
+        assert_rows_equal(learner.get_rows(info.row_ids), batch)
+        np.testing.assert_allclose(info.probabilities, 1 / 1012)
+        firsts = np.array([0, 5, 605, 612])
+        np.testing.assert_array_equal(info.episode_ids, np.searchsorted(firsts, info.row_ids.astype(np.int64), "right") - 1)
+        _, other = learner.sample(64, seed=8, with_info=True)
+        assert not np.array_equal(info.row_ids, other.row_ids)
         assert_rows_equal(learner.sample(16, seed=3), learner.sample(16, seed=3))
 
         windows = learner.sample_sequences(10, 6, seed=1)

@@ -16,7 +16,8 @@ from h5replay import protocol as P
 from h5replay.errors import ProtocolError
 
 MESSAGE_CLASSES = sorted(
-    {*P.Request.__subclasses__(), *P.Reply.__subclasses__()}, key=lambda c: c.__name__
+    {*P.Request.__subclasses__(), *P.Reply.__subclasses__(), *P.ReadReply.__subclasses__()} - {P.ReadReply},
+    key=lambda c: c.__name__,
 )
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -32,8 +33,10 @@ json_values = st.recursive(
 FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "client_name": st.text(min_size=1, max_size=256),
     "role": st.sampled_from(P.ROLES),
-    "segment_id": u64, "start": u64, "episode_id": u64, "segment_length": u64, "length": u64,
-    "num_episodes": u64, "protocol_version": u64,
+    "segment_id": u64, "first_row_id": st.none() | u64, "episode_id": st.none() | u64, "segment_length": u64,
+    "length": u64, "num_episodes": u64, "protocol_version": u64, "min_seq": u64, "seq": u64, "generation": u64,
+    "begin": u64, "end": u64, "with_rows": st.booleans(),
+    "replay_id": st.text(max_size=40), "instance_id": st.text(max_size=40),
     "seed": st.none() | u64, "capacity": st.none() | u64,
     "server_version": st.text(max_size=20), "read_endpoint": st.text(max_size=40), "message": st.text(max_size=200),
     "code": st.sampled_from([c.value for c in P.ErrorCode]) | st.text(max_size=20),
@@ -70,10 +73,16 @@ def messages(draw: st.DrawFn, cls: type[P.Message]) -> P.Message:
             values[f.name] = draw(st.none() | u64) if cls is P.ErrorReply else draw(u64)
         elif f.name == "num_rows":
             values[f.name] = n
-        elif f.name in ("indices", "starts"):
+        elif f.name == "indices":
             values[f.name] = draw(hnp.arrays(np.int64, (n,)))
-        elif f.name == "segments":
-            values[f.name] = draw(hnp.arrays(np.int64, (n, 2)))
+        elif f.name == "row_ids":
+            values[f.name] = draw(hnp.arrays(np.int64, (n,), elements=st.integers(0, 2**63 - 1)))
+        elif f.name == "episode_ids":
+            values[f.name] = draw(hnp.arrays(np.uint64, (n,)))
+        elif f.name == "probabilities":
+            values[f.name] = draw(hnp.arrays(np.float64, (n,)))
+        elif f.name == "episodes":
+            values[f.name] = draw(hnp.arrays(np.int64, (n, 3)))
         elif f.name == "batch_size":
             values[f.name] = draw(st.integers(1, 256))
         elif f.name == "length" and cls is P.SampleSequences:

@@ -1,9 +1,10 @@
 """ReplayBuffer against a plain Python model (hypothesis state machines).
 
-The model follows the module docstring of replay_buffer.py: rows get global numbers 0, 1, 2, ...
-in the order they are added; the buffer holds globals [begin, end) with end - begin <= capacity;
-logical index 0 is `begin`. Episodes are (global start, length); one whose first row was
-overwritten leaves `get_segments()`. The rows appended since the last episode end form the open
+The model follows the module docstring of replay_buffer.py: rows get global ids 0, 1, 2, ...
+in the order they are added, never reused (`clear()` moves begin to end); the buffer holds ids
+[begin, end) with end - begin <= capacity; logical index 0 is `begin`. Episodes are (episode id,
+first row id, length), ids global too; one whose first row was overwritten leaves `episodes()`
+and `get_segments()`, but its held rows still report its id. The rows appended since the last episode end form the open
 episode, closed by `end_episode()` or by the next `commit_segment`. Before rows overwrite slots
 the last published state still shows, the oldest rows are released `capacity // 64` ahead of need
 (so with a capacity of 64 or more, len() may stay a little below the capacity); every publish
@@ -11,7 +12,7 @@ the last published state still shows, the oldest rows are released `capacity // 
 
 Every row carries a unique `id`, so a sampled row or window can be traced back to the model:
 `sample` may only return held rows, `sample_sequences` only windows inside one complete held
-episode. After every step the length, the rows (by slice and by reversed int array), the segments
+episode, and their SampleInfo must name each row's id, episode id and draw probability. After every step the length, the rows (by slice and by reversed int array), the segments
 and the counters must equal the model; close-and-reopen must give exactly the same buffer.
 
 Two machines: fixed capacities 1..15 (the ring wraps often) or 64..66 (rows released early),
@@ -32,8 +33,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from h5replay.errors import NotEnoughDataError, SegmentStateError, SpaceMismatchError
-from h5replay.storage import BoxSpace, CommitInfo, DictSpace, ReplayBuffer, TextSpace
+from h5replay.errors import EvictedError, NotEnoughDataError, SegmentStateError, SpaceMismatchError
+from h5replay.records import NO_EPISODE, Episode, Receipt
+from h5replay.storage import BoxSpace, DictSpace, ReplayBuffer, TextSpace
 
 SPACE = DictSpace(
     {"id": BoxSpace(0, 2**40, (), np.int64), "obs": BoxSpace(-10, 10, (2,), np.float32), "note": TextSpace(3)}
@@ -129,11 +131,11 @@ class ReplayMachine(RuleBasedStateMachine):
         self.buffer_bytes = 1
         self.multiprocessing = False
         self.next_id = 0
-        # The model: globals [begin, end) held; rows by global number; complete episodes.
+        # The model: row ids [begin, end) held; rows by id; every episode recorded (id, first row, length).
         self.begin = self.end = self.open_start = self.ep_end = 0
         self.published_begin = 0  # `begin` as the file last showed it
         self.rows: dict[int, Row] = {}
-        self.episodes: list[tuple[int, int]] = []
+        self.recorded: list[tuple[int, int, int]] = []
         self.writers: list[WriterModel] = []
 
     def create_buffer(self, capacity: int | None, layout: dict[str, Any], buffer_bytes: int) -> None:
@@ -171,7 +173,14 @@ class ReplayMachine(RuleBasedStateMachine):
     def model_drop_old(self) -> None:
         for g in [g for g in self.rows if g < self.begin]:
             del self.rows[g]
-        self.episodes = [(g0, n) for g0, n in self.episodes if g0 >= self.begin]
+
+    @property
+    def episodes(self) -> list[tuple[int, int]]:
+        """(first row id, length) of the complete episodes held."""
+        return [(g0, n) for _, g0, n in self.recorded if g0 >= self.begin]
+
+    def episode_of(self, g: int) -> int:
+        return next((e for e, g0, n in self.recorded if g0 <= g < g0 + n), int(NO_EPISODE))
 
     def model_publish(self) -> None:
         self.published_begin = self.begin
@@ -195,7 +204,7 @@ class ReplayMachine(RuleBasedStateMachine):
 
     def model_end_episode(self) -> None:
         if self.begin <= self.open_start < self.end:
-            self.episodes.append((self.open_start, self.end - self.open_start))
+            self.recorded.append((self.ep_end, self.open_start, self.end - self.open_start))
             self.ep_end += 1
         self.open_start = self.end
 
@@ -289,7 +298,7 @@ class ReplayMachine(RuleBasedStateMachine):
         n = len(w.rows)
         assert len(w.writer) == n
         if n == 0:  # an empty writer is aborted; nothing is recorded, the open episode stays open
-            assert self.b.commit_segment(w.writer) is None
+            assert self.b.commit_segment(w.writer) == Receipt(-1, -1, 0)
             assert w.writer.state == "aborted"
             w.state = "aborted"
             return
@@ -305,8 +314,8 @@ class ReplayMachine(RuleBasedStateMachine):
             self.model_end_episode()
         start = self.end
         self.model_add(w.rows)
-        self.episodes.append((start, n))
-        expected = CommitInfo(self.ep_end, start - self.begin, n)
+        self.recorded.append((self.ep_end, start, n))
+        expected = Receipt(self.ep_end, start, n)
         self.ep_end += 1
         self.open_start = self.end
         self.model_publish()
@@ -365,10 +374,16 @@ class ReplayMachine(RuleBasedStateMachine):
             with pytest.raises(NotEnoughDataError):
                 self.b.sample(batch_size, rng)
             return
-        got = self.b.sample(batch_size, rng)
+        got, info = self.b.sample(batch_size, rng, with_info=True)
         ids = np.asarray(got["id"]).tolist()
         assert set(ids) <= set(held), f"sampled ids {ids} not all held: {sorted(held)}"
         assert_batch_equal(got, [held[i] for i in ids], (batch_size,), "sample")
+        where = {row.id: g for g, row in self.rows.items() if g >= self.begin}
+        assert info.row_ids.dtype == np.uint64 and info.row_ids.tolist() == [where[i] for i in ids]
+        assert info.episode_ids.dtype == np.uint64
+        assert info.episode_ids.tolist() == [self.episode_of(where[i]) for i in ids]
+        np.testing.assert_allclose(info.probabilities, 1.0 / len(held))
+        assert_batch_equal(self.b.get_rows(info.row_ids), [held[i] for i in ids], (batch_size,), "get_rows(sampled)")
 
     @rule(batch_size=st.integers(1, 6), data=st.data(), seed=st.none() | SEEDS)
     def sample_sequences(self, batch_size: int, data: st.DataObject, seed: int | None) -> None:
@@ -379,8 +394,12 @@ class ReplayMachine(RuleBasedStateMachine):
             with pytest.raises(NotEnoughDataError):
                 self.b.sample_sequences(batch_size, length, rng)
             return
-        got = self.b.sample_sequences(batch_size, length, rng)
+        got, info = self.b.sample_sequences(batch_size, length, rng, with_info=True)
         where = {row.id: g for g, row in self.rows.items() if g >= self.begin}
+        windows = sum(max(0, n - length + 1) for _, n in self.episodes)
+        np.testing.assert_allclose(info.probabilities, 1.0 / windows)
+        assert info.row_ids.tolist() == [where[i] for i in np.asarray(got["id"])[:, 0].tolist()]
+        assert info.episode_ids.tolist() == [self.episode_of(g) for g in info.row_ids.tolist()]
         ids = np.asarray(got["id"])
         assert ids.shape == (batch_size, length)
         for window in ids.tolist():
@@ -392,14 +411,30 @@ class ReplayMachine(RuleBasedStateMachine):
             )
         assert_batch_equal(got, [self.rows[where[i]] for i in ids.reshape(-1)], (batch_size, length), "sequences")
 
+    @rule(data=st.data())
+    def get_rows(self, data: st.DataObject) -> None:
+        """By global id: held ids give their rows; evicted ones EvictedError; others IndexError."""
+        ids = data.draw(st.lists(st.integers(max(0, self.begin - 3), self.end + 2), max_size=6), label="row ids")
+        evicted = [g for g in ids if g < self.begin]
+        unborn = [g for g in ids if g >= self.end]
+        if evicted:
+            with pytest.raises(EvictedError, match=f"row id {evicted[0]} is no longer held"):
+                self.b.get_rows(ids)
+        elif unborn:
+            with pytest.raises(IndexError, match="never committed"):
+                self.b.get_rows(ids)
+        else:
+            assert_batch_equal(self.b.get_rows(np.array(ids, dtype=np.uint64)), [self.rows[g] for g in ids],
+                               (len(ids),), f"get_rows({ids})")
+
     # ------------------------------------------------------------------ clear, flush, reopen
 
     @rule(then_sample=st.booleans(), seed=SEEDS)
     def clear(self, then_sample: bool, seed: int) -> None:
         """Every row and episode goes; open writers stay usable."""
         self.b.clear()
-        self.begin = self.end = self.open_start = self.ep_end = self.published_begin = 0
-        self.rows, self.episodes = {}, []
+        self.begin = self.open_start = self.published_begin = self.end  # ids go on; none is reused
+        self.rows, self.recorded = {}, []
         if then_sample:
             with pytest.raises(NotEnoughDataError):
                 self.b.sample(1, np.random.default_rng(seed))
@@ -440,9 +475,10 @@ class ReplayMachine(RuleBasedStateMachine):
         assert len(self.b) == len(held) == self.end - self.begin
         assert self.capacity is None or len(held) <= self.capacity
         assert self.b.get_segments() == [(g0 - self.begin, n) for g0, n in self.episodes]
+        assert self.b.episodes() == [Episode(e, g0, n) for e, g0, n in self.recorded if g0 >= self.begin]
         assert self.b.num_episodes == len(self.episodes)
         info = self.b.info()
-        assert (info["total_rows"], info["total_episodes"]) == (self.end, self.ep_end)
+        assert (info["total_rows"], info["total_episodes"], info["oldest_row_id"]) == (self.end, self.ep_end, self.begin)
         assert_batch_equal(self.b.get_at(slice(None)), held, (len(held),), "get_at(:)")
         backwards = np.arange(len(held) - 1, -1, -1)
         assert_batch_equal(self.b.get_at(backwards), held[::-1], (len(held),), "get_at(reversed)")

@@ -8,7 +8,7 @@ import pytest
 from h5replay.cli import main
 from h5replay.errors import ConfigError
 from h5replay.storage import BoxSpace, DictSpace, ReplayBuffer, TextSpace
-from h5replay.storage.replay_buffer import compact_file, export_file
+from h5replay.storage.export import compact_file, export_buffer, export_file
 
 SPACE = DictSpace({"x": BoxSpace(0, 1e9, (), np.int64), "t": TextSpace(4)})
 
@@ -26,7 +26,7 @@ def _buffer(path):
 def test_export_keeps_rows_episodes_and_the_open_episode(tmp_path):
     rb = _buffer(tmp_path / "a.h5")
     seen = []
-    rb.export(tmp_path / "b.h5", compression="gzip", capacity=40, progress=lambda done, total: seen.append((done, total)))
+    export_buffer(rb, tmp_path / "b.h5", compression="gzip", capacity=40, progress=lambda done, total: seen.append((done, total)))
     copy = ReplayBuffer.load_from(tmp_path / "b.h5", read_only=False)
     assert copy.capacity == 40 and copy.storage.dataset("x").compression == "gzip"
     np.testing.assert_array_equal(copy.get_at(slice(None))["x"], rb.get_at(slice(None))["x"])
@@ -37,9 +37,9 @@ def test_export_keeps_rows_episodes_and_the_open_episode(tmp_path):
     assert seen[-1] == (20, 20)
     copy.close()
     with pytest.raises(ConfigError, match="already exists"):
-        rb.export(tmp_path / "b.h5")
+        export_buffer(rb, tmp_path / "b.h5")
     with pytest.raises(ConfigError, match="cannot hold"):
-        rb.export(tmp_path / "c.h5", capacity=10)
+        export_buffer(rb, tmp_path / "c.h5", capacity=10)
     rb.close()
 
 

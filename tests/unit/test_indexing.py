@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from h5replay.storage import indexing
+from h5replay.storage import _rowio
 from h5replay.storage.indexing import (
     CHUNK_TARGET_BYTES,
     fancy_indexing_to_supported_indexing,
@@ -289,7 +289,7 @@ def test_read_sorted_unique_rows_matches_numpy(
     if method == "union" and data.dtype.kind not in "biuf":
         pytest.skip("the union read is only chosen for numbers and bools")
     if method != "auto":
-        monkeypatch.setattr(indexing._RowIO, "choose", lambda self, n, runs, span: method)
+        monkeypatch.setattr(_rowio._RowIO, "choose", lambda self, n, runs, span: method)
     n = len(data)
     for index in ([0, 2, 3, 4, n - 1], [1], list(range(5, 12)), [0, n // 2, n - 2],
                   list(range(0, n, 3))):
@@ -364,8 +364,8 @@ def test_point_reads_split_into_bounded_selections(
 ) -> None:
     data = np.arange(400 * 7, dtype=np.float32).reshape(400, 7)
     ds = h5.create_dataset("d", data=data)
-    monkeypatch.setattr(indexing, "_MAX_POINTS_PER_READ", 20)  # 2 rows of 7 per selection
-    monkeypatch.setattr(indexing._RowIO, "choose", lambda self, n, runs, span: "points")
+    monkeypatch.setattr(_rowio, "_MAX_POINTS_PER_READ", 20)  # 2 rows of 7 per selection
+    monkeypatch.setattr(_rowio._RowIO, "choose", lambda self, n, runs, span: "points")
     rows = np.arange(0, 400, 9)
     assert same(read_sorted_unique_rows(ds, rows), data[rows])
 
@@ -373,9 +373,9 @@ def test_point_reads_split_into_bounded_selections(
 def test_strategy_choice_follows_the_measurements(
     store: dict[str, tuple[h5py.Dataset, np.ndarray]],
 ) -> None:
-    small = indexing._row_io(store["float32-7-contiguous"][0])
-    image = indexing._row_io(store["uint8-84x84x3-contiguous"][0])
-    image_chunked = indexing._row_io(store["uint8-84x84x3-chunked"][0])
+    small = _rowio._row_io(store["float32-7-contiguous"][0])
+    image = _rowio._row_io(store["uint8-84x84x3-contiguous"][0])
+    image_chunked = _rowio._row_io(store["uint8-84x84x3-chunked"][0])
     # 256 scattered rows of 1M: small rows use one point selection, images one read per run.
     assert small.choose(256, 256, 1_000_000) == "points"
     assert image.choose(256, 256, 20_000) == "runs"
@@ -619,5 +619,5 @@ def test_cache_is_per_dataset_object(h5: h5py.File) -> None:
     for _ in range(3):  # a fresh Dataset (and DatasetID) each time
         assert same(read_slice(h5["d"], 2, 5), data[2:5])
     gc.collect()
-    live = [ref() for ref, _ in indexing._ROW_IO.values()]
+    live = [ref() for ref, _ in _rowio._ROW_IO.values()]
     assert all(x is not None for x in live)  # entries of dead ids were dropped

@@ -13,6 +13,7 @@ from h5replay import protocol as P
 from h5replay.errors import (
     ClosedError,
     ConfigError,
+    EvictedError,
     LimitExceededError,
     NotEnoughDataError,
     ProtocolError,
@@ -41,26 +42,35 @@ EXAMPLES: list[P.Message] = [
     P.Commit(4, 7),
     P.Abort(5, 7),
     P.PushEpisode(6, 2, ROWS),
-    P.Get(7, np.array([5, 0, 5, -1], np.int64)),
+    P.Get(7, 0, np.array([5, 0, 5, -1], np.int64)),
+    P.GetRows(7, 3, np.array([2**40, 0, 5], np.int64)),
     P.Sample(8, 32, None),
-    P.Sample(8, 32, 2**64 - 1),
+    P.Sample(8, 32, 2**64 - 1, 17),
     P.SampleSequences(9, 3, 4, 123),
-    P.Segments(10),
+    P.SampleSequences(9, 3, 4, None, 5, False),
+    P.Episodes(10),
+    P.Episodes(10, 2**63),
     P.Info(11),
     P.Heartbeat(12),
-    P.HelloReply(1, DictSpace({"x": BoxSpace(0, 1, (2,))}).to_json(), None, 0, 0, "0.1.0", 1, P.Limits(), "tcp://127.0.0.1:5556"),
+    P.HelloReply(1, DictSpace({"x": BoxSpace(0, 1, (2,))}).to_json(), None, 0, 0, "0.1.0", 1, P.Limits(),
+                 "tcp://127.0.0.1:5556", "a" * 32, "b" * 32),
     P.HelloReply(1, {"type": "text", "max_length": 3, "min_length": 0}, 1000, 10, 2, "0.1.0", 1,
-                 P.Limits(max_frames=8), "ipc:///tmp/x.read"),
+                 P.Limits(max_frames=8), "ipc:///tmp/x.read", "", ""),
     P.OpenSegmentReply(2, 0),
     P.AppendReply(3, 64),
-    P.CommitReply(4, 100, 64, 9),
+    P.CommitReply(4, 9, 100, 64),
+    P.CommitReply(4, None, None, 0),
     P.AbortReply(5),
-    P.PushEpisodeReply(6, 164, 2, 10),
-    P.GetReply(7, 2, ROWS),
-    P.SampleReply(8, np.array([3, 1], np.int64), ROWS),
-    P.SampleSequencesReply(9, np.array([0, 4, 8], np.int64), SEQ_ROWS),
-    P.SegmentsReply(10, np.array([[0, 5], [5, 3]], np.int64)),
-    P.SegmentsReply(10, np.zeros((0, 2), np.int64)),
+    P.PushEpisodeReply(6, 10, 164, 2),
+    P.GetReply(7, 4, 0, 100, 164, np.array([101, 163], np.int64), ROWS),
+    P.GetRowsReply(7, 4, 1, 100, 164, 2, ROWS),
+    P.SampleReply(8, 4, 0, 0, 5, np.array([3, 1], np.int64), np.array([0, 2**64 - 1], np.uint64),
+                  np.array([0.2, 0.2]), ROWS),
+    P.SampleSequencesReply(9, 1, 0, 0, 12, np.array([0, 4, 8], np.int64), np.array([0, 1, 2], np.uint64),
+                           np.full(3, 1 / 3), SEQ_ROWS),
+    P.SampleSequencesReply(9, 1, 0, 0, 12, np.array([0, 4], np.int64), np.zeros(2, np.uint64), np.ones(2), {}),
+    P.EpisodesReply(10, 2, 0, 0, 8, np.array([[0, 0, 5], [1, 5, 3]], np.int64)),
+    P.EpisodesReply(10, 0, 0, 0, 0, np.zeros((0, 3), np.int64)),
     P.InfoReply(11, {"length": 5, "capacity": None, "uptime": 1.5, "file": "x.h5", "swmr": True}),
     P.HeartbeatReply(12),
     P.ErrorReply(13, "space_mismatch", "field 'obs' arrived as float64 but the space stores float32"),
@@ -133,10 +143,11 @@ def test_every_kind_round_trips(msg: P.Message) -> None:
 
 
 def test_every_kind_has_a_request_and_a_reply_class() -> None:
+    reply_classes = [c for c in P.Reply.__subclasses__() if c is not P.ReadReply] + P.ReadReply.__subclasses__()
     requests = {c.KIND for c in P.Request.__subclasses__()}
-    replies = {c.KIND for c in P.Reply.__subclasses__() if c is not P.ErrorReply}
+    replies = {c.KIND for c in reply_classes if c is not P.ErrorReply}
     assert requests == replies == set(P.Kind) - {P.Kind.REPLY}
-    assert {type(m) for m in EXAMPLES} == set(P.Request.__subclasses__()) | set(P.Reply.__subclasses__())
+    assert {type(m) for m in EXAMPLES} == set(P.Request.__subclasses__()) | set(reply_classes)
 
 
 def test_header_layout_is_as_documented() -> None:
@@ -176,9 +187,9 @@ def test_frames_may_be_any_buffer() -> None:
 
 
 def test_index_fields_are_int64_and_lists_are_accepted() -> None:
-    out = P.decode(P.encode(P.Get(1, [3, 1, 2])))  # type: ignore[arg-type]
+    out = P.decode(P.encode(P.Get(1, 0, [3, 1, 2])))  # type: ignore[arg-type]
     assert isinstance(out, P.Get) and out.indices.dtype == np.int64
-    out = P.decode(P.encode(P.Get(1, np.array([], np.uint8))))
+    out = P.decode(P.encode(P.Get(1, 0, np.array([], np.uint8))))
     assert isinstance(out, P.Get) and out.indices.dtype == np.int64 and out.indices.shape == (0,)
 
 
@@ -223,7 +234,7 @@ def test_non_buffer_frame() -> None:
 
 
 def test_unknown_version() -> None:
-    refused(with_header(APPEND, version=2), "protocol version 2", "speaks 1", cls=UnsupportedVersionError)
+    refused(with_header(APPEND, version=1), "protocol version 1", "speaks 2", cls=UnsupportedVersionError)
     refused(with_header(APPEND, version=True), "'version'")
     refused(with_header(APPEND, version=DROP), "'version'")
 
@@ -277,9 +288,14 @@ def test_text_and_enum_fields() -> None:
 
 def test_optional_fields_are_explicit() -> None:
     refused(with_header(P.Sample(1, 4, None), fields={"batch_size": 4}), "needs fields")
-    refused(with_header(P.Sample(1, 4, None), fields={"batch_size": 4, "seed": -3}), "'seed'")
-    refused(with_header(P.Sample(1, 4, None), fields={"batch_size": 0, "seed": None}), "'batch_size' must be >= 1")
-    refused(with_header(P.SampleSequences(1, 4, 2), fields={"batch_size": 4, "length": 0, "seed": None}),
+    refused(with_header(P.Sample(1, 4, None), fields={"batch_size": 4, "seed": -3, "min_seq": 0}), "'seed'")
+    refused(with_header(P.Sample(1, 4, None), fields={"batch_size": 0, "seed": None, "min_seq": 0}),
+            "'batch_size' must be >= 1")
+    refused(with_header(P.Sample(1, 4, None), fields={"batch_size": 1, "seed": None, "min_seq": -1}), "'min_seq'")
+    refused(with_header(P.SampleSequences(1, 4, 2), fields={"batch_size": 4, "length": 2, "seed": None,
+                                                            "min_seq": 0, "with_rows": 1}), "'with_rows' must be a bool")
+    refused(with_header(P.SampleSequences(1, 4, 2), fields={"batch_size": 4, "length": 0, "seed": None,
+                                                            "min_seq": 0, "with_rows": True}),
             "'length' must be >= 1")
 
 
@@ -287,7 +303,7 @@ def test_map_fields_are_checked() -> None:
     reply = P.InfoReply(1, {"a": 1})
     refused(with_header(reply, fields={"stats": {"a": [1]}}), "'stats' must map names to scalars")
     refused(with_header(reply, fields={"stats": {"a": b"x"}}), "'stats'")
-    hello = P.HelloReply(1, {}, None, 0, 0, "v", 1, P.Limits(), "tcp://127.0.0.1:5556")
+    hello = P.HelloReply(1, {}, None, 0, 0, "v", 1, P.Limits(), "tcp://127.0.0.1:5556", "", "")
     fields = header_of(hello)["fields"]
     refused(with_header(hello, fields={**fields, "space": {"type": b"box"}}), "'space' must be a JSON-like map")
     refused(with_header(hello, fields={**fields, "limits": {"max_frames": 0}}), "limit 'max_frames'")
@@ -344,27 +360,35 @@ def test_leaf_arrays_need_the_message_rows() -> None:
     refused(frames_of(P.Append(1, 0, 3, {"obs": np.zeros((2, 3), np.float32)})),
             "'obs' has shape (2, 3) but the message has 3 rows")
     refused(frames_of(P.PushEpisode(1, 2, {"obs": np.array(1.0, np.float32)})), "has shape ()")
-    refused(frames_of(P.SampleReply(1, np.arange(3), {"x": np.zeros(2)})), "has 3 rows")
-    refused(frames_of(P.SampleSequencesReply(1, np.arange(2), {"x": np.zeros(2)})), "(batch, length, ...)")
-    refused(frames_of(P.SampleSequencesReply(1, np.arange(2), {"x": np.zeros((2, 3)), "y": np.zeros((2, 4))})),
+    info = (np.arange(3), np.zeros(3, np.uint64), np.ones(3))
+    refused(frames_of(P.SampleReply(1, 0, 0, 0, 9, *info, {"x": np.zeros(2)})), "has 3 rows")
+    refused(frames_of(P.SampleReply(1, 0, 0, 0, 9, np.arange(3), np.zeros(2, np.uint64), np.ones(3), {})),
+            "one entry per sample")
+    info = (np.arange(2), np.zeros(2, np.uint64), np.ones(2))
+    refused(frames_of(P.SampleSequencesReply(1, 0, 0, 0, 9, *info, {"x": np.zeros(2)})), "(batch, length, ...)")
+    refused(frames_of(P.SampleSequencesReply(1, 0, 0, 0, 9, *info, {"x": np.zeros((2, 3)), "y": np.zeros((2, 4))})),
             "(batch, length, ...)")
 
 
 def test_array_fields_are_checked() -> None:
-    get = P.Get(1, np.arange(3))
+    get = P.Get(1, 0, np.arange(3))
     refused(with_header(get, arrays=[["indices", "<f8", [3]]]), "'indices' must be int64")
     refused(with_header(get, arrays=[["indices", "<i4", [6]]]), "'indices' must be int64")
-    refused(with_header(get, arrays=[["indices", "<i8", [3, 1]]]), "'indices' must be int64 of 1 dims")
+    refused(with_header(get, arrays=[["indices", "<i8", [3, 1]]]), "'indices' must be int64 of shape (n,)")
     refused(with_header(get, arrays=[["idx", "<i8", [3]]]), "starts with arrays ['indices']")
-    segs = P.SegmentsReply(1, np.zeros((2, 3), np.int64))
-    refused(frames_of(segs), "'segments' must be int64 of 2 dims, got <i8 (2, 3)")
+    episodes = P.EpisodesReply(1, 0, 0, 0, 0, np.zeros((2, 2), np.int64))
+    refused(frames_of(episodes), "'episodes' must be int64 of shape (n, 3), got <i8 (2, 2)")
+    sample = P.SampleReply(1, 0, 0, 0, 9, np.arange(1), np.zeros(1, np.uint64), np.ones(1), {})
+    refused(with_header(sample, arrays=[["row_ids", "<i8", [1]], ["episode_ids", "<i8", [1]],
+                                        ["probabilities", "<f8", [1]]]), "'episode_ids' must be uint64")
+    refused(P.encode(P.GetRows(1, 0, np.array([-1]))), "row ids must be >= 0")
     refused(with_header(P.Info(1), arrays=[["x", "<i8", [1]]]) + [bytes(8)], "carries no leaf arrays")
-    with pytest.raises(ProtocolError, match="'indices' must be a 1-d integer array"):
-        P.encode(P.Get(1, np.array([1.5])))
+    with pytest.raises(ProtocolError, match="'indices' must be a 1-d int64 array"):
+        P.encode(P.Get(1, 0, np.array([1.5])))
 
 
 def test_big_endian_index_arrays_become_native() -> None:
-    get = P.Get(1, np.arange(3))
+    get = P.Get(1, 0, np.arange(3))
     out = P.decode(with_header(get, arrays=[["indices", ">i8", [3]]])[:1] + [np.arange(3, dtype=">i8").tobytes()])
     assert isinstance(out, P.Get)
     assert out.indices.dtype == np.int64 and out.indices.dtype.isnative and out.indices.tolist() == [0, 1, 2]
@@ -392,10 +416,11 @@ def test_too_many_rows() -> None:
     refused(frames_of(P.Append(1, 0, 5, {"x": np.zeros(5)})), "max_rows_per_message=4", limits=small,
             cls=LimitExceededError)
     refused(frames_of(P.Sample(1, 5)), "'batch_size' is 5 rows", limits=small, cls=LimitExceededError)
-    refused(frames_of(P.Get(1, np.arange(5))), "indices is 5 rows", limits=small, cls=LimitExceededError)
+    refused(frames_of(P.Get(1, 0, np.arange(5))), "indices is 5 rows", limits=small, cls=LimitExceededError)
     refused(frames_of(P.SampleSequences(1, 2, 3)), "batch_size * length is 6 rows", limits=small,
             cls=LimitExceededError)
-    refused(frames_of(P.SampleSequencesReply(1, np.arange(2), {"x": np.zeros((2, 3))})), "is 6 rows",
+    refused(frames_of(P.SampleSequencesReply(1, 0, 0, 0, 9, np.arange(2), np.zeros(2, np.uint64), np.ones(2),
+                                             {"x": np.zeros((2, 3))})), "is 6 rows",
             limits=small, cls=LimitExceededError)
 
 
@@ -434,7 +459,7 @@ def test_peek_request_id() -> None:
 CLASS_OF_CODE = {
     "bad_request": ProtocolError, "unsupported_version": UnsupportedVersionError,
     "limit_exceeded": LimitExceededError, "space_mismatch": SpaceMismatchError,
-    "index_out_of_range": IndexError, "not_enough_data": NotEnoughDataError, "unknown_segment": SegmentStateError, "read_only": ReadOnlyError,
+    "index_out_of_range": IndexError, "evicted": EvictedError, "not_enough_data": NotEnoughDataError, "unknown_segment": SegmentStateError, "read_only": ReadOnlyError,
     "storage_error": StorageError, "busy": ServerUnavailableError, "shutting_down": ServerUnavailableError,
     "internal": RemoteError,
 }

@@ -12,14 +12,21 @@ import h5replay.storage.indexing
 
 def test_public_names_are_pinned():
     assert h5replay.__all__ == ["__version__"]
-    assert sorted(h5replay.client.__all__) == ["ActorClient", "ActorSegment", "LearnerClient", "Receipt"]
+    assert sorted(h5replay.client.__all__) == [
+        "ActorClient", "ActorSegment", "Episode", "LearnerClient", "Receipt", "SampleInfo", "View",
+    ]
     assert sorted(h5replay.server.__all__) == ["Server", "ServerProcess"]
     assert set(h5replay.storage.__all__) >= {
         "BoxSpace", "BinarySpace", "TextSpace", "DictSpace", "HDF5Storage", "ReplayBuffer", "SegmentWriter",
         "CHUNK_TARGET_BYTES", "is_fancy_index", "fancy_indexing_to_supported_indexing",
         "fancy_indexing_to_supported_set_indexing", "io_reduced_indexing", "read_sorted_unique_rows",
         "write_rows", "write_sorted_unique_rows", "space_from_json", "space_from_gymnasium",
+        "SampleInfo", "Episode", "Receipt", "export_file", "compact_file", "export_buffer",
     }
+    assert h5replay.client.SampleInfo is h5replay.storage.SampleInfo
+    for name in ("EvictedError",):
+        assert name in h5replay.errors.__all__
+    assert issubclass(h5replay.errors.EvictedError, IndexError)
     assert h5replay.storage.CHUNK_TARGET_BYTES == 64 * 1024
     for name in ("H5ReplayError", "SpaceMismatchError", "ReadOnlyError", "ServerUnavailableError"):
         assert name in h5replay.errors.__all__

@@ -55,7 +55,8 @@ def test_commit_order_decides_placement_and_segments(tmp_path):
     w2.extend(np.array([2, 2]))
     info2 = rb.commit_segment(w2)
     info1 = rb.commit_segment(w1)
-    assert (info2.start, info2.length, info1.start, info1.length) == (0, 2, 2, 3)
+    assert (info2.first_row_id, info2.length, info1.first_row_id, info1.length) == (0, 2, 2, 3)
+    assert (info2.episode_id, info1.episode_id) == (0, 1)
     assert rb.get_segments() == [(0, 2), (2, 3)]
     np.testing.assert_array_equal(rb.get_at(slice(None)), [2, 2, 1, 1, 1])
     rb.close()

@@ -69,7 +69,8 @@ def test_file_records_space_capacity_and_version(tmp_path):
     with h5py.File(tmp_path / "s.h5", "r") as f:
         assert json.loads(f.attrs["h5replay_space"]) == SPACE.to_json()
         assert f.attrs["h5replay_capacity"] == 10
-        assert f.attrs["h5replay_format_version"] == 1
+        assert f.attrs["h5replay_format_version"] == 2
+        assert len(f.attrs["h5replay_replay_id"]) == 32
         assert set(f["obs"]) == {"image", "vec"}
         assert f["note"].dtype.kind == "S" and f["note"].dtype.itemsize == 32
         assert h5py.check_string_dtype(f["note"].dtype).encoding == "utf-8"

@@ -1,0 +1,398 @@
+"""The replay journal: what a ReplayBuffer keeps in its file besides the rows, and the order in
+which it reaches the file, so that every reader and every restart sees an exact buffer.
+
+In the file, under `/_h5replay/replay/`:
+  * `journal`: one row of 16 int64, the published state (see `State`), ending in a CRC-32 of the
+    rest, so a reader never acts on a torn or zero-filled row.
+  * `episodes`: one (first row id, length) record per episode, in ring slots (episode id modulo
+    the capacity; an unbounded buffer grows the table instead).
+
+Ids: a row's id is its position in the sequence of all rows ever committed to the file, an
+episode's id its position among all episodes; both are global, never reused, and survive
+wrap-around, `clear()` (which moves `begin` to `end`, and bumps the generation) and restarts.
+A row of id `i` lives at physical row `i % capacity`, or `i - origin` for an unbounded buffer.
+
+Publish order (`publish`): flush the rows and episode records (fsync them under `fsync=True`),
+then write the state row, then flush it (and fsync). The published state therefore never names a
+row that is not in the file, on the disk when asked.
+
+Readers (`EpisodeTable.sync`) read only what changed since the state they last saw: the new
+episode records, and nothing for evicted ones. A changed generation (a `clear()`) makes them drop
+everything they cached, the storage's memory maps included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import zlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import h5py
+import numpy as np
+
+from h5replay.errors import StorageError
+from h5replay.records import NO_EPISODE
+from h5replay.storage._h5file import INTERNAL_GROUP, Prepare, h5_errors, upgrade_header
+from h5replay.storage._rowio import read_slice, write_rows
+
+if TYPE_CHECKING:
+    from h5replay.storage.hdf5 import HDF5Storage
+
+__all__ = ["REPLAY_GROUP", "State", "Journal", "EpisodeTable"]
+
+REPLAY_GROUP = f"{INTERNAL_GROUP}/replay"
+_JOURNAL = "journal"
+_EPISODES = "episodes"
+_LEGACY_STATE = "state"  # format 1: mark, begin, end, ep_begin, ep_end, open_start, seq, reserved
+_MARK = 0x5245504C  # "REPL": tells a state row from zero fill
+_LAYOUT = 2
+_ROW = 16
+_FIELDS = ("seq", "generation", "begin", "end", "ep_begin", "ep_end", "open_start", "origin", "ep_origin")
+_EPISODE_CHUNK_ROWS = 4096
+_TORN_RETRIES = 100  # a reader re-reads a torn state row this often (about 0.1 s) before calling it damaged
+
+
+@dataclass(frozen=True)
+class State:
+    """The published state of a replay buffer (all ids global).
+
+    Rows held: ids [begin, end). Episodes with a row held: ids [ep_begin, ep_end); the first of
+    them may have lost its head to the ring (its first row id < begin). The open episode (rows
+    added by `extend` and not yet ended) starts at row `open_start` (== end when there is none;
+    below `begin` when the ring has overwritten its head, and then it is never recorded).
+    `origin` / `ep_origin` (unbounded buffers) are the ids at physical row / table slot 0.
+    `seq` counts publishes; `generation` counts `clear()`s.
+    """
+
+    seq: int = 0
+    generation: int = 0
+    begin: int = 0
+    end: int = 0
+    ep_begin: int = 0
+    ep_end: int = 0
+    open_start: int = 0
+    origin: int = 0
+    ep_origin: int = 0
+
+    def replace(self, **changes: int) -> State:
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def length(self) -> int:
+        return self.end - self.begin
+
+    def to_row(self) -> np.ndarray:
+        row = np.zeros(_ROW, dtype=np.int64)
+        row[0], row[1] = _MARK, _LAYOUT
+        row[2 : 2 + len(_FIELDS)] = [getattr(self, name) for name in _FIELDS]
+        row[-1] = zlib.crc32(row[:-1].tobytes())
+        return row
+
+    @staticmethod
+    def intact(row: np.ndarray) -> bool:
+        """Whether a journal row is whole: its mark, layout and checksum agree."""
+        return int(row[0]) == _MARK and int(row[1]) == _LAYOUT and int(row[-1]) == zlib.crc32(row[:-1].tobytes())
+
+    @classmethod
+    def from_row(cls, row: np.ndarray, where: str, capacity: int | None) -> State:
+        """The state in a journal row, checked.
+
+        Raises:
+            StorageError: not a journal row (zero fill, torn, damaged) or impossible values.
+        """
+        if not cls.intact(row):
+            raise StorageError(f"{where} has a damaged replay journal row: {row.tolist()}")
+        state = cls(*(int(x) for x in row[2 : 2 + len(_FIELDS)]))
+        state.check(where, capacity)
+        return state
+
+    def check(self, where: str, capacity: int | None) -> None:
+        ok = (
+            0 <= self.origin <= self.begin <= self.end and self.origin <= self.open_start <= self.end
+            and 0 <= self.ep_origin <= self.ep_begin <= self.ep_end
+            and self.ep_end - self.ep_begin <= self.end - self.begin
+            and (capacity is None or self.end - self.begin <= capacity)
+        )
+        if not ok:
+            raise StorageError(f"{where} has an inconsistent replay state: {self}")
+
+
+class EpisodeTable:
+    """The (first row id, length) of episodes [begin, end), in memory, in the file's ring slots.
+
+    Pure numpy. Reads never walk the whole table: `find` and `complete` look at (at most) the two
+    contiguous pieces the ring splits it into.
+    """
+
+    def __init__(self, capacity: int | None) -> None:
+        self.capacity = capacity
+        size = min(capacity, _EPISODE_CHUNK_ROWS) if capacity is not None else _EPISODE_CHUNK_ROWS
+        self._starts = np.zeros(size, dtype=np.int64)
+        self._lengths = np.zeros(size, dtype=np.int64)
+        self.begin = self.end = self.origin = 0
+        self._ordered: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+
+    def __len__(self) -> int:
+        return self.end - self.begin
+
+    def slot(self, episode_id: int) -> int:
+        return episode_id % self.capacity if self.capacity is not None else episode_id - self.origin
+
+    def _ensure(self, slots: int) -> None:
+        if slots > self._starts.shape[0]:
+            size = max(slots, 2 * self._starts.shape[0])
+            if self.capacity is not None:
+                size = min(size, self.capacity)
+            self._starts = np.resize(self._starts, size)
+            self._lengths = np.resize(self._lengths, size)
+
+    def put(self, episode_id: int, start: int, length: int) -> tuple[int, int]:
+        """Record an episode in its slot; returns what the slot held (to undo with `put`)."""
+        slot = self.slot(episode_id)
+        self._ensure(slot + 1)
+        old = (int(self._starts[slot]), int(self._lengths[slot]))
+        self._starts[slot], self._lengths[slot] = start, length
+        self._ordered = None
+        return old
+
+    def put_many(self, first_id: int, records: np.ndarray) -> None:
+        """Records (n, 2) for episodes first_id, first_id + 1, ... (at most one ring's worth)."""
+        n = records.shape[0]
+        if n == 0:
+            return
+        first = self.slot(first_id)
+        size = first + n if self.capacity is None else self.capacity
+        self._ensure(first + n if self.capacity is None else min(self.capacity, first + n))
+        head = min(n, size - first)
+        self._starts[first : first + head], self._lengths[first : first + head] = records[:head, 0], records[:head, 1]
+        if head < n:
+            self._starts[: n - head], self._lengths[: n - head] = records[head:, 0], records[head:, 1]
+        self._ordered = None
+
+    def set_range(self, begin: int, end: int) -> None:
+        if (begin, end) != (self.begin, self.end):
+            self.begin, self.end = begin, end
+            self._ordered = None
+
+    def start_of(self, episode_id: int) -> int:
+        return int(self._starts[self.slot(episode_id)])
+
+    def length_of(self, episode_id: int) -> int:
+        return int(self._lengths[self.slot(episode_id)])
+
+    def first_with_rows_from(self, row_begin: int) -> int:
+        """The first episode id >= self.begin that still has a row at or after `row_begin`."""
+        e = self.begin
+        while e < self.end and self.start_of(e) + self.length_of(e) <= row_begin:
+            e += 1
+        return e
+
+    def _pieces(self) -> list[tuple[int, int, int]]:
+        """(first episode id, first slot, count) of the contiguous runs of [begin, end)."""
+        n = self.end - self.begin
+        if n <= 0:
+            return []
+        first = self.slot(self.begin)
+        if self.capacity is None or first + n <= self.capacity:
+            return [(self.begin, first, n)]
+        head = self.capacity - first
+        return [(self.begin, first, head), (self.begin + head, 0, n - head)]
+
+    def ordered(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(episode ids, first row ids, lengths) of [begin, end), oldest first (cached)."""
+        if self._ordered is None:
+            pieces = self._pieces()
+            ids = np.arange(self.begin, self.end, dtype=np.int64)
+            if len(pieces) <= 1:
+                sl = slice(pieces[0][1], pieces[0][1] + pieces[0][2]) if pieces else slice(0, 0)
+                starts, lengths = self._starts[sl].copy(), self._lengths[sl].copy()
+            else:
+                starts = np.concatenate([self._starts[s : s + c] for _, s, c in pieces])
+                lengths = np.concatenate([self._lengths[s : s + c] for _, s, c in pieces])
+            self._ordered = (ids, starts, lengths)
+        return self._ordered
+
+    def complete(self, row_begin: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`ordered()` without a first episode that lost its head (first row id < row_begin)."""
+        ids, starts, lengths = self.ordered()
+        if starts.shape[0] and starts[0] < row_begin:
+            return ids[1:], starts[1:], lengths[1:]
+        return ids, starts, lengths
+
+    def find(self, row_ids: np.ndarray) -> np.ndarray:
+        """The episode id of each row (NO_EPISODE for rows outside every recorded episode)."""
+        out = np.full(row_ids.shape, NO_EPISODE, dtype=np.uint64)
+        rows = row_ids.astype(np.int64, copy=False)
+        for first_id, slot, count in self._pieces():
+            starts = self._starts[slot : slot + count]
+            lengths = self._lengths[slot : slot + count]
+            k = np.searchsorted(starts, rows, side="right") - 1
+            inside = k >= 0
+            kk = np.where(inside, k, 0)
+            inside &= rows < starts[kk] + lengths[kk]
+            out[inside] = (first_id + kk[inside]).astype(np.uint64)
+        return out
+
+
+class Journal:
+    """The journal datasets of one open buffer file: reads, writes and publishes its state."""
+
+    def __init__(self, storage: HDF5Storage) -> None:
+        self.storage = storage
+        self.capacity = storage.capacity
+        self._where = repr(storage.filename)
+        with h5_errors("opening the replay journal"):
+            group = storage.file[REPLAY_GROUP]
+            self._state_ds: h5py.Dataset = group[_JOURNAL] if _JOURNAL in group else group[_LEGACY_STATE]
+            self._episodes_ds: h5py.Dataset = group[_EPISODES]
+        self._legacy = self._state_ds.name.endswith(_LEGACY_STATE)
+        self._reader = storage.multiprocessing and not storage.is_mutable
+        self._row = np.empty(self._state_ds.shape[0], dtype=np.int64)  # reused for every state read
+
+    # ------------------------------------------------------------------ creating and upgrading
+
+    @staticmethod
+    def create_tables(capacity: int | None, initial: State | None = None) -> Prepare:
+        """The `prepare` hook that adds an empty journal to a new file (its ids starting where
+        `initial` says: an export that keeps the ids of what it copies)."""
+        state = initial or State()
+        state.check("a new replay journal", capacity)
+
+        def create(f: h5py.File) -> None:
+            group = f.require_group(REPLAY_GROUP)
+            group.create_dataset(_JOURNAL, data=state.to_row(), maxshape=(_ROW,), chunks=(_ROW,))
+            rows = _EPISODE_CHUNK_ROWS if capacity is None else min(_EPISODE_CHUNK_ROWS, capacity)
+            group.create_dataset(_EPISODES, shape=(0, 2), maxshape=(capacity, 2), chunks=(rows, 2), dtype=np.int64)
+
+        return create
+
+    @staticmethod
+    def upgrade(f: h5py.File) -> None:
+        """The `prepare` hook for a writable open: turn a format 1 file's state row into a journal
+        row (same ids, generation 0), before SWMR starts."""
+        group = f.get(REPLAY_GROUP)
+        if group is None or _JOURNAL in group:
+            upgrade_header(f)
+            return
+        old = group[_LEGACY_STATE][...]
+        if int(old[0]) != _MARK:
+            raise StorageError(f"{f.filename!r} has a damaged replay state row: {old.tolist()}")
+        begin, end, ep_begin, ep_end, open_start, seq = (int(x) for x in old[1:7])
+        state = State(seq=seq, begin=begin, end=end, ep_begin=ep_begin, ep_end=ep_end, open_start=max(open_start, begin))
+        group.create_dataset(_JOURNAL, data=state.to_row(), maxshape=(_ROW,), chunks=(_ROW,))
+        del group[_LEGACY_STATE]
+        upgrade_header(f)
+
+    # ------------------------------------------------------------------ the state row
+
+    def read(self) -> State:
+        """The published state, as the file has it now.
+
+        Raises:
+            StorageError: the row is damaged or its values are impossible.
+        """
+        for attempt in range(_TORN_RETRIES):
+            with h5_errors("reading the replay journal"):
+                if self._reader:
+                    self._state_ds.id.refresh()  # low-level: the row's shape never changes
+                row = read_slice(self._state_ds, 0, self._row.shape[0], out=self._row)
+            if self._legacy or not self._reader or State.intact(row):
+                break
+            # A reader caught the writer rewriting the row (a torn read): the checksum says so.
+            time.sleep(0 if attempt < 10 else 0.001)
+        if self._legacy:
+            if int(row[0]) != _MARK:
+                raise StorageError(f"{self._where} has a damaged replay state row: {row.tolist()}")
+            begin, end, ep_begin, ep_end, open_start, seq = (int(x) for x in row[1:7])
+            state = State(seq=seq, begin=begin, end=end, ep_begin=ep_begin, ep_end=ep_end,
+                          open_start=max(open_start, begin))
+            state.check(self._where, self.capacity)
+            return state
+        return State.from_row(row, self._where, self.capacity)
+
+    def publish(self, state: State, fsync: bool = False) -> None:
+        """Make the rows and episode records durable, then point the state row at them.
+
+        Raises:
+            StorageError: HDF5 failed; the file's state is the previous one or this one, never a
+                state naming rows that did not reach the file.
+        """
+        self.storage.flush(fsync=fsync)
+        row = state.to_row()
+        with h5_errors("publishing the replay journal"):
+            if not write_rows(self._state_ds, 0, row):
+                self._state_ds[...] = row
+        self.storage.flush(fsync=fsync)
+
+    # ------------------------------------------------------------------ episode records
+
+    def record(self, episode_id: int, slot: int, start: int, length: int) -> None:
+        """Write one episode record to the file (growing an unbounded table)."""
+        with h5_errors("recording an episode"):
+            ds = self._episodes_ds
+            if slot >= ds.shape[0]:
+                limit = ds.maxshape[0]
+                grown = max(slot + 1, 2 * ds.shape[0], _EPISODE_CHUNK_ROWS)
+                ds.resize(grown if limit is None else min(grown, limit), axis=0)
+            row = np.array([[start, length]], dtype=np.int64)
+            if not write_rows(ds, slot, row):
+                ds[slot : slot + 1] = row
+
+    def read_records(self, table: EpisodeTable, first_id: int, stop_id: int) -> np.ndarray:
+        """The file's records of episodes [first_id, stop_id) as an (n, 2) array."""
+        n = stop_id - first_id
+        if n <= 0:
+            return np.zeros((0, 2), dtype=np.int64)
+        with h5_errors("reading the episode table"):
+            if self._reader:
+                self._episodes_ds.refresh()
+            size = self._episodes_ds.shape[0]
+            first = table.slot(first_id)
+            if first + n <= size:
+                return read_slice(self._episodes_ds, first, first + n)
+            head = size - first
+            if self.capacity is None or head <= 0:
+                raise StorageError(f"{self._where} has {size} episode records, too few for episodes "
+                                   f"[{first_id}, {stop_id})")
+            return np.concatenate([read_slice(self._episodes_ds, first, size),
+                                   read_slice(self._episodes_ds, 0, n - head)])
+
+    def load(self, table: EpisodeTable, state: State) -> None:
+        """Fill `table` with every episode `state` holds (a full reload)."""
+        table.origin = state.ep_origin
+        table.set_range(state.ep_begin, state.ep_begin)
+        table.put_many(state.ep_begin, self.read_records(table, state.ep_begin, state.ep_end))
+        table.set_range(state.ep_begin, state.ep_end)
+        self._check_records(table, state)
+
+    def sync(self, table: EpisodeTable, old: State, new: State) -> None:
+        """Bring `table` from `old` to `new` reading only the records that changed."""
+        if new.generation != old.generation or new.ep_origin != old.ep_origin or new.ep_begin > old.ep_end:
+            self.load(table, new)
+            return
+        first = max(old.ep_end, new.ep_begin)
+        if new.ep_end > first:
+            table.put_many(first, self.read_records(table, first, new.ep_end))
+        table.set_range(new.ep_begin, new.ep_end)
+        self._check_records(table, new, first)
+
+    def _check_records(self, table: EpisodeTable, state: State, first: int | None = None) -> None:
+        """New records must lie inside the rows held, in order: else the file is damaged."""
+        ids, starts, lengths = table.ordered()
+        k = 0 if first is None else max(0, first - state.ep_begin)
+        if k >= len(ids):
+            return
+        s, n = starts[k:], lengths[k:]
+        previous_end = int(starts[k - 1] + lengths[k - 1]) if k else None
+        bad = (n < 1) | (s + n > state.end)
+        if s.shape[0] > 1:
+            bad[1:] |= s[1:] < s[:-1] + n[:-1]
+        if previous_end is not None and s.shape[0]:
+            bad[0] |= s[0] < previous_end
+        if bad.any():
+            i = int(np.argmax(bad)) + k
+            raise StorageError(f"{self._where} has an impossible episode record {int(ids[i])}: "
+                               f"rows [{int(starts[i])}, {int(starts[i] + lengths[i])}) in a buffer of rows "
+                               f"[{state.begin}, {state.end})")
