@@ -22,8 +22,9 @@ import zmq
 
 from h5replay import protocol as P
 from h5replay.config import ServerConfig
+from h5replay.errors import ProtocolError
 from h5replay.server.auth import RoleAuthenticator, server_keys
-from h5replay.server.handlers import read_reply
+from h5replay.server.handlers import READ_KINDS, read_reply
 from h5replay.server.sockets import configure_router
 from h5replay.storage.replay_buffer import ReplayBuffer
 
@@ -75,6 +76,8 @@ def reader_main(
             route, frames = routed[:1], routed[1:]  # a ROUTER (ours or the proxy's) put the learner's id first
             try:
                 request = P.decode(frames, limits, expect=P.Request)
+                if not isinstance(request, READ_KINDS):  # e.g. a client given this endpoint instead of the server's
+                    raise ProtocolError(_not_a_read(request, config))
                 reply = read_reply(buffer, request, rng, limits)
                 arrays = getattr(reply, "arrays", None)
                 if arrays:
@@ -92,6 +95,11 @@ def reader_main(
             auth.stop()
         ctx.term()
         buffer.close()
+
+
+def _not_a_read(request: P.Request, config: ServerConfig) -> str:
+    return (f"{request.KIND.value} sent to {config.resolved_read_bind}, the learners' read endpoint, which serves only reads; "
+            f"connect clients to the server's endpoint ({config.bind}): its hello tells learners where to read")
 
 
 def _bind_when_free(sock: zmq.Socket[Any], endpoint: str, timeout: float = 10.0) -> None:
