@@ -23,7 +23,6 @@ stopped. Ports are published on 127.0.0.1 only.
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import os
 import re
@@ -32,7 +31,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -63,17 +61,21 @@ def say(text: str) -> None:
 
 
 def run(cmd: list[str], timeout: float, *, check: bool = True, env: dict[str, str] | None = None,
-        binary: bool = False) -> subprocess.CompletedProcess[Any]:
-    """Run `cmd` to completion within `timeout` seconds; a non-zero exit raises Failure (with `check`)."""
+        binary: bool = False, stdin: bytes | None = None) -> subprocess.CompletedProcess[Any]:
+    """Run `cmd` to completion within `timeout` seconds (`stdin`: bytes to feed it); a non-zero exit
+    raises Failure (with `check`)."""
     try:
-        done = subprocess.run(cmd, capture_output=True, text=not binary, timeout=timeout, env=env, cwd=ROOT,
-                              stdin=subprocess.DEVNULL)
+        if stdin is not None:
+            done = subprocess.run(cmd, capture_output=True, input=stdin, timeout=timeout, env=env, cwd=ROOT)
+        else:
+            done = subprocess.run(cmd, capture_output=True, text=not binary, timeout=timeout, env=env, cwd=ROOT,
+                                  stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
         raise Failure(f"`{' '.join(cmd)}` did not finish within {timeout:.0f} s") from None
     except FileNotFoundError:
         raise Failure(f"`{cmd[0]}` is not installed") from None
     if check and done.returncode != 0:
-        err = done.stderr.decode(errors="replace") if binary else done.stderr
+        err = done.stderr if isinstance(done.stderr, str) else done.stderr.decode(errors="replace")
         raise Failure(f"`{' '.join(cmd)}` exited {done.returncode}: {_tail(err)}")
     return done
 
@@ -327,16 +329,11 @@ class Deployment:
         archive = self.compose("run", "--rm", "-T", "--entrypoint", "tar", "keys", "-C", "/keys", "-c",
                                "learner.key", "learner.key_secret", "server.key", timeout=120, binary=True)
         self.keys_dir = Path(tempfile.mkdtemp(prefix="h5replay-ct-keys-"))
-        with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
-            for member in tar.getmembers():
-                if not member.isfile() or "/" in member.name.strip("./"):
-                    raise Failure(f"unexpected entry {member.name!r} in the keys archive")
-                data = tar.extractfile(member)
-                if data is None:
-                    raise Failure(f"cannot read {member.name!r} from the keys archive")
-                target = self.keys_dir / Path(member.name).name
-                target.write_bytes(data.read())
-                target.chmod(0o600)
+        # As the README pipes it: `... | tar -x --no-same-owner -C DIR` (the archive's files belong to uid 10001).
+        run(["tar", "-x", "--no-same-owner", "-C", str(self.keys_dir)], 60, stdin=archive.stdout)
+        got = sorted(p.name for p in self.keys_dir.iterdir())
+        if got != ["learner.key", "learner.key_secret", "server.key"]:
+            raise Failure(f"the keys copied out of the volume are {got}")
 
     def up(self) -> None:
         # Compose waits for the server's healthcheck before it starts the actors and the learner.
