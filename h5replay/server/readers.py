@@ -98,8 +98,8 @@ def reader_main(
 
 
 def _not_a_read(request: P.Request, config: ServerConfig) -> str:
-    return (f"{request.KIND.value} sent to {config.resolved_read_bind}, the learners' read endpoint, which serves only reads; "
-            f"connect clients to the server's endpoint ({config.bind}): its hello tells learners where to read")
+    return (f"{request.KIND.value} is not a read request: {config.resolved_read_bind} is the learners' read endpoint; "
+            f"connect clients to the server's endpoint ({config.bind}), whose hello tells learners where to read")
 
 
 def _bind_when_free(sock: zmq.Socket[Any], endpoint: str, timeout: float = 10.0) -> None:
