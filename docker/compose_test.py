@@ -505,6 +505,8 @@ def main() -> int:
                     build_wheels(base_images()[-1])
                 with step(f"image {IMAGE} built by `{' '.join(engine.compose)} build` (the server's build only)"):
                     Deployment(engine, "build", ["compose.yaml"], auth=False).compose("build", timeout=1200)
+                # The build stage's image, and the image this build replaced, are left untagged.
+                run(["docker", "image", "prune", "-f", "--filter", "label=org.h5replay.stage"], 120)
             finally:
                 clear_wheels()
         except Failure as exc:
