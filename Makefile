@@ -1,11 +1,17 @@
 # Two commands: `make demo` and `make test`. Each creates .venv when missing and installs
-# everything it needs into it from the package registries.
+# everything it needs into it from the package registries. CI (.ci/run) also runs test-torch and
+# compose-test.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# PyTorch for test-torch: pip's torch==2.13.0 is a CPU build on the machines this project runs on;
+# elsewhere the CPU build comes from PyTorch's own index (a plain `pip install torch` on Linux
+# fetches the CUDA build, several GB): make test-torch TORCH_INDEX="--index-url https://download.pytorch.org/whl/cpu"
+TORCH_VERSION ?= 2.13.0
+TORCH_INDEX ?=
 
-.PHONY: demo test bench clean venv
+.PHONY: demo test lint test-torch compose-test bench clean venv
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -20,11 +26,26 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m h5replay demo
 
-test: $(STAMP)
+# Lint and types first: they take seconds, the suite minutes.
+test: lint
 	$(BIN)/python -m pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff check h5replay tests docker
+	$(BIN)/mypy
+
+# The PyTorch integration's tests, which `make test` skips while torch is not installed.
+test-torch: $(STAMP)
+	$(BIN)/python -m pip install --quiet $(TORCH_INDEX) 'torch==$(TORCH_VERSION)'
+	$(BIN)/python -m pytest tests/unit/test_torch_integration.py
+
+# The image and docker/compose.yaml (then with compose.auth.yaml) run for real: see docker/compose_test.py.
+# Sets up the Docker Engine when missing (as root, with apt-get); says why and exits 0 when it cannot.
+compose-test: $(STAMP)
+	$(BIN)/python docker/compose_test.py
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/storage.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis .mypy_cache

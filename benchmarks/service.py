@@ -350,7 +350,9 @@ def _raw_sink_main(endpoint: str, kind: str, ack_rows: bool, ready: Any, stop: A
     try:
         sock.bind(endpoint)
         rows = make_rows(kind, BATCH, seed=99)
-        sample = P.encode(P.SampleReply(1, np.arange(BATCH, dtype=np.int64), {"obs": rows}))
+        ids = np.arange(BATCH, dtype=np.int64)
+        sample = P.encode(P.SampleReply(1, 1, 0, 0, BATCH, ids, ids.astype(np.uint64), np.full(BATCH, 1 / BATCH),
+                                        {"obs": rows}))
         ready.set()
         while not stop.is_set():
             if not sock.poll(100):

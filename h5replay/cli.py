@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -57,13 +58,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="h5replay", description="An HDF5 experience store for reinforcement learning.")
     parser.add_argument("--version", action="version", version=f"h5replay {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    # Every subcommand takes --debug too, so it works after the subcommand's name as well; SUPPRESS
+    # leaves the value of a --debug given before the name in place.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks and debug logs")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    serve = sub.add_parser("serve", help="serve a replay file to actors and learners")
+    serve = sub.add_parser("serve", parents=[common], help="serve a replay file to actors and learners")
     serve.add_argument("path", metavar="PATH", help="the HDF5 file (created when missing)")
-    serve.add_argument("--space", metavar="SPACE.json", help="space of a new file: a JSON file (see `h5replay info`)")
-    serve.add_argument("--capacity", type=_positive_int, metavar="N", help="rows a new file holds (a ring)")
+    serve.add_argument("--space", metavar="SPACE.json",
+                       help="space of a new file, a JSON file (`h5replay space`); an existing file must have it")
+    size = serve.add_mutually_exclusive_group()
+    size.add_argument("--capacity", type=_positive_int, metavar="N",
+                      help="rows the file holds, a ring (needed for a new file; an existing one must have it)")
+    size.add_argument("--unbounded", action="store_true", help="a new file that grows without limit")
     serve.add_argument("--bind", default=DEFAULT_ENDPOINT, help=f"actors' endpoint (default {DEFAULT_ENDPOINT})")
     serve.add_argument("--read-bind", help="learners' endpoint (default: the next port, or <ipc path>.read)")
     serve.add_argument("--advertise-read", metavar="ENDPOINT",
@@ -82,26 +91,28 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--session-timeout", type=_seconds, default=300.0, metavar="S",
                        help="abort the open segments of a client idle this long (default 300)")
 
-    ping = sub.add_parser("ping", help="exit 0 when a server answers")
+    ping = sub.add_parser("ping", parents=[common], help="exit 0 when a server answers")
     ping.add_argument("endpoint", metavar="ENDPOINT")
     ping.add_argument("--timeout", type=_seconds, default=2.0)
     ping.add_argument("--secret-key", metavar="FILE", help="a client's CURVE secret key file (with --auth)")
     ping.add_argument("--server-key", metavar="FILE", help="the server's CURVE public key file (with --auth)")
 
-    stats = sub.add_parser("stats", help="live figures of a server: rows/s in and out, segments, clients")
+    stats = sub.add_parser("stats", parents=[common], help="live figures of a server: rows/s in and out, segments, clients")
     stats.add_argument("endpoint", metavar="ENDPOINT")
     stats.add_argument("--timeout", type=_seconds, default=5.0)
     stats.add_argument("--interval", type=_seconds, default=1.0, help="seconds between the two samples for rates")
     stats.add_argument("--json", action="store_true", help="print JSON")
+    stats.add_argument("--secret-key", metavar="FILE", help="a client's CURVE secret key file (with --auth)")
+    stats.add_argument("--server-key", metavar="FILE", help="the server's CURVE public key file (with --auth)")
 
-    info = sub.add_parser("info", help="what a replay file holds: space, length, episodes, layout, bytes")
+    info = sub.add_parser("info", parents=[common], help="what a replay file holds: space, length, episodes, layout, bytes")
     info.add_argument("path", metavar="FILE")
     info.add_argument("--json", action="store_true", help="print JSON")
 
-    keys = sub.add_parser("keys", help="CURVE keys for --auth")
+    keys = sub.add_parser("keys", parents=[common], help="CURVE keys for --auth")
     keys_sub = keys.add_subparsers(dest="keys_command", metavar="ACTION")
     keys_sub.required = True
-    generate = keys_sub.add_parser("generate", help="make server, actor and learner key pairs in DIR")
+    generate = keys_sub.add_parser("generate", parents=[common], help="make server, actor and learner key pairs in DIR")
     generate.add_argument("directory", metavar="DIR")
 
     def client_keys(p: argparse.ArgumentParser) -> None:
@@ -109,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--server-key", metavar="FILE", help="the server's CURVE public key file (with --auth)")
         p.add_argument("--timeout", type=_seconds, default=30.0, help="seconds to wait for the server")
 
-    actor = sub.add_parser("actor", help="example actor: a gymnasium environment with a random policy")
+    actor = sub.add_parser("actor", parents=[common], help="example actor: a gymnasium environment with a random policy")
     actor.add_argument("endpoint", metavar="ENDPOINT")
     actor.add_argument("--env", default="CartPole-v1", help="gymnasium environment id (default CartPole-v1)")
     actor.add_argument("--episodes", type=_non_negative_int, default=0, help="episodes to send (0: until SIGTERM)")
@@ -119,19 +130,23 @@ def build_parser() -> argparse.ArgumentParser:
                        help="log a line every N episodes (0: never)")
     client_keys(actor)
 
-    learner = sub.add_parser("learner", help="example learner: samples and prints what it learns of the data")
+    learner = sub.add_parser("learner", parents=[common], help="example learner: samples and prints what it learns of the data")
     learner.add_argument("endpoint", metavar="ENDPOINT")
     learner.add_argument("--batch-size", type=_positive_int, default=256)
     learner.add_argument("--seconds", type=float, default=0.0, help="how long to run (0: until SIGTERM)")
     learner.add_argument("--report-every", type=_seconds, default=5.0)
     client_keys(learner)
 
-    space = sub.add_parser("space", help="print the JSON space of a gymnasium environment's rows")
+    space = sub.add_parser("space", parents=[common], help="print a row space as JSON, for `serve --space`")
     space_sub = space.add_subparsers(dest="space_command", metavar="SOURCE")
     space_sub.required = True
-    gym = space_sub.add_parser("gym", help="rows of a gymnasium environment (obs, action, reward, flags)")
+    gym = space_sub.add_parser("gym", parents=[common], help="rows of a gymnasium environment (obs, action, reward, flags)")
     gym.add_argument("env_id", metavar="ENV_ID")
     gym.add_argument("--pixels", action="store_true", help="the space of `h5replay actor --pixels`")
+    python = space_sub.add_parser("python", parents=[common], help="a space object of yours: MODULE:ATTR (a Space, a gymnasium "
+                                                  "space, or a function of no arguments returning one)")
+    python.add_argument("target", metavar="MODULE:ATTR", help="e.g. mypackage.spaces:ROW_SPACE (the current "
+                                                              "directory is importable)")
 
     def layout_flags(p: argparse.ArgumentParser) -> None:
         p.add_argument("--compression", choices=("gzip", "lzf", "none"), default="none",
@@ -141,17 +156,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="auto (contiguous when possible, else ~64 KiB of whole rows), or rows per chunk")
         p.add_argument("--capacity", default="same", help="rows the copy holds: same, unbounded, or N")
 
-    export = sub.add_parser("export", help="copy a replay (or plain h5py) file, changing layout or compression")
+    export = sub.add_parser("export", parents=[common], help="copy a replay (or plain h5py) file, changing layout or compression")
     export.add_argument("path", metavar="FILE")
     export.add_argument("out", metavar="OUT")
     export.add_argument("--overwrite", action="store_true")
     layout_flags(export)
 
-    compact = sub.add_parser("compact", help="rewrite a replay file in place (no server may be running)")
+    compact = sub.add_parser("compact", parents=[common], help="rewrite a replay file in place (no server may be running)")
     compact.add_argument("path", metavar="FILE")
     layout_flags(compact)
 
-    demo = sub.add_parser("demo", help="start a server, actors and a learner on an embedded default")
+    demo = sub.add_parser("demo", parents=[common], help="start a server, actors and a learner on an embedded default")
     demo.add_argument("--actors", type=_positive_int, default=4)
     demo.add_argument("--episodes", type=_positive_int, default=40, help="episodes per actor")
     demo.add_argument("--dir", help="keep the demo file in this directory (default: a temporary one)")
@@ -170,9 +185,40 @@ def _load_space(path: str) -> Any:
         raise ConfigError(f"{path!r} is not valid JSON: {exc}") from exc
 
 
+def _describe_existing(path: str) -> dict[str, Any] | None:
+    """What `info` says of an existing file, or None when it cannot be read before a server opens it
+    (a file a killed server left behind is recovered by the server itself)."""
+    from h5replay.storage.inspect import describe_file
+
+    try:
+        return describe_file(path)
+    except (H5ReplayError, OSError):
+        return None
+
+
+def _check_serve_args(args: argparse.Namespace) -> None:
+    """A new file needs its size said; an existing one must be a replay file (and as big as said).
+    The server itself refuses a --space or --capacity other than an existing file's."""
+    if not os.path.exists(args.path):
+        if args.capacity is None and not args.unbounded:
+            raise UsageError(f"{args.path!r} does not exist; creating it needs --capacity N (rows it holds, a ring) "
+                             "or --unbounded")
+        return
+    description = _describe_existing(args.path)
+    if description is None:
+        return
+    if "replay" not in description:
+        raise ConfigError(f"{args.path!r} is an HDF5 file but not a replay file (it has no episode table); copy its "
+                          f"rows into one with `h5replay export {args.path} OUT.h5`, then serve OUT.h5")
+    if args.unbounded and description["capacity"] is not None:
+        raise ConfigError(f"{args.path!r} exists with capacity {description['capacity']}, not unbounded; drop "
+                          "--unbounded (it is for a new file) or give a new path")
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from h5replay.server import Server
 
+    _check_serve_args(args)
     config = ServerConfig(
         path=args.path,
         space=_load_space(args.space) if args.space else None,
@@ -216,14 +262,18 @@ def cmd_ping(args: argparse.Namespace) -> int:
 def cmd_stats(args: argparse.Namespace) -> int:
     from h5replay import protocol as P
 
-    conn = _connection(args.endpoint, args.timeout)
+    conn = _connection(args.endpoint, args.timeout, args.secret_key, args.server_key)
     try:
+        started = time.monotonic()
         first = dict(conn.request(lambda rid: P.Info(rid)).stats)
         time.sleep(args.interval)
         second = dict(conn.request(lambda rid: P.Info(rid)).stats)
+        wall = time.monotonic() - started
     finally:
         conn.close()
-    elapsed = max(1e-9, float(second["uptime"]) - float(first["uptime"]))
+    # A reader endpoint answers with the buffer's figures only (no uptime): time the interval here.
+    uptimes = (first.get("uptime"), second.get("uptime"))
+    elapsed = max(1e-9, float(uptimes[1]) - float(uptimes[0]) if None not in uptimes else wall)  # type: ignore[arg-type]
     for name in ("rows_in", "rows_out", "commits", "bytes_in"):
         if isinstance(second.get(name), int) and isinstance(first.get(name), int):
             second[f"{name}_per_s"] = round((second[name] - first[name]) / elapsed, 1)
@@ -239,8 +289,20 @@ def cmd_stats(args: argparse.Namespace) -> int:
 def cmd_info(args: argparse.Namespace) -> int:
     from h5replay.storage.inspect import describe_file, format_description
 
+    if args.path.startswith(("tcp://", "ipc://")):
+        raise UsageError(f"info reads a file; for the server at {args.path} run `h5replay stats {args.path}`")
     description = describe_file(args.path)
-    print(json.dumps(description, indent=2) if args.json else format_description(description))
+    # A fixed-capacity file is as long as its capacity from the start, but sparse: rows not yet
+    # written take no disk space. Say what the disk holds, next to the length.
+    description["disk_bytes"] = os.stat(args.path).st_blocks * 512
+    if args.json:
+        print(json.dumps(description, indent=2))
+        return 0
+    lines = format_description(description).splitlines()
+    if description["disk_bytes"] < description["file_bytes"]:
+        lines.insert(1, f"on disk   {description['disk_bytes'] / 1e6:.1f} MB (sparse: unwritten rows take no space; "
+                        "the figures per dataset below are what the rows will take)")
+    print("\n".join(lines))
     return 0
 
 
@@ -271,10 +333,46 @@ def cmd_learner(args: argparse.Namespace) -> int:
 
 
 def cmd_space(args: argparse.Namespace) -> int:
+    if args.space_command == "python":
+        print(json.dumps(_python_space(args.target).to_json(), indent=2))
+        return 0
     from h5replay.examples.gym_actor import space_json
 
     print(json.dumps(space_json(args.env_id, pixels=args.pixels), indent=2))
     return 0
+
+
+def _python_space(target: str) -> Any:
+    """The space named by MODULE:ATTR: a Space, a gymnasium space, or a function of no arguments
+    returning either. The current directory is importable, as for `python -m`."""
+    import importlib
+    import inspect
+
+    from h5replay.storage.spaces import Space, space_from_gymnasium
+
+    module_name, _, attr = target.partition(":")
+    if not module_name or not attr:
+        raise UsageError(f"expected MODULE:ATTR (e.g. mypackage.spaces:ROW_SPACE), got {target!r}")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except Exception as exc:  # the user's module may raise anything while it is imported
+        raise ConfigError(f"cannot import {module_name!r}: {type(exc).__name__}: {exc}") from exc
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"{module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if inspect.isroutine(obj):
+        try:
+            obj = obj()
+        except Exception as exc:
+            raise ConfigError(f"{target}() raised {type(exc).__name__}: {exc}") from exc
+    if isinstance(obj, Space):
+        return obj
+    if type(obj).__module__.startswith("gymnasium."):
+        return space_from_gymnasium(obj)
+    raise ConfigError(f"{target} is of type {type(obj).__name__!r}, not a space (h5replay.storage.Space or a gymnasium space)")
 
 
 def _layout_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -321,14 +419,14 @@ class _Progress:
 def cmd_export(args: argparse.Namespace) -> int:
     from h5replay.storage import export_file
 
+    if os.path.exists(args.out) and not args.overwrite:
+        raise ConfigError(f"{args.out!r} already exists; pass --overwrite to replace it")
     export_file(args.path, args.out, overwrite=args.overwrite, progress=_Progress("export"), **_layout_kwargs(args))
     print(f"wrote {args.out}")
     return 0
 
 
 def cmd_compact(args: argparse.Namespace) -> int:
-    import os
-
     from h5replay.storage import compact_file
 
     before = os.path.getsize(args.path)
@@ -361,7 +459,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
     )
     try:
-        return COMMANDS[args.command](args)
+        code = COMMANDS[args.command](args)
+        sys.stdout.flush()  # here, so that a reader gone away (`| head`) is seen below
+        return code
+    except BrokenPipeError:
+        # The reader of our output left (`h5replay info --json FILE | head`): nothing to report.
+        # Point stdout at /dev/null so the interpreter's last flush does not complain either.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except KeyboardInterrupt:
         return 1
     except (ConfigError, UsageError) as exc:

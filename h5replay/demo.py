@@ -111,13 +111,22 @@ def _free_port() -> int:
 
 
 def run_demo(num_actors: int = 4, episodes_per_actor: int = 40, directory: str | None = None) -> int:
-    """Run the demo; returns 0 when every check passed."""
+    """Run the demo; returns 0 when every check passed. Without `directory`, the file lives in a
+    temporary directory that is removed at the end."""
+    if directory is not None:
+        return _run_demo(num_actors, episodes_per_actor, directory)
+    with tempfile.TemporaryDirectory(prefix="h5replay-demo-") as workdir:
+        code = _run_demo(num_actors, episodes_per_actor, workdir)
+    print(f"(removed {workdir}; `h5replay demo --dir DIR` keeps the file)")
+    return code
+
+
+def _run_demo(num_actors: int, episodes_per_actor: int, workdir: str) -> int:
     from h5replay.config import ServerConfig
     from h5replay.server import ServerProcess
     from h5replay.storage.inspect import describe_file, format_description
     from h5replay.storage.replay_buffer import ReplayBuffer
 
-    workdir = directory or tempfile.mkdtemp(prefix="h5replay-demo-")
     path = os.path.join(workdir, "demo.h5")
     if os.path.exists(path):
         os.unlink(path)

@@ -380,6 +380,9 @@ class SampleSequences(Request):
     def _validate(self, limits: Limits) -> None:
         if self.length < 1:
             raise ProtocolError(f"field 'length' must be >= 1, got {self.length}")
+        if self.length > limits.max_rows_per_segment:  # no episode the server takes is longer
+            raise LimitExceededError(f"field 'length' is {self.length} rows, over the limit max_rows_per_segment="
+                                     f"{limits.max_rows_per_segment}: no episode holds such a window")
         if self.with_rows:
             _check_rows_limit(self.batch_size * self.length, "batch_size * length", limits)
 

@@ -57,6 +57,7 @@ class Connection:
         self._replies: dict[int, P.Reply] = {}
         self._outstanding: set[int] = set()
         self._closed = False
+        self._with_keys = curve is not None
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.linger = 0
@@ -86,10 +87,7 @@ class Connection:
             request_id = next(self._ids)
             frames = P.encode(request_factory(request_id), self.limits)
             if not self._sock.poll(int(self.config.timeout * 1000), zmq.POLLOUT):
-                raise ServerUnavailableError(
-                    f"could not send to {self.endpoint} within {self.config.timeout} s: the server is not "
-                    "there or not taking requests"
-                )
+                raise ServerUnavailableError(self._no_answer(self.config.timeout))
             self._sock.send_multipart(frames, copy=False)
             self._outstanding.add(request_id)
             return request_id
@@ -107,10 +105,7 @@ class Connection:
                     if request_id in self._replies:
                         break
                     self._outstanding.discard(request_id)
-                    raise ServerUnavailableError(
-                        f"no reply from {self.endpoint} within {timeout} s; is the server running, and (with --auth) "
-                        "are this client's keys listed?"
-                    )
+                    raise ServerUnavailableError(self._no_answer(timeout))
                 frames = self._sock.recv_multipart(copy=False)
                 reply = P.decode(frames, self.limits or P.DEFAULT_LIMITS, expect=P.Reply)
                 # Keep replies someone waits for; drop liveness probes (id 0) and late answers.
@@ -121,6 +116,16 @@ class Connection:
         if isinstance(reply, P.ErrorReply):
             raise reply.exception()
         return reply
+
+    def _no_answer(self, timeout: float) -> str:
+        """Why nothing came back, as far as a client can tell (a refused CURVE handshake looks like
+        a dead server from here; the server logs each refusal)."""
+        if self._with_keys:
+            return (f"no answer from {self.endpoint} within {timeout} s: the server is down, or it refused this "
+                    "client's CURVE keys (is the client's public key in the server's actors/ or learners/ folder, and "
+                    "is server_key the server's own server.key? The server logs each refusal)")
+        return (f"no answer from {self.endpoint} within {timeout} s: the server is down, or it requires CURVE keys "
+                "(a server started with --auth: pass secret_key= and server_key=, or --secret-key/--server-key)")
 
     def request(self, request_factory: Any, timeout: float | None = None) -> P.Reply:
         """Send and wait for the reply."""

@@ -4,23 +4,28 @@ It stands in for a training loop: it samples as fast as the server serves, and e
 prints the rows and episodes held, the episodes' mean length and return (when the space has
 'reward'), the sampling rate, and the mean and spread of every numeric field seen so far. It waits
 politely while the server is not up yet or the buffer is empty, and reconnects if the server
-goes away. SIGTERM or SIGINT ends it after the batch in flight, with a last report.
+goes away. SIGTERM or SIGINT ends it at once, in the middle of a request if need be (a request to
+a server that went away would otherwise hold it for its whole timeout), and it prints how much it
+sampled: a learner has nothing to save.
 
 Any space works; nothing here needs gymnasium. Reports go to stdout, logs to stderr.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from typing import Any, TextIO
 
 import numpy as np
 
 from h5replay.errors import ConfigError, NotEnoughDataError, ServerUnavailableError
-from h5replay.examples.gym_actor import stop_on_signals
 from h5replay.storage.spaces import BinarySpace, BoxSpace, LeafSpace, named_leaves
 
 __all__ = ["run_learner", "LeafStats"]
@@ -154,6 +159,33 @@ def _episode_summary(client: Any) -> str:
     return text
 
 
+class _Stopped(Exception):
+    """A stop signal came: raised wherever the learner was, a request waiting on the server included."""
+
+
+@contextlib.contextmanager
+def _stop_at_once_on_signals() -> Iterator[threading.Event]:
+    """An event set by the first SIGTERM or SIGINT while the block runs, which also raises _Stopped
+    where the main thread is; a blocking ZeroMQ poll is interrupted by it too. Off the main thread
+    nothing is installed. The previous handlers come back afterwards."""
+    stop = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+
+    def handler(*_: Any) -> None:
+        if not stop.is_set():  # only once: a second signal must not break the way out
+            stop.set()
+            raise _Stopped
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield stop
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
 def _connect(endpoint: str, timeout: float, deadline: float, stop: Any, keys: dict[str, Any]) -> Any:
     """A LearnerClient, retrying until the server answers, the deadline passes or a signal comes."""
     from h5replay.client import LearnerClient
@@ -191,7 +223,8 @@ def run_learner(
     mean no key.
 
     Returns:
-        0 when it ran its course (or was stopped by a signal), 1 when no server ever answered.
+        0 when it ran its course or was stopped by a signal (at once, mid-request if need be), 1
+        when no server ever answered.
     """
     if batch_size < 1:
         raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
@@ -203,19 +236,23 @@ def run_learner(
     deadline = time.monotonic() + seconds if seconds > 0 else math.inf
     keys = {"secret_key": secret_key or None, "server_key": server_key or None}
     report = _Report(out)
-    connected = False
-    with stop_on_signals() as stop:
-        while not stop.is_set() and time.monotonic() < deadline:
-            client = _connect(endpoint, timeout, deadline, stop, keys)
-            if client is None:
-                break
-            connected = True
-            try:
-                with client:
-                    _sample(client, batch_size, report_every, deadline, stop, report)
-            except ServerUnavailableError as exc:
-                log.warning("lost the server: %s; reconnecting", exc)
-    if not connected:
+    connected = stopped = False
+    with _stop_at_once_on_signals() as stop:
+        try:
+            while not stop.is_set() and time.monotonic() < deadline:
+                client = _connect(endpoint, timeout, deadline, stop, keys)
+                if client is None:
+                    break
+                connected = True
+                try:
+                    with client:
+                        _sample(client, batch_size, report_every, deadline, stop, report)
+                except ServerUnavailableError as exc:
+                    log.warning("lost the server: %s; reconnecting", exc)
+        except _Stopped:
+            log.info("stopped by a signal")
+            stopped = True
+    if not connected and not stopped:
         log.error("no server answered at %s", endpoint)
         return 1
     elapsed = time.monotonic() - report.started

@@ -9,7 +9,9 @@ A key directory (made by `h5replay keys generate DIR`, in pyzmq's `zmq.auth` fil
     DIR/learners/*.key                        public keys allowed to read
 
 libzmq encrypts every connection; a ZAP handler thread admits only listed keys and tags each
-message with its role as the User-Id, which the writer reads off the frames.
+message with its role as the User-Id, which the writer reads off the frames. A refused client
+gets no answer at all (it cannot tell a refusal from a dead server), so the server logs each
+refusal, once per key and address and at most a few lines a minute (`RefusalLog`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import time
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -26,11 +30,14 @@ from zmq.utils import z85
 
 from h5replay.errors import ConfigError
 
-__all__ = ["generate_keys", "RoleAuthenticator", "server_keys", "ACTOR", "LEARNER"]
+__all__ = ["generate_keys", "RoleAuthenticator", "RefusalLog", "handshake_failure", "server_keys", "ACTOR", "LEARNER"]
 
 ACTOR, LEARNER = "actor", "learner"
 log = logging.getLogger("h5replay.server")
 _ROLE_DIRS = {ACTOR: "actors", LEARNER: "learners"}
+_REPEAT_AFTER = 300.0  # seconds before the same refusal (what, from where) is logged again
+_LINES_PER_MINUTE = 10  # refusal lines at most; the rest are counted and the count told in the next line
+_REMEMBERED = 10_000  # (what, from where) pairs remembered; forgotten all at once past this
 
 
 def generate_keys(directory: str | os.PathLike[str]) -> list[str]:
@@ -89,8 +96,55 @@ def _role_keys(directory: str) -> tuple[dict[bytes, str], list[str]]:
     return keys, unreadable
 
 
+class RefusalLog:
+    """Logs refused handshakes as warnings: each (what, from where) once per `_REPEAT_AFTER` seconds,
+    and at most `_LINES_PER_MINUTE` lines a minute, so that a client retrying every second, or a
+    port scan, cannot flood the log. Pure bookkeeping; `clock` is injectable for tests."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._seen: dict[tuple[str, str], float] = {}
+        self._window = -60.0
+        self._lines = 0
+        self._untold = 0
+
+    def refused(self, what: str, source: str, message: str) -> bool:
+        """Log `message` unless the same refusal was logged lately; returns whether it was logged."""
+        now = self._clock()
+        last = self._seen.get((what, source))
+        if last is not None and now - last < _REPEAT_AFTER:
+            return False
+        if now - self._window >= 60.0:
+            self._window, self._lines = now, 0
+        if self._lines >= _LINES_PER_MINUTE:
+            self._untold += 1
+            return False
+        if len(self._seen) >= _REMEMBERED:
+            self._seen.clear()
+        self._seen[(what, source)] = now
+        self._lines += 1
+        if self._untold:
+            message += f" (and {self._untold} more refusals not logged, to keep the log readable)"
+            self._untold = 0
+        log.warning("%s", message)
+        return True
+
+
+def handshake_failure(code: int, endpoint: str, directory: str) -> tuple[str, str]:
+    """(kind, message) for a handshake that failed before any key was checked: libzmq's socket
+    monitor reports it (EVENT_HANDSHAKE_FAILED_PROTOCOL) with the listening endpoint, not the peer."""
+    if code == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+        return "no keys", (f"refused a client without CURVE keys on {endpoint}: this server runs with --auth, so "
+                           "clients need --secret-key and --server-key (secret_key= and server_key= in Python)")
+    if code == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
+        return "server key", (f"refused a CURVE handshake on {endpoint}: the client's server key is not this "
+                              f"server's public key ({os.path.join(directory, 'server.key')})")
+    return f"protocol {code:#x}", f"a handshake on {endpoint} failed (ZMTP protocol error {code:#x})"
+
+
 class RoleAuthenticator(ThreadAuthenticator):
-    """Admits the keys listed under actors/ and learners/; the User-Id of a message is its role."""
+    """Admits the keys listed under actors/ and learners/; the User-Id of a message is its role.
+    Refused keys are logged (`RefusalLog`) with the address they came from."""
 
     def __init__(self, context: zmq.Context[Any], directory: str | os.PathLike[str]) -> None:
         super().__init__(context)
@@ -98,7 +152,11 @@ class RoleAuthenticator(ThreadAuthenticator):
         self._roles: dict[bytes, str] = {}
         self._reported: set[str] = set()
         self._warned_empty = False
+        self._address = "an unknown address"
+        self._refusals = RefusalLog()
         self.reload()
+        # pyzmq's own device for deciding on keys: it calls self.callback(domain, key) (below).
+        self.configure_curve_callback("*", self)
 
     def reload(self) -> int:
         """Re-read the key directories (keys dropped in later are admitted); returns the count.
@@ -122,9 +180,25 @@ class RoleAuthenticator(ThreadAuthenticator):
                 self._warned_empty = True
             return len(self._roles)
         self._warned_empty = False
-        self._roles = roles
-        self.certs = {"*": dict.fromkeys(roles, True)}
+        self._roles = roles  # one assignment: the authenticator thread sees the old dict or the new one
         return len(roles)
+
+    async def handle_zap_message(self, msg: list[bytes]) -> None:
+        # The credentials callback is not told who asks: note the peer's address first (frame 3 of
+        # a ZAP request; the authenticator thread handles one request at a time).
+        self._address = msg[3].decode("utf-8", "replace") if len(msg) > 3 and msg[3] else "an unknown address"
+        await super().handle_zap_message(msg)
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        """Admit `key` (Z85) when it is listed; log a refusal otherwise."""
+        if key in self._roles:
+            return True
+        text = key.decode("ascii", "replace")
+        self._refusals.refused(text, self._address, (
+            f"refused a CURVE handshake from {self._address}: its key {text} is not listed under "
+            f"{os.path.join(self.directory, 'actors')} or {os.path.join(self.directory, 'learners')} (copy the "
+            "client's public .key file there to admit it; it is picked up while the server runs)"))
+        return False
 
     def curve_user_id(self, client_public_key: bytes) -> str:
         return self._roles.get(z85.encode(client_public_key), LEARNER)

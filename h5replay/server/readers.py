@@ -34,7 +34,7 @@ log = logging.getLogger("h5replay.server")
 _POLL_MS = 100
 
 
-def answer(buffer: ReplayBuffer, request: P.Request, rng: np.random.Generator, limits: P.Limits,
+def answer(buffer: ReplayBuffer, request: P.Request, rng: np.random.Generator, config: ServerConfig,
            instance_id: str) -> P.Reply:
     """A reader's reply: reads, and `info` / `heartbeat` from its own view of the file (so that
     everything a learner asks is answered by the same kind of view).
@@ -43,15 +43,12 @@ def answer(buffer: ReplayBuffer, request: P.Request, rng: np.random.Generator, l
         ProtocolError: a request only the writer serves (the message names the writer endpoint's job).
     """
     if isinstance(request, READ_KINDS):
-        return read_reply(buffer, request, rng, limits)
+        return read_reply(buffer, request, rng, config.limits)
     if isinstance(request, P.Info):
         return P.InfoReply(request.request_id, {**buffer.info(), "instance_id": instance_id})
     if isinstance(request, P.Heartbeat):
         return P.HeartbeatReply(request.request_id)
-    raise ProtocolError(
-        f"this is a read endpoint: it serves reads, info and heartbeats, not {request.KIND.value}; "
-        "send hello and writes to the server's writer endpoint"
-    )
+    raise ProtocolError(_not_a_read(request, config))  # e.g. a client given this endpoint instead of the server's
 
 
 def reader_main(
@@ -97,7 +94,7 @@ def reader_main(
             route, frames = routed[:1], routed[1:]  # a ROUTER (ours or the proxy's) put the learner's id first
             try:
                 request = P.decode(frames, limits, expect=P.Request)
-                reply = answer(buffer, request, rng, limits, instance_id)
+                reply = answer(buffer, request, rng, config, instance_id)
                 counters[2 * index + 1] += reply_rows(reply)
             except Exception as exc:  # every refusal becomes an error reply; the reader keeps serving
                 reply = P.ErrorReply.from_exception(P.peek_request_id(frames, limits), exc)
@@ -112,6 +109,12 @@ def reader_main(
             auth.stop()
         ctx.term()
         buffer.close()
+
+
+def _not_a_read(request: P.Request, config: ServerConfig) -> str:
+    return (f"{request.KIND.value} is not a read request: {config.resolved_read_bind} is the learners' read endpoint "
+            f"(reads, info, heartbeats); connect clients to the server's endpoint ({config.bind}), whose hello tells "
+            "learners where to read")
 
 
 def _bind_when_free(sock: zmq.Socket[Any], endpoint: str, timeout: float = 10.0) -> None:

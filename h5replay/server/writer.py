@@ -29,11 +29,12 @@ import uuid
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from h5replay import protocol as P
 from h5replay.config import ServerConfig
 from h5replay.errors import ConfigError
-from h5replay.server.auth import RoleAuthenticator, server_keys
+from h5replay.server.auth import RefusalLog, RoleAuthenticator, handshake_failure, server_keys
 from h5replay.server.handlers import READ_KINDS, Service
 from h5replay.server.metrics import Metrics
 from h5replay.server.readers import ReaderPool, ReadProxy
@@ -46,14 +47,29 @@ log = logging.getLogger("h5replay.server")
 _POLL_MS = 50
 _BATCH = 256  # messages handled per poll before housekeeping gets a turn
 _PROBE = P.HeartbeatReply(0)
+_READ_PORT_WAIT = 5.0  # seconds a restart waits for a taken read port (a killed server's reader lets go in < 1 s)
 
 
 def open_buffer(config: ServerConfig) -> ReplayBuffer:
-    """Reopen the file, or create it when it does not exist (then space and capacity are needed)."""
+    """Reopen the file, or create it when it does not exist (then space and capacity are needed).
+
+    Raises:
+        ConfigError: the file exists with another space or capacity than the config gives.
+    """
     if os.path.exists(config.path):
-        return ReplayBuffer.load_from(
+        buffer = ReplayBuffer.load_from(
             config.path, read_only=False, multiprocessing=config.multiprocessing, **config.storage_kwargs
         )
+        differences = []
+        if config.space is not None and config.space != buffer.space:
+            differences.append(f"space {buffer.space!r}, not the {config.space!r} asked for")
+        if config.capacity is not None and config.capacity != buffer.capacity:
+            differences.append(f"capacity {buffer.capacity or 'unbounded'}, not the {config.capacity} asked for")
+        if differences:
+            buffer.close()
+            raise ConfigError(f"{config.path!r} exists with {'; and '.join(differences)}; a space and a capacity "
+                              "are only for a new file: leave them out to serve this one, or give a new path")
+        return buffer
     if config.space is None:
         raise ConfigError(f"{config.path!r} does not exist; creating it needs a space (--space SPACE.json)")
     return ReplayBuffer.create(
@@ -85,28 +101,41 @@ class Server:
         self._stop.set()
 
     def run(self, ready: Any = None) -> int:
-        """Serve until stopped. Returns the process exit code (0 after a clean shutdown)."""
+        """Serve until stopped. Returns the process exit code (0 after a clean shutdown).
+
+        Raises:
+            ConfigError: an endpoint cannot be bound (its port is taken, say), or the file exists with
+                another space or capacity. A start that fails leaves no new file (nor lock) behind.
+        """
         config = self.config
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, lambda *_: self._stop.set())
             # A file-size limit must fail the write (an error reply), not kill the server.
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        buffer = open_buffer(config)
+        created = [path for path in (config.path, config.path + ".lock") if not os.path.exists(path)]
+        buffer: ReplayBuffer | None = None
         ctx = zmq.Context()
         tmpdir = tempfile.mkdtemp(prefix="h5replay-")
         readers: ReaderPool | None = None
         sock = ctx.socket(zmq.ROUTER)
         monitor = None
         auth: RoleAuthenticator | None = None
-        broken = False
+        broken = serving = False
         try:
-            if config.auth_dir is not None:
+            if config.auth_dir is not None:  # before the bind: no connection may skip the key check
                 auth = RoleAuthenticator(ctx, config.auth_dir)
                 auth.start()
             self._configure(sock)
-            sock.bind(config.bind)
-            monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            # The endpoints before the file: a taken port fails at once, with nothing created.
+            _bind(sock, config.bind, "the actors' endpoint, --bind")
+            if config.num_readers:  # a restart may find a reader of the killed server still on the port
+                _check_free(ctx, config.resolved_read_bind, wait=0.0 if config.path in created else _READ_PORT_WAIT)
+            events = zmq.EVENT_DISCONNECTED
+            if auth is not None:  # handshakes refused before any key was looked at: logged in the loop
+                events |= zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            monitor = sock.get_monitor_socket(events)
+            buffer = open_buffer(config)
             if config.num_readers == 1:  # the reader binds the learners' endpoint itself: no hop
                 readers = ReaderPool(config, config.resolved_read_bind, direct=True, instance_id=self.instance_id)
                 read_endpoint = config.advertise_read or config.resolved_read_bind
@@ -134,6 +163,7 @@ class Server:
                 log.info("metrics on http://%s:%d/metrics", config.metrics_address, config.metrics_port)
             if ready is not None:
                 ready.set()
+            serving = True
             self._loop(sock, monitor, service, readers, auth)
             aborted = service.abort_everything()
             broken = service.write_failure is not None
@@ -155,10 +185,14 @@ class Server:
                 self._metrics.close()
             if readers is not None:
                 readers.stop()
-            if not broken:
+            if buffer is not None and not broken:
                 buffer.close()
             ctx.term()
             shutil.rmtree(tmpdir, ignore_errors=True)
+            if not serving:  # a failed start: remove the file (and lock) it made, still empty
+                for path in created:
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
         if broken:
             # HDF5 retries the failed write whenever the file is flushed or closed, and may crash
             # doing so: leave the file as its last commit published it. When this thread owns the
@@ -182,6 +216,7 @@ class Server:
         poller.register(sock, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
         next_probe = next_expire = time.monotonic()
+        refusals = RefusalLog()
         while not self._stop.is_set():
             events = dict(poller.poll(_POLL_MS))
             if sock in events:
@@ -195,7 +230,10 @@ class Server:
             now = time.monotonic()
             if monitor in events:
                 while monitor.poll(0):
-                    monitor.recv_multipart()
+                    event = parse_monitor_message(monitor.recv_multipart())
+                    if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and auth is not None:
+                        kind, message = handshake_failure(int(event["value"]), config.bind, auth.directory)
+                        refusals.refused(kind, config.bind, message)
                 next_probe = min(next_probe, now + 0.05)  # let libzmq finish dropping the peer first
             if now >= next_probe:
                 self._probe(sock, service)
@@ -291,6 +329,37 @@ class Server:
     def _probe(self, sock: zmq.Socket[Any], service: Service) -> None:
         for identity in list(service.sessions):
             self._send(sock, service, identity, _PROBE)
+
+
+def _bind(sock: zmq.Socket[Any], endpoint: str, flag: str) -> None:
+    """Bind, or raise ConfigError in one line saying why (a ZMQError names no endpoint)."""
+    try:
+        sock.bind(endpoint)
+    except zmq.ZMQError as exc:
+        if exc.errno == zmq.EADDRINUSE:
+            raise ConfigError(f"cannot bind {endpoint} ({flag}): the address is already in use, by another server "
+                              "perhaps; stop it or choose another port") from exc
+        raise ConfigError(f"cannot bind {endpoint} ({flag}): {exc.strerror}") from exc
+
+
+def _check_free(ctx: zmq.Context[Any], endpoint: str, wait: float) -> None:
+    """Raise ConfigError unless the learners' endpoint can be bound (its reader binds it later),
+    waiting up to `wait` seconds for a taken port: a reader of a server killed a moment ago holds
+    it until it notices its parent is gone, within a second."""
+    deadline = time.monotonic() + wait
+    while True:
+        probe = ctx.socket(zmq.ROUTER)
+        probe.linger = 0
+        try:
+            _bind(probe, endpoint, "the learners' endpoint, --read-bind")
+            return
+        except ConfigError as exc:
+            cause = exc.__cause__
+            if not isinstance(cause, zmq.ZMQError) or cause.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                raise
+        finally:
+            probe.close(0)
+        time.sleep(0.1)
 
 
 def _serve_in_child(config: ServerConfig, ready: Any, log_level: int) -> None:

@@ -399,6 +399,7 @@ class HDF5Storage:
             return cls._open_locked(
                 path, single_instance_space, capacity, lock, multiprocessing=multiprocessing,
                 reduce_io=reduce_io, segment_buffer_bytes=segment_buffer_bytes, prepare=None, h5kw=kwargs,
+                known_space=True,
             )
         except BaseException:
             with contextlib.suppress(OSError):
@@ -460,16 +461,19 @@ class HDF5Storage:
     def _open_locked(
         cls, path: str, expected_space: Space | None, expected_capacity: int | None, lock: WriterLock | None, *,
         multiprocessing: bool, reduce_io: bool, segment_buffer_bytes: int | None, prepare: Prepare | None,
-        h5kw: dict[str, Any],
+        h5kw: dict[str, Any], known_space: bool = False,
     ) -> HDF5Storage:
-        """Open `path` (writable when `lock` is held), check it, start SWMR writing if asked."""
+        """Open `path` (writable when `lock` is held), check it, start SWMR writing if asked.
+        `known_space`: the file was just made from `expected_space` (use it as it is)."""
         writable = lock is not None
         f, swmr_reader, h5kw = _h5file.open_file(path, writable=writable, multiprocessing=multiprocessing, h5kw=h5kw)
         try:
             space, capacity = _h5file.read_header(f)
             if space is None:
                 _, capacity, space = infer_space(f)
-            if expected_space is not None and expected_space != space:
+            if known_space and expected_space is not None:
+                space = expected_space
+            elif expected_space is not None and expected_space != space:
                 raise SpaceMismatchError(f"{path!r} holds {space!r}, not the requested {expected_space!r}")
             if expected_capacity is not None and capacity is not None and expected_capacity != capacity:
                 raise ConfigError(f"{path!r} has capacity {capacity}, not {expected_capacity}")

@@ -518,6 +518,8 @@ class ReplayBuffer:
         rng = rng if rng is not None else np.random.default_rng()
 
         def attempt(view: State) -> tuple[tuple[Any, SampleInfo], int]:
+            if steps > view.length:
+                raise NotEnoughDataError(f"no window of {steps} rows fits in the {view.length} rows held")
             ids, starts, lengths = self._episodes.complete(view.begin)
             windows = np.maximum(lengths - steps + 1, 0)
             total = int(windows.sum())

@@ -299,7 +299,8 @@ class BoxSpace(LeafSpace):
         return {
             "type": "box",
             "shape": list(self.shape),
-            "dtype": self.dtype.str if self.dtype.byteorder not in "=|" else self.dtype.name,
+            # A native order is spelled by name whether it came as "<f4" (h5py) or "float32" (numpy).
+            "dtype": self.dtype.name if self.dtype.isnative else self.dtype.str,
             "low": _bound_to_json(self.low),
             "high": _bound_to_json(self.high),
         }

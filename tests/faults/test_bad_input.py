@@ -312,8 +312,8 @@ def test_index_out_of_range(live, where):
 def test_kinds_a_reader_does_not_serve(live):
     """A read endpoint serves reads, info and heartbeats (all from its view of the file); hello and
     writes get an error that names the writer endpoint's job."""
-    refused(live, push(wire_rows(1)), ProtocolError, "push_episode", "read endpoint", "writer endpoint",
-            where="reader")
+    refused(live, push(wire_rows(1)), ProtocolError, "push_episode is not a read request", "read endpoint",
+            live.endpoint, where="reader")
     refused(live, [header("open_segment")], ProtocolError, "open_segment", "read endpoint", where="reader")
     with RawClient(live.read_endpoint) as raw:
         stats = raw.call(P.Info).stats

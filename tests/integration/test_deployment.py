@@ -1,4 +1,4 @@
-"""docker/: what can be checked without a container engine (none runs on development machines).
+"""docker/: what can be checked without a container engine (`make compose-test` runs the real one).
 
 The compose file parses; every service's command (with the environment variables' defaults put
 in) is a valid `h5replay` invocation; ports, volumes and the healthcheck agree with the CLI and
@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -135,13 +136,16 @@ def server_argv(env: dict[str, str] | None = None) -> list[str]:
 # ------------------------------------------------------------------------------ the compose file
 
 
-def test_compose_has_a_server_actors_and_a_learner_built_from_one_image():
+def test_compose_has_a_server_actors_and_a_learner_of_one_image_built_once():
     assert set(SERVICES) == {"server", "actor", "learner"}
-    for name, service in SERVICES.items():
-        build = service["build"]
-        assert (COMPOSE_FILE.parent / build["context"] / build["dockerfile"]).resolve() == DOCKER / "Dockerfile", name
-        assert (COMPOSE_FILE.parent / build["context"]).resolve() == DOCKER.parent  # the repository root
-    assert len({service["image"] for service in SERVICES.values()}) == 1
+    build = SERVICES["server"]["build"]
+    assert (COMPOSE_FILE.parent / build["context"] / build["dockerfile"]).resolve() == DOCKER / "Dockerfile"
+    assert (COMPOSE_FILE.parent / build["context"]).resolve() == DOCKER.parent  # the repository root
+    # Only the server builds: every service with a `build` is built again by `up --build`.
+    assert [name for name, service in SERVICES.items() if "build" in service] == ["server"]
+    images = {interpolate(str(service["image"])) for service in SERVICES.values()}
+    assert images == {"h5replay:local"}
+    assert interpolate(str(SERVICES["actor"]["image"]), {"H5REPLAY_IMAGE": "h5replay:other"}) == "h5replay:other"
 
 
 @pytest.mark.parametrize("service", sorted(SUBCOMMAND))
@@ -161,47 +165,54 @@ def test_each_command_is_a_valid_h5replay_invocation(service):
 
 @pytest.mark.parametrize("variable,value", [("H5REPLAY_CAPACITY", "5000"), ("H5REPLAY_READERS", "3"),
                                             ("H5REPLAY_EPISODES", "7"), ("H5REPLAY_BATCH_SIZE", "32"),
-                                            ("H5REPLAY_REPORT_EVERY", "2"), ("H5REPLAY_ENV", "Acrobot-v1")])
+                                            ("H5REPLAY_REPORT_EVERY", "2"), ("H5REPLAY_ENV", "Acrobot-v1"),
+                                            ("H5REPLAY_PORT", "6000"), ("H5REPLAY_READ_PORT", "6001")])
 def test_settings_come_from_environment_variables(variable, value):
     env = {variable: value}
     argvs = [command(s, env) for s in SUBCOMMAND]
-    assert any(value in argv for argv in argvs), f"{variable} changes no command"
+    assert any(value in arg for argv in argvs for arg in argv), f"{variable} changes no command"
     for argv in argvs:
         parse(argv)
     header = re.split(r"^services:", COMPOSE_FILE.read_text(), flags=re.M)[0]
     assert variable in header, f"{variable} is not documented at the top of {COMPOSE_FILE.name}"
 
 
-def test_the_server_binds_for_other_containers_and_names_a_reachable_read_endpoint():
+def test_the_server_binds_for_other_containers_and_advertises_reads_any_client_can_reach():
     args = parse(server_argv())
     assert host_of(args.bind) == "0.0.0.0" and host_of(args.read_bind) == "0.0.0.0"
-    # Clients take the read endpoint from the hello: it must name the service, with the read port.
-    assert args.advertise_read == f"tcp://server:{port_of(args.read_bind)}"
+    # The hello names the wildcard read endpoint, which a client takes as the host it reached the
+    # server on: server:5556 in the compose network, 127.0.0.1:5556 on the host. Advertising
+    # tcp://server:5556 would leave the published read port useless from the host.
+    assert args.advertise_read is None
     # A wildcard bind is refused without authentication unless --insecure says so.
     assert args.insecure or args.auth
     ServerConfig(path="/data/replay.h5", bind=args.bind, read_bind=args.read_bind, insecure=args.insecure,
                  auth_dir=args.auth, num_readers=args.readers)
 
 
-def test_ports_agree_between_the_cli_compose_and_the_dockerfile():
-    args = parse(server_argv())
+@pytest.mark.parametrize("env", [{}, {"H5REPLAY_PORT": "7100", "H5REPLAY_READ_PORT": "7200"}])
+def test_ports_agree_between_the_cli_compose_and_the_dockerfile(env):
+    args = parse(server_argv(env))
     ports = {port_of(args.bind), port_of(args.read_bind)}
-    published = set()
     for mapping in SERVICES["server"]["ports"]:
-        parts = interpolate(str(mapping)).split(":")
+        parts = interpolate(str(mapping), env).split(":")
         assert len(parts) == 3 and parts[0] == "127.0.0.1", f"{mapping}: publish on the host's loopback only"
-        published.add(int(parts[2]))
-    assert published == ports
-    exposed = {int(p) for word, rest in final_stage() if word == "EXPOSE" for p in rest.split()}
-    assert exposed == ports
+        # The same port inside and out: the wildcard read endpoint means the same port to every client.
+        assert parts[1] == parts[2], f"{mapping}: the host port must be the container's"
+    assert {int(interpolate(str(m), env).split(":")[2]) for m in SERVICES["server"]["ports"]} == ports
+    if not env:
+        exposed = {int(p) for word, rest in final_stage() if word == "EXPOSE" for p in rest.split()}
+        assert exposed == ports
     for client in ("actor", "learner"):
-        endpoint = command(client)[1]
+        endpoint = command(client, env)[1]
         assert endpoint == f"tcp://server:{port_of(args.bind)}", f"{client} must dial the server's service name"
         assert "ports" not in SERVICES[client] and "container_name" not in SERVICES[client]  # --scale works
+    ping = parse([interpolate(str(a), env) for a in SERVICES["server"]["healthcheck"]["test"][2:]])
+    assert ping.endpoint == f"tcp://127.0.0.1:{port_of(args.bind)}"
 
 
 def test_the_healthcheck_pings_the_servers_endpoint_in_compose_and_the_dockerfile():
-    test = SERVICES["server"]["healthcheck"]["test"]
+    test = [interpolate(str(arg)) for arg in SERVICES["server"]["healthcheck"]["test"]]
     assert test[0] == "CMD" and test[1] == "h5replay"
     ping = parse(test[2:])
     assert ping.command == "ping"
@@ -222,7 +233,10 @@ def test_the_data_volume_and_the_space_file_are_where_the_server_command_looks()
     targets = {v.split(":")[1]: v.split(":")[0] for v in volumes}
     data_dir = str(Path(args.path).parent)
     assert targets[data_dir] in COMPOSE.get("volumes", {}), "the data directory is a named volume"
-    assert ("VOLUME", f'["{data_dir}"]') in final_stage()
+    # No VOLUME in the image: it would give every actor and learner container an anonymous volume
+    # that `down` leaves behind. The image makes the directory, owned by its user.
+    assert not [rest for word, rest in dockerfile() if word == "VOLUME"]
+    assert any(word == "RUN" and f"mkdir -p {data_dir} " in rest and "chown" in rest for word, rest in final_stage())
     space_source = COMPOSE_FILE.parent / targets[args.space]
     assert space_source.exists()
     space = space_from_json(json.loads(space_source.read_text()))
@@ -250,28 +264,61 @@ def test_the_dockerfile_runs_the_cli_as_a_user_of_its_own():
     (install,) = [rest for word, rest in stage if word == "RUN" and "pip install" in rest]
     assert "[gym]" in install  # the actor service runs a gymnasium environment
     assert ("WORKDIR", "/src") in dockerfile()  # the wheel is built from the sources copied in a build stage
+
+
+def test_the_image_installs_from_docker_wheels_only_when_wheels_are_there():
+    """An ordinary build fetches from PyPI; with the project's wheel in docker/wheels/ (as `make
+    compose-test` leaves it for a build that cannot reach PyPI), nothing is fetched."""
+    instructions = dockerfile()
+    assert ("COPY", "docker/wheels/ /wheels/") in instructions
+    (build,) = [rest for word, rest in instructions if word == "RUN" and "pip wheel" in rest]
+    assert build.startswith("if ls /wheels/h5replay-*.whl") and "NO_INDEX" in build
+    (install,) = [rest for word, rest in final_stage() if word == "RUN" and "pip install" in rest]
+    assert "--no-index" in install and "[ -e /wheels/NO_INDEX ]" in install and "--find-links /wheels" in install
+    wheels = DOCKER / "wheels"
+    assert (wheels / "README.md").is_file()
+    ignored = (DOCKER.parent / ".dockerignore").read_text().splitlines()
+    assert "!docker/wheels/" in ignored  # sent to the builder
+
+
+@pytest.mark.parametrize("path", ["docker/keys/learner.key_secret", "docker/wheels/numpy-2.0-cp311.whl"])
+def test_secrets_and_built_wheels_are_ignored_by_git(path):
+    if shutil.which("git") is None or not (DOCKER.parent / ".git").exists():
+        pytest.skip("not a git checkout")
+    done = subprocess.run(["git", "check-ignore", "-q", path], cwd=DOCKER.parent, capture_output=True, timeout=30)
+    assert done.returncode == 0, f"{path} is not ignored by git"
     copied = [src for word, rest in dockerfile() if word == "COPY" and not rest.startswith("--from")
               for src in rest.split()[:-1]]
     for source in copied:
         assert (DOCKER.parent / source).exists(), f"COPY {source}: not in the build context (the repository root)"
 
 
-def test_the_auth_override_serves_with_keys_from_a_secret():
+def test_the_auth_override_serves_with_keys_from_a_volume_the_image_user_owns():
     if not AUTH_OVERRIDE.exists():
         pytest.skip("no docker/compose.auth.yaml")
     override = load(AUTH_OVERRIDE)
-    (secret,) = override["secrets"]
-    mount = f"/run/secrets/{secret}"
+    assert "secrets" not in override  # a directory as a secret's `file:` makes compose warn on every command
+    assert set(override["volumes"]) == {"keys"}
     merged = {name: {**SERVICES[name], **override["services"].get(name, {})} for name in SERVICES}
     server = parse(command("server", services=merged))
-    assert server.auth == mount and not server.insecure
+    assert server.auth == "/keys" and not server.insecure
     for name in ("actor", "learner"):
         args = parse(command(name, services=merged))
-        assert args.secret_key == f"{mount}/{name}.key_secret" and args.server_key == f"{mount}/server.key"
-    for name, service in merged.items():
-        assert secret in service["secrets"], name
-    ping = parse(merged["server"]["healthcheck"]["test"][2:])
-    assert ping.command == "ping" and ping.secret_key.startswith(mount) and ping.server_key == f"{mount}/server.key"
+        assert args.secret_key == f"/keys/{name}.key_secret" and args.server_key == "/keys/server.key"
+    for name in SERVICES:
+        assert "keys:/keys:ro" in override["services"][name]["volumes"], name
+    ping = parse([interpolate(str(a)) for a in merged["server"]["healthcheck"]["test"][2:]])
+    assert ping.command == "ping" and ping.secret_key.startswith("/keys/") and ping.server_key == "/keys/server.key"
+    # The keys step: a one-off service (kept out of `up` by its profile) that writes the volume as
+    # the image's user, which owns /keys in the image (a host folder would belong to someone else).
+    keys = override["services"]["keys"]
+    assert keys["profiles"] and keys["volumes"] == ["keys:/keys"]
+    assert parse(keys["command"]).command == "keys" and keys["command"][-1] == "/keys"
+    assert interpolate(str(keys["image"])) == interpolate(str(SERVICES["server"]["image"]))
+    assert any(word == "RUN" and "/keys" in rest and "chown h5replay:h5replay /data /keys" in rest
+               for word, rest in final_stage())
+    header = AUTH_OVERRIDE.read_text().split("services:")[0]
+    assert "run --rm keys" in header and "docker/keys" in header
 
 
 # -------------------------------------------------------- the same topology, as plain processes
@@ -324,7 +371,7 @@ class Topology:
 
     def wait_healthy(self, timeout: float) -> None:
         """As compose's `service_healthy`: run the healthcheck until it passes."""
-        test = self.local(SERVICES["server"]["healthcheck"]["test"][2:])
+        test = self.local([interpolate(str(arg), self.env) for arg in SERVICES["server"]["healthcheck"]["test"][2:]])
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if subprocess.run([sys.executable, "-m", "h5replay", *test], capture_output=True, timeout=60).returncode == 0:

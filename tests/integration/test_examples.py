@@ -44,6 +44,7 @@ from h5replay.examples.gym_actor import (  # noqa: E402
     space_json,
 )
 from h5replay.examples.learner import run_learner  # noqa: E402
+from h5replay.server import ServerProcess  # noqa: E402
 from h5replay.storage.spaces import space_from_json  # noqa: E402
 
 DOCKER = Path(__file__).resolve().parents[2] / "docker"
@@ -248,3 +249,33 @@ def test_space_gym_prints_the_shipped_space_file():
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == json.loads((DOCKER / "cartpole-space.json").read_text())
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_stops_a_learner_at_once_while_it_waits_on_a_server_that_went_away(tmp_path):
+    """Compose stops the learner with SIGTERM and SIGKILLs it 30 s later; a request to a server that
+    went away waits out the learner's whole --timeout (30 s too), so the signal must cut it short."""
+    config = server_config(tmp_path / "rb.h5", space=CARTPOLE)
+    server = ServerProcess(config, timeout=60)
+    out, err = tmp_path / "learner.out", tmp_path / "learner.err"
+    learner = None
+    try:
+        run_actor(config.bind, episodes=3, seed=1, timeout=10)
+        with open(out, "wb") as stdout, open(err, "wb") as stderr:
+            learner = subprocess.Popen([sys.executable, "-m", "h5replay", "learner", config.bind, "--timeout", "30",
+                                        "--report-every", "0.5"], stdout=stdout, stderr=stderr)
+        assert wait_until(lambda: "batches so far" in out.read_text(), 60), err.read_text()
+        server.kill()  # no reply will ever come to the learner's next request
+        time.sleep(1.5)
+        assert learner.poll() is None  # still waiting
+        started = time.monotonic()
+        learner.send_signal(signal.SIGTERM)
+        assert learner.wait(10) == 0, err.read_text()
+        assert time.monotonic() - started < 5
+    finally:
+        if learner is not None and learner.poll() is None:
+            learner.kill()
+            learner.wait(10)
+        server.kill()
+    assert "stopped by a signal" in err.read_text()
+    assert out.read_text().strip().splitlines()[-1].startswith("learner done:")

@@ -302,3 +302,15 @@ def test_case8_figures_can_be_taken_while_sessions_come_and_go(tmp_path):
         sys.setswitchinterval(interval)
         rb.close()
     assert failures == []
+
+
+def test_windows_longer_than_the_buffer_are_refused_before_any_arithmetic(tmp_path):
+    """A window of 2**64 - 1 rows (a fuzzed request) once overflowed numpy inside the server."""
+    from h5replay.errors import NotEnoughDataError
+
+    rb = ReplayBuffer.create(SCALAR, 10, tmp_path / "rb.h5")
+    commit(rb, range(5))
+    for steps in (6, 2**63, 2**64 - 1):
+        with pytest.raises(NotEnoughDataError, match="no window"):
+            rb.sample_sequences(1, steps)
+    rb.close()

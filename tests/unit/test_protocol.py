@@ -382,6 +382,8 @@ def test_array_fields_are_checked() -> None:
     refused(with_header(sample, arrays=[["row_ids", "<i8", [1]], ["episode_ids", "<i8", [1]],
                                         ["probabilities", "<f8", [1]]]), "'episode_ids' must be uint64")
     refused(P.encode(P.GetRows(1, 0, np.array([-1]))), "row ids must be >= 0")
+    refused(P.encode(P.SampleSequences(1, 2, 2**64 - 1, None, 0, False)), "max_rows_per_segment",
+            cls=LimitExceededError)
     refused(with_header(P.Info(1), arrays=[["x", "<i8", [1]]]) + [bytes(8)], "carries no leaf arrays")
     with pytest.raises(ProtocolError, match="'indices' must be a 1-d int64 array"):
         P.encode(P.Get(1, 0, np.array([1.5])))

@@ -1,0 +1,316 @@
+"""The command line as a new user meets it, run for real (`python -m h5replay ...` in a subprocess).
+
+Each bad input gets one line that says what to do, never a traceback (unless --debug, before or
+after the subcommand); a failed `serve` leaves no file behind; `serve` never silently ignores a
+space or capacity, nor makes an unbounded file unasked; `stats` reaches an --auth server; `space
+python` writes the JSON of one's own space; `info` tells what a sparse file takes on disk; `demo`
+cleans up after itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import textwrap
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+from fault_helpers import cli_command, cli_server
+from service_helpers import EPISODE_SPACE, episode_rows, free_port, server_config
+
+from h5replay.client import ActorClient
+from h5replay.errors import ProtocolError
+from h5replay.server import ServerProcess
+from h5replay.server.auth import generate_keys
+from h5replay.storage import BoxSpace, DictSpace, ReplayBuffer
+
+
+def h5replay(*args: str, timeout: float = 60, cwd: Path | None = None,
+             env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cli_command(*args), capture_output=True, text=True, timeout=timeout, cwd=cwd,
+                          env=env)
+
+
+def one_line_error(done: subprocess.CompletedProcess[str], code: int, command: str) -> str:
+    """The single stderr line of a refused command (exit `code`), without the command's prefix."""
+    assert done.returncode == code, (done.returncode, done.stdout, done.stderr)
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert lines[0].startswith(f"h5replay {command}: "), lines[0]
+    return lines[0][len(f"h5replay {command}: "):]
+
+
+@pytest.fixture
+def space_file(tmp_path: Path) -> Path:
+    path = tmp_path / "space.json"
+    path.write_text(json.dumps(EPISODE_SPACE.to_json()))
+    return path
+
+
+def serve_args(path: Path, *extra: str) -> list[str]:
+    return ["serve", str(path), "--bind", f"tcp://127.0.0.1:{free_port()}",
+            "--read-bind", f"tcp://127.0.0.1:{free_port()}", *extra]
+
+
+# ------------------------------------------------------------------------------------ --debug
+
+
+@pytest.mark.timeout(60)
+def test_debug_works_before_and_after_the_subcommand(tmp_path):
+    missing = str(tmp_path / "missing.h5")
+    quiet = h5replay("info", missing)
+    assert quiet.returncode != 0 and "Traceback" not in quiet.stderr and len(quiet.stderr.strip().splitlines()) == 1
+    for argv in (["--debug", "info", missing], ["info", missing, "--debug"], ["info", "--debug", missing]):
+        loud = h5replay(*argv)
+        assert loud.returncode != 0 and "Traceback" in loud.stderr, (argv, loud.stderr)
+    nested = h5replay("keys", "generate", str(tmp_path / "keys"), "--debug")  # a subcommand's subcommand too
+    assert nested.returncode == 0, nested.stderr
+
+
+# ------------------------------------------------------------------------------ output and files
+
+
+@pytest.mark.timeout(120)
+def test_info_json_into_a_pipe_closed_early_ends_without_a_traceback(tmp_path):
+    path = tmp_path / "wide.h5"
+    # Hundreds of fields: far more JSON than a pipe buffers, so writing goes on after `head` left.
+    wide = DictSpace({f"field_{i:03d}": BoxSpace(-1, 1, (2,)) for i in range(400)})
+    ReplayBuffer.create(wide, 10, str(path)).close()
+    with subprocess.Popen(cli_command("info", "--json", str(path)), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        proc.stdout.read(100)  # as `| head -c 100` would, then go away
+        proc.stdout.close()
+        err = proc.stderr.read().decode()
+        proc.wait(60)
+    assert "Traceback" not in err and "BrokenPipe" not in err and "Broken pipe" not in err, err
+    assert proc.returncode in (0, 1)
+    assert h5replay("info", "--json", str(path)).stdout.count('"field_') >= 400  # the whole output, normally
+
+
+@pytest.mark.timeout(60)
+def test_export_onto_an_existing_file_suggests_overwrite(tmp_path):
+    source, target = tmp_path / "a.h5", tmp_path / "b.h5"
+    ReplayBuffer.create(EPISODE_SPACE, 10, str(source)).close()
+    target.write_bytes(b"keep me")
+    message = one_line_error(h5replay("export", str(source), str(target)), 2, "export")
+    assert "--overwrite" in message and "overwrite=True" not in message
+    assert target.read_bytes() == b"keep me"
+    assert h5replay("export", str(source), str(target), "--overwrite").returncode == 0
+
+
+@pytest.mark.timeout(300)
+def test_demo_removes_its_temporary_directory(tmp_path):
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    done = h5replay("demo", "--actors", "1", "--episodes", "3", env=env, timeout=240)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "h5replay demo: OK" in done.stdout and "--dir" in done.stdout
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("h5replay-demo-")]
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    assert h5replay("demo", "--actors", "1", "--episodes", "2", "--dir", str(kept), env=env, timeout=240).returncode == 0
+    assert (kept / "demo.h5").is_file()
+
+
+@pytest.mark.timeout(120)
+def test_info_says_what_a_sparse_file_takes_on_disk(tmp_path):
+    # The README's kind of file: 84x84x3 images, a contiguous ring of 20,000 rows (0.4 GB long).
+    path = tmp_path / "images.h5"
+    space = DictSpace({"image": BoxSpace(0, 255, (84, 84, 3), np.uint8), "action": BoxSpace(-1, 1, (2,))})
+    with ReplayBuffer.create(space, 20_000, str(path)) as buffer:
+        buffer.extend({"image": np.zeros((80, 84, 84, 3), np.uint8), "action": np.zeros((80, 2), np.float32)})
+        buffer.end_episode()
+    description = json.loads(h5replay("info", "--json", str(path)).stdout)
+    assert description["file_bytes"] > 400e6 and description["disk_bytes"] < 50e6, description
+    text = h5replay("info", str(path)).stdout
+    (line,) = [line for line in text.splitlines() if line.startswith("on disk")]
+    assert f"{description['disk_bytes'] / 1e6:.1f} MB" in line and "sparse" in line
+
+
+@pytest.mark.timeout(60)
+def test_info_of_an_endpoint_points_to_stats():
+    message = one_line_error(h5replay("info", "tcp://127.0.0.1:5555"), 2, "info")
+    assert "h5replay stats tcp://127.0.0.1:5555" in message
+
+
+# ------------------------------------------------------------------------------- serve: the file
+
+
+@pytest.mark.timeout(60)
+def test_serve_needs_capacity_or_unbounded_to_create_a_file(tmp_path, space_file):
+    path = tmp_path / "new.h5"
+    message = one_line_error(h5replay(*serve_args(path, "--space", str(space_file))), 2, "serve")
+    assert "--capacity N" in message and "--unbounded" in message
+    assert not list(tmp_path.glob("new.h5*"))
+    both = h5replay(*serve_args(path, "--space", str(space_file), "--capacity", "10", "--unbounded"))
+    assert both.returncode == 2 and "not allowed with" in both.stderr
+
+
+@pytest.mark.timeout(90)
+def test_serve_unbounded_makes_an_unbounded_file(tmp_path, space_file):
+    path = tmp_path / "grows.h5"
+    args = serve_args(path, "--space", str(space_file), "--unbounded")
+    with cli_server(path, args[3], args[5], tmp_path / "serve.log", "--space", str(space_file), "--unbounded") as proc:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    with ReplayBuffer.load_from(str(path)) as buffer:
+        assert buffer.capacity is None
+    # Reopened as it is, or with the same settings; --capacity is refused for it.
+    message = one_line_error(h5replay(*serve_args(path, "--capacity", "100")), 2, "serve")
+    assert "capacity unbounded" in message and "100" in message
+
+
+@pytest.mark.timeout(120)
+def test_serve_refuses_a_space_or_capacity_other_than_the_files(tmp_path, space_file):
+    path = tmp_path / "rb.h5"
+    with ReplayBuffer.create(EPISODE_SPACE, 1000, str(path)) as buffer:
+        buffer.extend(episode_rows(1, 0, 30))
+        buffer.end_episode()
+    message = one_line_error(h5replay(*serve_args(path, "--capacity", "5000")), 2, "serve")
+    assert "capacity 1000" in message and "5000" in message  # the file's and the one asked for
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(DictSpace({"obs": BoxSpace(-1, 1, (3,))}).to_json()))
+    message = one_line_error(h5replay(*serve_args(path, "--space", str(other))), 2, "serve")
+    assert "'obs'" in message and "'episode'" in message  # both spaces shown
+    message = one_line_error(h5replay(*serve_args(path, "--unbounded")), 2, "serve")
+    assert "capacity 1000" in message and "--unbounded" in message
+    with ReplayBuffer.load_from(str(path)) as buffer:  # as it was
+        assert (buffer.capacity, buffer.space, buffer.get_segments()) == (1000, EPISODE_SPACE, [(0, 30)])
+    # The same space and capacity (as compose passes them at every start) are accepted.
+    args = serve_args(path, "--space", str(space_file), "--capacity", "1000")
+    with cli_server(path, args[3], args[5], tmp_path / "serve.log", "--space", str(space_file),
+                    "--capacity", "1000") as proc:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+
+
+@pytest.mark.timeout(60)
+def test_serving_a_plain_h5py_file_says_to_export_it(tmp_path):
+    path = tmp_path / "plain.h5"
+    with h5py.File(path, "w") as f:
+        f["obs"] = np.zeros((10, 4), np.float32)
+    message = one_line_error(h5replay(*serve_args(path)), 2, "serve")
+    assert f"h5replay export {path}" in message and "superblock" not in message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plain.h5"]  # not even a lock file
+    exported = tmp_path / "replay.h5"
+    assert h5replay("export", str(path), str(exported)).returncode == 0
+    args = serve_args(exported)
+    with cli_server(exported, args[3], args[5], tmp_path / "serve.log") as proc:  # what the message said works
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+
+
+# ------------------------------------------------------------------------------ serve: the ports
+
+
+def _listening() -> tuple[socket.socket, int]:
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    return holder, holder.getsockname()[1]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("which", ["--bind", "--read-bind"])
+def test_a_taken_port_fails_at_once_in_one_line_and_leaves_no_file(tmp_path, space_file, which):
+    holder, port = _listening()
+    with holder:
+        ports = {"--bind": free_port(), "--read-bind": free_port(), which: port}
+        started = time.monotonic()
+        done = h5replay("serve", str(tmp_path / "rb.h5"), "--space", str(space_file), "--capacity", "100",
+                        "--bind", f"tcp://127.0.0.1:{ports['--bind']}",
+                        "--read-bind", f"tcp://127.0.0.1:{ports['--read-bind']}")
+        took = time.monotonic() - started
+    message = one_line_error(done, 2, "serve")
+    assert f"tcp://127.0.0.1:{port}" in message and "already in use" in message and which in message
+    assert took < 10, took
+    assert list(tmp_path.iterdir()) == [space_file]  # neither rb.h5 nor rb.h5.lock
+
+
+@pytest.mark.timeout(60)
+def test_a_client_sent_to_the_read_port_is_told_the_servers_endpoint(tmp_path):
+    """The read port serves reads, info and heartbeats (so ping and stats answer there too); a
+    client's hello gets an error that names the server's endpoint."""
+    config = server_config(tmp_path / "rb.h5")
+    with ServerProcess(config, timeout=60) as server:
+        assert server.process.is_alive()
+        assert h5replay("ping", config.resolved_read_bind, "--timeout", "5").returncode == 0
+        done = h5replay("stats", config.resolved_read_bind, "--json", "--interval", "0.1")
+        assert done.returncode == 0 and json.loads(done.stdout)["length"] == 0, done.stderr
+        with pytest.raises(ProtocolError) as info:
+            ActorClient(config.resolved_read_bind, timeout=5)
+    message = str(info.value)
+    assert "read endpoint" in message and config.bind in message
+
+
+# ------------------------------------------------------------------------------------- stats
+
+
+@pytest.mark.timeout(90)
+def test_stats_reaches_an_auth_server_with_keys(tmp_path):
+    keys = tmp_path / "keys"
+    generate_keys(keys)
+    config = server_config(tmp_path / "rb.h5", auth_dir=str(keys))
+    with ServerProcess(config, timeout=60):
+        with ActorClient(config.bind, timeout=10, secret_key=keys / "actor.key_secret",
+                         server_key=keys / "server.key") as actor:
+            actor.push_episode(episode_rows(1, 0, 25))
+        done = h5replay("stats", config.bind, "--json", "--interval", "0.1", "--secret-key",
+                        str(keys / "learner.key_secret"), "--server-key", str(keys / "server.key"))
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["total_rows"] == 25
+        refused = h5replay("stats", config.bind, "--timeout", "1")
+        one_line_error(refused, 1, "stats")
+
+
+# ------------------------------------------------------------------------------------- space
+
+
+@pytest.mark.timeout(120)
+def test_space_python_writes_the_json_of_ones_own_space(tmp_path):
+    (tmp_path / "myspaces.py").write_text(textwrap.dedent("""
+        import numpy as np
+        from h5replay.storage import BinarySpace, BoxSpace, DictSpace, TextSpace
+
+        ROW = DictSpace({"obs": BoxSpace(-1, 1, (3,)), "done": BinarySpace(), "note": TextSpace(8)})
+
+        def make_row():
+            return ROW
+
+        NOT_A_SPACE = 3
+    """))
+    from h5replay.storage import BinarySpace, TextSpace
+
+    expected = DictSpace({"obs": BoxSpace(-1, 1, (3,)), "done": BinarySpace(), "note": TextSpace(8)}).to_json()
+    for target in ("myspaces:ROW", "myspaces:make_row"):
+        done = h5replay("space", "python", target, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout) == expected
+    (tmp_path / "space.json").write_text(done.stdout)
+    for target, words in (("myspaces:NOT_A_SPACE", "not a space"), ("nomodule:X", "cannot import"),
+                          ("myspaces:MISSING", "no attribute"), ("myspaces", "MODULE:ATTR")):
+        assert words in one_line_error(h5replay("space", "python", target, cwd=tmp_path), 2, "space"), target
+    # And the file serves.
+    path = tmp_path / "rb.h5"
+    args = serve_args(path)
+    with cli_server(path, args[3], args[5], tmp_path / "serve.log", "--space", str(tmp_path / "space.json"),
+                    "--capacity", "100") as proc:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    with ReplayBuffer.load_from(str(path)) as buffer:
+        assert buffer.space.to_json() == expected
+
+
+def test_space_python_reads_a_gymnasium_space(tmp_path):
+    pytest.importorskip("gymnasium")
+    (tmp_path / "gymspaces.py").write_text("import gymnasium\nOBS = gymnasium.spaces.Box(-2, 2, (5,))\n")
+    done = h5replay("space", "python", "gymspaces:OBS", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["shape"] == [5]
+
