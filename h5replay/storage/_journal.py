@@ -362,37 +362,38 @@ class Journal:
     def load(self, table: EpisodeTable, state: State) -> None:
         """Fill `table` with every episode `state` holds (a full reload)."""
         table.origin = state.ep_origin
+        records = self.read_records(table, state.ep_begin, state.ep_end)
+        self._check_records(records, state, state.ep_begin, None)
         table.set_range(state.ep_begin, state.ep_begin)
-        table.put_many(state.ep_begin, self.read_records(table, state.ep_begin, state.ep_end))
+        table.put_many(state.ep_begin, records)
         table.set_range(state.ep_begin, state.ep_end)
-        self._check_records(table, state)
 
     def sync(self, table: EpisodeTable, old: State, new: State) -> None:
-        """Bring `table` from `old` to `new` reading only the records that changed."""
+        """Bring `table` from `old` to `new` reading only the records that changed: O(change)."""
         if new.generation != old.generation or new.ep_origin != old.ep_origin or new.ep_begin > old.ep_end:
             self.load(table, new)
             return
         first = max(old.ep_end, new.ep_begin)
         if new.ep_end > first:
-            table.put_many(first, self.read_records(table, first, new.ep_end))
+            records = self.read_records(table, first, new.ep_end)
+            before = first - 1
+            previous_end = table.start_of(before) + table.length_of(before) if before >= new.ep_begin else None
+            self._check_records(records, new, first, previous_end)
+            table.put_many(first, records)
         table.set_range(new.ep_begin, new.ep_end)
-        self._check_records(table, new, first)
 
-    def _check_records(self, table: EpisodeTable, state: State, first: int | None = None) -> None:
-        """New records must lie inside the rows held, in order: else the file is damaged."""
-        ids, starts, lengths = table.ordered()
-        k = 0 if first is None else max(0, first - state.ep_begin)
-        if k >= len(ids):
+    def _check_records(self, records: np.ndarray, state: State, first_id: int, previous_end: int | None) -> None:
+        """Records of episodes first_id, first_id + 1, ... must lie inside the rows held, in order,
+        after `previous_end` (the end of the record before them): else the file is damaged."""
+        if not records.shape[0]:
             return
-        s, n = starts[k:], lengths[k:]
-        previous_end = int(starts[k - 1] + lengths[k - 1]) if k else None
+        s, n = records[:, 0], records[:, 1]
         bad = (n < 1) | (s + n > state.end)
-        if s.shape[0] > 1:
-            bad[1:] |= s[1:] < s[:-1] + n[:-1]
-        if previous_end is not None and s.shape[0]:
+        bad[1:] |= s[1:] < s[:-1] + n[:-1]
+        if previous_end is not None:
             bad[0] |= s[0] < previous_end
         if bad.any():
-            i = int(np.argmax(bad)) + k
-            raise StorageError(f"{self._where} has an impossible episode record {int(ids[i])}: "
-                               f"rows [{int(starts[i])}, {int(starts[i] + lengths[i])}) in a buffer of rows "
+            i = int(np.argmax(bad))
+            raise StorageError(f"{self._where} has an impossible episode record {first_id + i}: "
+                               f"rows [{int(s[i])}, {int(s[i] + n[i])}) in a buffer of rows "
                                f"[{state.begin}, {state.end})")
