@@ -174,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load_space(path: str) -> Any:
-    from h5replay.storage.spaces import space_from_json
+    from h5replay.spaces import space_from_json
 
     try:
         with open(path, encoding="utf-8") as fh:
@@ -348,7 +348,8 @@ def _python_space(target: str) -> Any:
     import importlib
     import inspect
 
-    from h5replay.storage.spaces import Space, space_from_gymnasium
+    from h5replay.integrations.gym import space_from_gymnasium
+    from h5replay.spaces import Space
 
     module_name, _, attr = target.partition(":")
     if not module_name or not attr:

@@ -66,11 +66,11 @@ import math
 import re
 import reprlib
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from enum import Enum
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, TypeVar, overload
+from typing import Any, Callable, ClassVar, TypeVar, overload
 
 import msgpack
 import numpy as np
@@ -92,9 +92,6 @@ from h5replay.errors import (
     UnsupportedVersionError,
 )
 
-if TYPE_CHECKING:
-    from h5replay.storage.spaces import LeafSpace, Space
-
 __all__ = [
     "PROTOCOL_VERSION", "ROWS_MESSAGE_OVERHEAD", "ID_BYTES", "SAMPLE_INFO_BYTES", "ROLES", "Kind", "ErrorCode", "ERROR_CLASSES", "Limits", "DEFAULT_LIMITS",
     "Message", "Request", "Reply", "Hello", "OpenSegment", "Append", "Commit", "Abort", "PushEpisode",
@@ -102,8 +99,7 @@ __all__ = [
     "OpenSegmentReply", "AppendReply", "CommitReply", "AbortReply", "PushEpisodeReply", "GetReply",
     "GetRowsReply", "SampleReply", "SampleSequencesReply", "EpisodesReply", "InfoReply", "HeartbeatReply",
     "ErrorReply", "ReadReply",
-    "encode", "decode", "peek_request_id", "error_to_exception", "exception_to_error", "check_rows",
-    "wire_leaves",
+    "encode", "decode", "peek_request_id", "error_to_exception", "exception_to_error",
 ]
 
 PROTOCOL_VERSION = 2
@@ -268,44 +264,50 @@ SAMPLE_INFO_BYTES = 24
 # ---------------------------------------------------------------------------------------- messages
 
 
-@dataclass(frozen=True)
+# Messages are frozen dataclasses without generated __eq__ / __repr__: equality of array fields is
+# ambiguous anyway, and each generated method costs an exec at import (clients import this module).
+@dataclass(frozen=True, eq=False, repr=False)
 class Message:
     """Base of every message. `request_id` is chosen by the client and echoed in the reply."""
 
     request_id: int | None
     KIND: ClassVar[Kind]
 
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{f.name}={_brief(getattr(self, f.name))}" for f in fields(self))
+        return f"{type(self).__name__}({shown})"
+
     def _validate(self, limits: Limits) -> None:
         """Checks across fields, after each field has been checked on its own."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class Request(Message):
     """A message a client sends; the server answers it with exactly one Reply."""
 
     request_id: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class Reply(Message):
     """A message the server sends back. KIND is the kind of request it answers."""
 
     ok: ClassVar[bool] = True
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class Hello(Request):
     KIND = Kind.HELLO
     client_name: str
     role: str  # one of ROLES
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class OpenSegment(Request):
     KIND = Kind.OPEN_SEGMENT
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class Append(Request):
     KIND = Kind.APPEND
     segment_id: int
@@ -316,19 +318,19 @@ class Append(Request):
         _check_leading(self.arrays, self.num_rows)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class Commit(Request):
     KIND = Kind.COMMIT
     segment_id: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class Abort(Request):
     KIND = Kind.ABORT
     segment_id: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class PushEpisode(Request):
     KIND = Kind.PUSH_EPISODE
     num_rows: int
@@ -338,7 +340,7 @@ class PushEpisode(Request):
         _check_leading(self.arrays, self.num_rows)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class Get(Request):
     KIND = Kind.GET
     min_seq: int
@@ -348,7 +350,7 @@ class Get(Request):
         _check_rows_limit(len(self.indices), "indices", limits)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class GetRows(Request):
     KIND = Kind.GET_ROWS
     min_seq: int
@@ -360,7 +362,7 @@ class GetRows(Request):
             raise ProtocolError(f"row ids must be >= 0, got {int(np.min(self.row_ids))}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class Sample(Request):
     KIND = Kind.SAMPLE
     batch_size: int
@@ -368,7 +370,7 @@ class Sample(Request):
     min_seq: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class SampleSequences(Request):
     KIND = Kind.SAMPLE_SEQUENCES
     batch_size: int
@@ -387,23 +389,23 @@ class SampleSequences(Request):
             _check_rows_limit(self.batch_size * self.length, "batch_size * length", limits)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class Episodes(Request):
     KIND = Kind.EPISODES
     min_seq: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class Info(Request):
     KIND = Kind.INFO
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class Heartbeat(Request):
     KIND = Kind.HEARTBEAT
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class HelloReply(Reply):
     KIND = Kind.HELLO
     space: dict[str, Any]  # Space.to_json(); rebuild with space_from_json
@@ -418,19 +420,19 @@ class HelloReply(Reply):
     instance_id: str  # this server process's UUID: tells a restarted server from the same one
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class OpenSegmentReply(Reply):
     KIND = Kind.OPEN_SEGMENT
     segment_id: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class AppendReply(Reply):
     KIND = Kind.APPEND
     segment_length: int  # rows in the segment so far
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class CommitReply(Reply):
     KIND = Kind.COMMIT
     episode_id: int | None  # None: the segment was empty, nothing was recorded
@@ -438,12 +440,12 @@ class CommitReply(Reply):
     length: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class AbortReply(Reply):
     KIND = Kind.ABORT
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class PushEpisodeReply(Reply):
     KIND = Kind.PUSH_EPISODE
     episode_id: int | None
@@ -451,7 +453,7 @@ class PushEpisodeReply(Reply):
     length: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class ReadReply(Reply):
     """Base of the replies to reads: the published state ("view") that answered."""
 
@@ -461,7 +463,7 @@ class ReadReply(Reply):
     end: int  # id the next committed row gets
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class GetReply(ReadReply):
     KIND = Kind.GET
     row_ids: Array
@@ -472,7 +474,7 @@ class GetReply(ReadReply):
         _check_leading(self.arrays, len(self.row_ids))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class GetRowsReply(ReadReply):
     KIND = Kind.GET_ROWS
     num_rows: int
@@ -482,7 +484,7 @@ class GetRowsReply(ReadReply):
         _check_leading(self.arrays, self.num_rows)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class SampleReply(ReadReply):
     KIND = Kind.SAMPLE
     row_ids: Array
@@ -496,7 +498,7 @@ class SampleReply(ReadReply):
         _check_leading(self.arrays, len(self.row_ids))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class SampleSequencesReply(ReadReply):
     KIND = Kind.SAMPLE_SEQUENCES
     row_ids: Array  # of each window's first row
@@ -514,13 +516,13 @@ class SampleSequencesReply(ReadReply):
         _check_rows_limit(len(self.row_ids) * max(lengths, default=0), "batch_size * length", limits)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class EpisodesReply(ReadReply):
     KIND = Kind.EPISODES
     episodes: Array  # int64 (n, 3): (episode_id, first_row_id, length) per complete episode, oldest first
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class InfoReply(Reply):
     KIND = Kind.INFO
     # Scalars by name: length, capacity, num_episodes, open_segments, clients, rows_in, rows_out,
@@ -528,12 +530,12 @@ class InfoReply(Reply):
     stats: dict[str, int | float | str | bool | None]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class HeartbeatReply(Reply):
     KIND = Kind.HEARTBEAT
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class ErrorReply(Reply):
     """The server refused the request; `code` is an ErrorCode value (or a newer server's code)."""
 
@@ -569,6 +571,14 @@ _REPLY_CLASSES: dict[str, type[Reply]] = {
 _U64_MAX = (1 << 64) - 1
 _MAX_NAME_CHARS = 256
 _MAX_NDIM = 32
+
+
+def _brief(value: Any) -> str:
+    if isinstance(value, np.ndarray):
+        return f"array({value.dtype}, {value.shape})"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k!r}: {_brief(v)}" for k, v in value.items()) + "}"
+    return reprlib.repr(value)
 
 
 def _show(value: Any) -> str:
@@ -1011,30 +1021,3 @@ def peek_request_id(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> i
     except Exception:  # best effort on a message already known to be broken
         return None
     return request_id if type(request_id) is int and 0 <= request_id <= _U64_MAX else None
-
-
-# ------------------------------------------------------------------------------ arrays vs. space
-
-
-def wire_leaves(space: Space) -> Iterator[tuple[str, LeafSpace]]:
-    """(wire name, leaf) for every leaf: the leaf path ('obs/image'), or 'data' for a single leaf."""
-    for path, leaf in space.leaves():
-        yield path or "data", leaf
-
-
-def check_rows(space: Space, arrays: Arrays, num_rows: int | None) -> dict[str, Array]:
-    """Check decoded leaf arrays against the space; return them in the space's leaf order.
-
-    Raises:
-        SpaceMismatchError: a leaf is missing or unexpected, or an array has the wrong dtype, shape,
-            row count, or values its leaf does not allow (text too long or not UTF-8, bool bytes > 1).
-    """
-    leaves = dict(wire_leaves(space))
-    missing = [path for path in leaves if path not in arrays]
-    extra = sorted(set(arrays) - leaves.keys())
-    if missing or extra:
-        raise SpaceMismatchError(
-            f"arrays do not match the space: missing {missing}, unexpected {extra}; "
-            f"the space's leaves are {list(leaves)}; check the actor's spaces"
-        )
-    return {path: leaf.validate_stored(arrays[path], num_rows, key=path) for path, leaf in leaves.items()}

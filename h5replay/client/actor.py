@@ -20,7 +20,7 @@ from h5replay.client._connection import Connection, curve_keys, say_hello
 from h5replay.config import DEFAULT_ENDPOINT, ClientConfig
 from h5replay.errors import ClosedError, SegmentStateError
 from h5replay.records import Receipt
-from h5replay.storage.spaces import Space, flatten_value, named_leaves, space_from_json
+from h5replay.spaces import Schema, Space, space_from_json
 
 __all__ = ["ActorClient", "ActorSegment", "Receipt"]
 
@@ -64,8 +64,8 @@ class ActorClient:
         self.server_version = hello.server_version
         self.replay_id: str = hello.replay_id
         self.instance_id: str = hello.instance_id
-        self._leaves = named_leaves(self.space)
-        self._row_bytes = sum(leaf.row_bytes for _, leaf in self._leaves)
+        self.schema = Schema(self.space)
+        self._row_bytes = self.schema.row_bytes
         # Rows per message: the client's batching settings, within the server's message limits
         # (leaving room for the header).
         room = max(1, self.limits.max_message_bytes - P.ROWS_MESSAGE_OVERHEAD)
@@ -98,17 +98,12 @@ class ActorClient:
         return dict(self._conn.request(lambda rid: P.Info(rid)).stats)  # type: ignore[attr-defined]
 
     def encode_one(self, step: Any) -> dict[str, np.ndarray]:
-        flat = flatten_value(self.space, step)
-        return {path: leaf.encode_one(flat[path], key=path) for path, leaf in self._leaves}
+        """One step checked against the server's space, in storage form (a batch of one row)."""
+        return self.schema.encode_one(step)
 
     def encode_batch(self, batch: Any) -> tuple[dict[str, np.ndarray], int]:
-        flat = flatten_value(self.space, batch)
-        encoded: dict[str, np.ndarray] = {}
-        n: int | None = None
-        for path, leaf in self._leaves:
-            encoded[path] = leaf.encode_batch(flat[path], n, key=path)
-            n = encoded[path].shape[0]
-        return encoded, int(n or 0)
+        """A batch checked against the server's space, in storage form; and its number of rows."""
+        return self.schema.encode_batch(batch)
 
     @property
     def connection(self) -> Connection:
@@ -176,7 +171,7 @@ class ActorSegment:
             if self._batch is None:
                 self._batch = {
                     path: np.empty((self._batch_capacity, *leaf.shape), leaf.storage_dtype)
-                    for path, leaf in self._client._leaves
+                    for path, leaf in self._client.schema.leaves
                 }
                 self._buffered_since = time.monotonic()
             take = min(n - offset, self._batch_capacity - self._buffered_rows)

@@ -28,7 +28,7 @@ from h5replay.client._connection import Connection, curve_keys, say_hello
 from h5replay.config import DEFAULT_ENDPOINT, ClientConfig
 from h5replay.errors import ConfigError, ProtocolError
 from h5replay.records import Episode, SampleInfo
-from h5replay.storage.spaces import Space, named_leaves, space_from_json, unflatten_value
+from h5replay.spaces import Schema, Space, space_from_json
 
 __all__ = ["LearnerClient", "View"]
 
@@ -137,8 +137,8 @@ class LearnerClient:
         self.server_version = hello.server_version
         self.replay_id: str = hello.replay_id
         self.instance_id: str = hello.instance_id
-        self._leaves = named_leaves(self.space)
-        row_bytes = sum(leaf.row_bytes for _, leaf in self._leaves)
+        self.schema = Schema(self.space)
+        row_bytes = self.schema.row_bytes
         room = self.limits.max_message_bytes - P.ROWS_MESSAGE_OVERHEAD
         #: Rows one reply may carry, with their ids and probabilities: a bigger read is split (a
         #: single row bigger than a message is refused).
@@ -192,7 +192,7 @@ class LearnerClient:
     # ------------------------------------------------------------------ plumbing
 
     def _decode(self, arrays: Mapping[str, np.ndarray]) -> Any:
-        return unflatten_value(self.space, {path: leaf.decode_batch(arrays[path]) for path, leaf in self._leaves})
+        return self.schema.decode(arrays)
 
     def _read(self, factory: Callable[[int], P.Request]) -> Any:
         if self._reads is None:
@@ -224,7 +224,7 @@ class LearnerClient:
     def _joined(self, parts: list[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
         if len(parts) == 1:
             return dict(parts[0])
-        return {path: np.concatenate([p[path] for p in parts]) for path, _ in self._leaves}
+        return {name: np.concatenate([p[name] for p in parts]) for name in self.schema.names}
 
     # ------------------------------------------------------------------ reads
 
@@ -305,7 +305,7 @@ class LearnerClient:
         info = self._info(replies)
         ids = (info.row_ids.astype(np.int64)[:, None] + np.arange(steps, dtype=np.int64)[None, :]).reshape(-1)
         rows = self._rows_by_id(ids, self._min_seq)
-        batch = self._decode({path: rows[path].reshape(size, steps, *rows[path].shape[1:]) for path, _ in self._leaves})
+        batch = self._decode({name: rows[name].reshape(size, steps, *rows[name].shape[1:]) for name in self.schema.names})
         return (batch, info) if with_info else batch
 
     @staticmethod

@@ -26,14 +26,8 @@ from typing import Any
 import numpy as np
 
 from h5replay.errors import ConfigError, SpaceMismatchError
-from h5replay.storage.spaces import (
-    BinarySpace,
-    BoxSpace,
-    DictSpace,
-    Space,
-    named_leaves,
-    space_from_gymnasium,
-)
+from h5replay.integrations.gym import space_from_gymnasium
+from h5replay.spaces import BinarySpace, BoxSpace, DictSpace, Space, named_leaves
 
 __all__ = ["gym_row_space", "make_env", "run_actor", "space_json", "stop_on_signals", "PIXELS_SHAPE"]
 

@@ -26,7 +26,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from h5replay.errors import ConfigError, NotEnoughDataError, ServerUnavailableError
-from h5replay.storage.spaces import BinarySpace, BoxSpace, LeafSpace, named_leaves
+from h5replay.spaces import BinarySpace, BoxSpace, LeafSpace, named_leaves
 
 __all__ = ["run_learner", "LeafStats"]
 

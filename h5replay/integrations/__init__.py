@@ -1,5 +1,7 @@
 """Bridges to other libraries, each in its own module and each optional:
 
+* `h5replay.integrations.gym`: `space_from_gymnasium`, a gymnasium space as an h5replay space
+  (reads the objects' attributes only: gymnasium itself is needed only to make them).
 * `h5replay.integrations.torch`: `H5ReplayDataset`, an `IterableDataset` of sampled batches for a
   PyTorch `DataLoader` (`pip install 'h5replay[torch]'`).
 

@@ -322,7 +322,7 @@ class Service:
                 f"the segment would have {len(writer) + num_rows} rows, over the limit max_rows_per_segment="
                 f"{self.limits.max_rows_per_segment}; commit it and start another"
             )
-        checked = P.check_rows(self.buffer.space, arrays, num_rows)
+        checked = self.buffer.schema.validate_stored(arrays, num_rows)
         writer.extend_stored(checked, num_rows)
         self.stats.rows_in += num_rows
         self.stats.bytes_in += sum(a.nbytes for a in checked.values())

@@ -24,9 +24,9 @@ from typing import Any
 import h5py
 
 from h5replay.errors import ConfigError, FormatVersionError, StorageError
+from h5replay.spaces import LeafSpace, Space, TextSpace, space_from_json
 from h5replay.storage import _layout
 from h5replay.storage.recovery import WriterLock, clear_status_flags, status_flags
-from h5replay.storage.spaces import LeafSpace, Space, TextSpace, space_from_json
 
 __all__ = [
     "FORMAT_VERSION", "ATTR_FORMAT", "ATTR_SPACE", "ATTR_CAPACITY", "ATTR_REPLAY_ID", "INTERNAL_GROUP",

@@ -9,10 +9,10 @@ from typing import Any
 import h5py
 
 from h5replay.errors import ConfigError, StorageError
+from h5replay.spaces import BinarySpace, BoxSpace, DictSpace, Space, TextSpace
 from h5replay.storage._journal import REPLAY_GROUP
 from h5replay.storage.hdf5 import HDF5Storage
 from h5replay.storage.replay_buffer import ReplayBuffer
-from h5replay.storage.spaces import BinarySpace, BoxSpace, DictSpace, Space, TextSpace
 
 __all__ = ["describe_file", "format_description", "space_tree"]
 
@@ -91,7 +91,7 @@ def _leaf_text(space: Space) -> str:
 
 
 def format_description(d: dict[str, Any]) -> str:
-    from h5replay.storage.spaces import space_from_json
+    from h5replay.spaces import space_from_json
 
     lines = [f"file      {d['path']} ({d['file_bytes'] / 1e6:.1f} MB)", "space"]
     lines += space_tree(space_from_json(d["space"]), "  ")

@@ -39,12 +39,12 @@ from h5replay.errors import (
     StorageError,
 )
 from h5replay.records import Episode, Receipt, SampleInfo
+from h5replay.spaces import Schema, Space
 from h5replay.storage import _h5file, hdf5
 from h5replay.storage._indices import normalize_index
 from h5replay.storage._journal import REPLAY_GROUP, EpisodeTable, Journal, State
 from h5replay.storage.hdf5 import HDF5Storage
 from h5replay.storage.segment import SegmentWriter
-from h5replay.storage.spaces import Space
 
 __all__ = ["ReplayBuffer", "CommitInfo"]
 
@@ -164,6 +164,11 @@ class ReplayBuffer:
     @property
     def space(self) -> Space:
         return self.storage.single_instance_space
+
+    @property
+    def schema(self) -> Schema:
+        """Flatten / validate / encode / decode of this buffer's rows."""
+        return self.storage.schema
 
     @property
     def replay_id(self) -> str:

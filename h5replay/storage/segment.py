@@ -21,9 +21,9 @@ import h5py
 import numpy as np
 
 from h5replay.errors import SegmentStateError, StorageError
+from h5replay.spaces import LeafSpace
 from h5replay.storage._h5file import h5_errors
 from h5replay.storage._rowio import read_slice, write_rows
-from h5replay.storage.spaces import LeafSpace
 
 __all__ = ["SegmentWriter", "Staging", "SegmentTarget"]
 

@@ -45,7 +45,7 @@ from h5replay.examples.gym_actor import (  # noqa: E402
 )
 from h5replay.examples.learner import run_learner  # noqa: E402
 from h5replay.server import ServerProcess  # noqa: E402
-from h5replay.storage.spaces import space_from_json  # noqa: E402
+from h5replay.spaces import space_from_json  # noqa: E402
 
 DOCKER = Path(__file__).resolve().parents[2] / "docker"
 CARTPOLE = space_from_json(json.loads((DOCKER / "cartpole-space.json").read_text()))

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from h5replay.errors import ConfigError
+from h5replay.spaces import BinarySpace, BoxSpace, DictSpace, Space, TextSpace
 from h5replay.storage import _layout
 from h5replay.storage._layout import (
     dataset_kwargs,
@@ -20,7 +21,6 @@ from h5replay.storage._layout import (
     whole_row_chunk_rows,
 )
 from h5replay.storage.indexing import CHUNK_TARGET_BYTES
-from h5replay.storage.spaces import BinarySpace, BoxSpace, DictSpace, Space, TextSpace
 
 
 def kwargs_for(

@@ -25,7 +25,7 @@ from h5replay.errors import (
     StorageError,
     UnsupportedVersionError,
 )
-from h5replay.storage.spaces import BinarySpace, BoxSpace, DictSpace, TextSpace
+from h5replay.spaces import BoxSpace, DictSpace
 
 ROWS: dict[str, np.ndarray] = {
     "obs/image": np.arange(2 * 3 * 3, dtype=np.uint8).reshape(2, 3, 3),
@@ -508,68 +508,3 @@ def test_error_reply_helpers() -> None:
     assert reply.code == "space_mismatch" and len(reply.message) == 4096 and not reply.ok
     assert isinstance(reply.exception(), SpaceMismatchError)
     assert P.CommitReply(1, 0, 0, 0).ok
-
-
-# -------------------------------------------------------------------------------------- check_rows
-
-SPACE = DictSpace({
-    "obs": {"vec": BoxSpace(-1, 1, (3,), np.float32)},
-    "done": BinarySpace(),
-    "note": TextSpace(max_length=4),
-})
-
-
-def good_rows(n: int = 2) -> dict[str, np.ndarray]:
-    return {
-        "obs/vec": np.zeros((n, 3), np.float32),
-        "done": np.zeros(n, bool),
-        "note": np.array([b"abcd"] * n, dtype="S16"),
-    }
-
-
-def test_check_rows_accepts_and_orders_like_the_space() -> None:
-    rows = good_rows()
-    out = P.check_rows(SPACE, dict(reversed(list(rows.items()))), 2)
-    assert list(out) == [path for path, _ in P.wire_leaves(SPACE)] == ["done", "note", "obs/vec"]
-
-
-def test_check_rows_single_leaf_is_data() -> None:
-    space = BoxSpace(0, 1, (2,), np.float32)
-    assert [p for p, _ in P.wire_leaves(space)] == ["data"]
-    assert list(P.check_rows(space, {"data": np.zeros((1, 2), np.float32)}, 1)) == ["data"]
-    with pytest.raises(SpaceMismatchError, match=r"missing \['data'\]"):
-        P.check_rows(space, {"": np.zeros((1, 2), np.float32)}, 1)
-
-
-def test_check_rows_missing_and_extra_keys() -> None:
-    rows = good_rows()
-    del rows["done"]
-    rows["obs/extra"] = np.zeros(2)
-    with pytest.raises(SpaceMismatchError, match=r"missing \['done'\], unexpected \['obs/extra'\]"):
-        P.check_rows(SPACE, rows, 2)
-
-
-@pytest.mark.parametrize(
-    ("path", "value", "words"),
-    [
-        ("obs/vec", np.zeros((2, 3), np.float64), "arrived as float64 but the space stores float32"),
-        ("obs/vec", np.zeros((2, 4), np.float32), "expects (3,)"),
-        ("obs/vec", np.zeros((3, 3), np.float32), "has 3 rows"),
-        ("note", np.array([b"abcde", b"a"], dtype="S16"), "has 5 characters"),
-        ("note", np.array([b"\xff\xfe", b"a"], dtype="S16"), "not valid UTF-8"),
-        ("done", np.array([1, 2], np.uint8).view(bool), "bytes other than 0 and 1"),
-    ],
-)
-def test_check_rows_refusals(path: str, value: np.ndarray, words: str) -> None:
-    rows = {**good_rows(), path: value}
-    with pytest.raises(SpaceMismatchError) as info:
-        P.check_rows(SPACE, rows, 2)
-    assert words in str(info.value) and path in str(info.value)
-
-
-def test_check_rows_after_the_wire() -> None:
-    """What an actor encodes with the space's own encode_batch passes check_rows on the server."""
-    arrays = {path: leaf.encode_batch([leaf.sample() for _ in range(3)], 3, path) for path, leaf in P.wire_leaves(SPACE)}
-    out = P.decode(P.encode(P.Append(1, 0, 3, arrays)), expect=P.Request)
-    assert isinstance(out, P.Append)
-    P.check_rows(SPACE, out.arrays, out.num_rows)
