@@ -20,14 +20,15 @@ _LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1")
 
 
 def read_endpoint_for(endpoint: str) -> str:
-    """The learners' endpoint next to a writer endpoint: the next TCP port, or `<path>.read` for ipc."""
+    """The learners' endpoint next to a writer endpoint: the next TCP port (port 0, any free port,
+    stays 0), or `<path>.read` for ipc."""
     if endpoint.startswith("ipc://"):
         return endpoint + ".read"
     if endpoint.startswith("tcp://"):
         host, _, port = endpoint[len("tcp://") :].rpartition(":")
         if not port.isdigit():
-            raise ConfigError(f"endpoint {endpoint!r} needs an explicit port, e.g. tcp://127.0.0.1:5555")
-        return f"tcp://{host}:{int(port) + 1}"
+            raise ConfigError(f"endpoint {endpoint!r} needs an explicit port (0: any free one), e.g. tcp://127.0.0.1:5555")
+        return f"tcp://{host}:{int(port) + 1 if int(port) else 0}"
     raise ConfigError(f"endpoint {endpoint!r} must start with tcp:// or ipc://")
 
 

@@ -25,7 +25,7 @@ from h5replay.config import ServerConfig
 from h5replay.errors import ProtocolError
 from h5replay.server.auth import RoleAuthenticator, server_keys
 from h5replay.server.handlers import READ_KINDS, read_reply, reply_rows
-from h5replay.server.sockets import configure_router
+from h5replay.server.sockets import Started, bound_endpoint, configure_router
 from h5replay.storage.replay_buffer import ReplayBuffer
 
 __all__ = ["ReaderPool", "ReadProxy"]
@@ -35,7 +35,7 @@ _POLL_MS = 100
 
 
 def answer(buffer: ReplayBuffer, request: P.Request, rng: np.random.Generator, config: ServerConfig,
-           instance_id: str) -> P.Reply:
+           instance_id: str, served: str) -> P.Reply:
     """A reader's reply: reads, and `info` / `heartbeat` from its own view of the file (so that
     everything a learner asks is answered by the same kind of view).
 
@@ -48,7 +48,7 @@ def answer(buffer: ReplayBuffer, request: P.Request, rng: np.random.Generator, c
         return P.InfoReply(request.request_id, {**buffer.info(), "instance_id": instance_id})
     if isinstance(request, P.Heartbeat):
         return P.HeartbeatReply(request.request_id)
-    raise ProtocolError(_not_a_read(request, config))  # e.g. a client given this endpoint instead of the server's
+    raise ProtocolError(_not_a_read(request, config, served))  # e.g. a client given this endpoint, not the server's
 
 
 def reader_main(
@@ -58,7 +58,8 @@ def reader_main(
     """Body of one reader process (spawned). Exits when `stop` is set or its parent dies.
 
     `direct`: bind the learners' endpoint itself (a ROUTER, with its own authenticator under
-    --auth); otherwise connect a DEALER to the writer's proxy at `endpoint`.
+    --auth; `ready` is told the endpoint bound, a free port for port 0); otherwise connect a DEALER
+    to the writer's proxy at `endpoint`.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the writer coordinates shutdown
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -81,7 +82,8 @@ def reader_main(
         sock.connect(endpoint)
     sock.linger = 0
     rng = np.random.default_rng()
-    ready.set()
+    served = bound_endpoint(sock) if direct else config.advertise_read or config.resolved_read_bind
+    ready.set((served,) if direct else None)
     next_reload = time.monotonic() + 1.0
     try:
         while not stop.is_set() and os.getppid() == parent:
@@ -94,7 +96,7 @@ def reader_main(
             route, frames = routed[:1], routed[1:]  # a ROUTER (ours or the proxy's) put the learner's id first
             try:
                 request = P.decode(frames, limits, expect=P.Request)
-                reply = answer(buffer, request, rng, config, instance_id)
+                reply = answer(buffer, request, rng, config, instance_id, served)
                 counters[2 * index + 1] += reply_rows(reply)
             except Exception as exc:  # every refusal becomes an error reply; the reader keeps serving
                 reply = P.ErrorReply.from_exception(P.peek_request_id(frames, limits), exc)
@@ -111,8 +113,9 @@ def reader_main(
         buffer.close()
 
 
-def _not_a_read(request: P.Request, config: ServerConfig) -> str:
-    return (f"{request.KIND.value} is not a read request: {config.resolved_read_bind} is the learners' read endpoint "
+def _not_a_read(request: P.Request, config: ServerConfig, served: str) -> str:
+    """`config.bind` is the writer's endpoint as bound (the writer hands readers its bound form)."""
+    return (f"{request.KIND.value} is not a read request: {served} is the learners' read endpoint "
             f"(reads, info, heartbeats); connect clients to the server's endpoint ({config.bind}), whose hello tells "
             "learners where to read")
 
@@ -142,6 +145,8 @@ class ReadProxy:
         self._control.bind(self._control_endpoint)
         self._started = threading.Event()
         self._error: BaseException | None = None
+        #: The learners' endpoint as bound (port 0 becomes a free port).
+        self.endpoint = front
         self._thread = threading.Thread(target=self._run, args=(front, back, configure), daemon=True)
         self._thread.start()
         self._started.wait(10)
@@ -159,6 +164,7 @@ class ReadProxy:
             # A learner that left before its reply came back must not end the proxy: drop the reply.
             front.router_mandatory = 0
             front.bind(front_endpoint)
+            self.endpoint = bound_endpoint(front)
             back.bind(back_endpoint)
             control.connect(self._control_endpoint)
         except BaseException as exc:
@@ -194,7 +200,10 @@ class ReaderPool:
 
     def __init__(self, config: ServerConfig, endpoint: str, direct: bool, instance_id: str = "") -> None:
         self._ctx = mp.get_context("spawn")
-        self._config, self._endpoint, self._direct = config, endpoint, direct
+        self._config, self._direct = config, direct
+        #: Where the readers serve (direct) or connect: as bound once the first reader started, so
+        #: a replacement takes the same port even when the configured one was 0.
+        self.endpoint = endpoint
         self._instance_id = instance_id
         self.counters = self._ctx.Array("q", 2 * max(1, config.num_readers), lock=False)
         self._procs: list[Any] = []
@@ -207,10 +216,10 @@ class ReaderPool:
     def _spawn(self, index: int, wait: bool = True) -> None:
         """Start reader `index`; with `wait`, until it is ready (at server start). A replacement
         does not wait: the writer loop must not stall while a new interpreter imports numpy."""
-        ready, stop = self._ctx.Event(), self._ctx.Event()
+        ready, stop = Started(self._ctx), self._ctx.Event()
         proc = self._ctx.Process(
             target=reader_main,
-            args=(self._config, self._endpoint, self._direct, ready, stop, self.counters, index, self._instance_id),
+            args=(self._config, self.endpoint, self._direct, ready, stop, self.counters, index, self._instance_id),
             name=f"h5replay-reader-{index}",
             daemon=True,
         )
@@ -220,6 +229,8 @@ class ReaderPool:
             if not proc.is_alive() or time.monotonic() > deadline:
                 proc.kill()
                 raise RuntimeError(f"reader process {index} failed to start (exit code {proc.exitcode})")
+        if wait and self._direct:
+            (self.endpoint,) = ready.endpoints(timeout=10)
         if index < len(self._procs):
             self._procs[index], self._events[index] = proc, (ready, stop)
         else:

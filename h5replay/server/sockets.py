@@ -1,4 +1,5 @@
-"""How the server's listening sockets are set up: one place for the writer and the readers."""
+"""How the server's listening sockets are set up, and how a process says which endpoints it bound:
+one place for the writer and the readers."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import zmq
 
 from h5replay.config import ServerConfig
 
-__all__ = ["configure_router"]
+__all__ = ["configure_router", "bound_endpoint", "Started"]
 
 
 def configure_router(sock: zmq.Socket[Any], config: ServerConfig, curve: tuple[bytes, bytes] | None, *,
@@ -31,3 +32,33 @@ def configure_router(sock: zmq.Socket[Any], config: ServerConfig, curve: tuple[b
     if curve is not None:
         sock.curve_server = True
         sock.curve_publickey, sock.curve_secretkey = curve
+
+
+def bound_endpoint(sock: zmq.Socket[Any]) -> str:
+    """The endpoint `sock` last bound, as libzmq resolved it (port 0 becomes the port it took)."""
+    return str(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+
+
+class Started:
+    """How a process tells its parent that it serves, and on which endpoints (one bound on port 0
+    gets a free port: this is how the parent learns which). Picklable, for spawned processes."""
+
+    def __init__(self, ctx: Any) -> None:
+        self._event = ctx.Event()
+        self._endpoints = ctx.Queue(1)
+
+    def set(self, endpoints: tuple[str, ...] | None = None) -> None:
+        if endpoints is not None:
+            self._endpoints.put(endpoints)
+        self._event.set()
+
+    def wait(self, timeout: float) -> bool:
+        return bool(self._event.wait(timeout))
+
+    def endpoints(self, timeout: float) -> tuple[str, ...]:
+        """The endpoints the process bound, in the order it reports them.
+
+        Raises:
+            queue.Empty: none came within `timeout` (a process that reports none).
+        """
+        return tuple(self._endpoints.get(timeout=timeout))

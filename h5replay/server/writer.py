@@ -1,9 +1,10 @@
 """The writer process: owns the HDF5 file and the actors' socket, runs one single-threaded loop.
 
 Concurrency comes from ownership, not locks: this one loop is the only code that writes the file
-(h5py serialises HDF5 calls anyway, so threads would buy nothing). Reads are served elsewhere:
-a proxy thread (C code, no GIL) hands the learners' endpoint to reader processes holding SWMR
-views of the file. Control goes by flag: SIGTERM / SIGINT or `stop()` end the loop, which then
+(h5py serialises HDF5 calls anyway, so threads would buy nothing). Reads are served elsewhere,
+by reader processes holding SWMR views of the file: one reader binds the learners' endpoint
+itself; with several, a proxy thread (C code, no GIL) spreads the learners' requests over them.
+With no reader process (`--readers 0`) this loop serves reads too. Control goes by flag: SIGTERM / SIGINT or `stop()` end the loop, which then
 aborts open segments, publishes and closes the file, and stops the readers.
 
 Liveness: the ROUTER socket runs ZMTP heartbeats, so libzmq drops a peer that dies or goes
@@ -38,10 +39,10 @@ from h5replay.server.auth import RefusalLog, RoleAuthenticator, handshake_failur
 from h5replay.server.handlers import READ_KINDS, Service
 from h5replay.server.metrics import Metrics
 from h5replay.server.readers import ReaderPool, ReadProxy
-from h5replay.server.sockets import configure_router
+from h5replay.server.sockets import Started, bound_endpoint, configure_router
 from h5replay.storage.replay_buffer import ReplayBuffer
 
-__all__ = ["Server", "ServerProcess"]
+__all__ = ["Server", "ServerProcess", "Started"]
 
 log = logging.getLogger("h5replay.server")
 _POLL_MS = 50
@@ -79,7 +80,8 @@ def open_buffer(config: ServerConfig) -> ReplayBuffer:
 
 class Server:
     """An h5replay service over one file. `run()` blocks until stopped; see `ServerProcess` for a
-    background process (tests, notebooks)."""
+    background process (tests, notebooks). An endpoint on port 0 is bound to any free port:
+    `endpoints` says which, once `run` has set its `ready`."""
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
@@ -95,13 +97,16 @@ class Server:
         # what the loop is changing): it asks, and the loop takes the figures between two passes.
         self._figures: dict[str, Any] = {}
         self._figure_requests: queue.SimpleQueue[threading.Event] = queue.SimpleQueue()
+        #: (actors' endpoint, learners' read endpoint) as bound, once serving.
+        self.endpoints: tuple[str, str] | None = None
 
     def stop(self) -> None:
         """Ask the loop to finish (thread- and signal-safe)."""
         self._stop.set()
 
     def run(self, ready: Any = None) -> int:
-        """Serve until stopped. Returns the process exit code (0 after a clean shutdown).
+        """Serve until stopped. Returns the process exit code (0 after a clean shutdown). `ready`
+        (an Event, or a Started that is also told the endpoints) is set once the server serves.
 
         Raises:
             ConfigError: an endpoint cannot be bound (its port is taken, say), or the file exists with
@@ -129,31 +134,38 @@ class Server:
             self._configure(sock)
             # The endpoints before the file: a taken port fails at once, with nothing created.
             _bind(sock, config.bind, "the actors' endpoint, --bind")
-            if config.num_readers:  # a restart may find a reader of the killed server still on the port
+            bind = bound_endpoint(sock)
+            if config.num_readers and not _any_port(config.resolved_read_bind):  # a restart may find a reader
+                # of the killed server still on the port
                 _check_free(ctx, config.resolved_read_bind, wait=0.0 if config.path in created else _READ_PORT_WAIT)
             events = zmq.EVENT_DISCONNECTED
             if auth is not None:  # handshakes refused before any key was looked at: logged in the loop
                 events |= zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
             monitor = sock.get_monitor_socket(events)
             buffer = open_buffer(config)
+            bound_config = config.replace(bind=bind)  # what readers name when a client comes to the wrong door
             if config.num_readers == 1:  # the reader binds the learners' endpoint itself: no hop
-                readers = ReaderPool(config, config.resolved_read_bind, direct=True, instance_id=self.instance_id)
-                read_endpoint = config.advertise_read or config.resolved_read_bind
+                readers = ReaderPool(bound_config, config.resolved_read_bind, direct=True, instance_id=self.instance_id)
+                read_bound = readers.endpoint
             elif config.num_readers > 1:  # a proxy thread (C, no GIL) spreads requests over the readers
                 backend = f"ipc://{tmpdir}/readers"
                 self._proxy_args = (ctx, config.resolved_read_bind, backend)
                 self._proxy = self._start_proxy()
-                readers = ReaderPool(config, backend, direct=False, instance_id=self.instance_id)
-                read_endpoint = config.advertise_read or config.resolved_read_bind
+                read_bound = self._proxy.endpoint
+                self._proxy_args = (ctx, read_bound, backend)  # a restarted proxy takes the same port
+                readers = ReaderPool(bound_config.replace(read_bind=read_bound), backend, direct=False,
+                                     instance_id=self.instance_id)
             else:
-                read_endpoint = config.bind  # the writer serves reads itself, on its own endpoint
+                read_bound = bind  # the writer serves reads itself, on its own endpoint
+            self.endpoints = (bind, read_bound)
+            read_endpoint = config.advertise_read if config.num_readers and config.advertise_read else read_bound
             service = Service(
                 buffer, config.limits, read_endpoint, fsync=config.fsync,
                 extra_stats=readers.totals if readers else None, instance_id=self.instance_id,
             )
             log.info(
                 "h5replay serving %s (%d rows, capacity %s) on %s; reads on %s by %d reader process(es)%s",
-                config.path, len(buffer), buffer.capacity, config.bind, read_endpoint, config.num_readers,
+                config.path, len(buffer), buffer.capacity, bind, read_endpoint, config.num_readers,
                 " with CURVE authentication" if auth else
                 " (INSECURE: no authentication)" if config.insecure else " (no authentication: loopback only)",
             )
@@ -161,7 +173,9 @@ class Server:
                 self._figures = service.snapshot()
                 self._metrics = Metrics(self._ask_figures, config.metrics_port, config.metrics_address)
                 log.info("metrics on http://%s:%d/metrics", config.metrics_address, config.metrics_port)
-            if ready is not None:
+            if isinstance(ready, Started):
+                ready.set(self.endpoints)
+            elif ready is not None:
                 ready.set()
             serving = True
             self._loop(sock, monitor, service, readers, auth)
@@ -342,6 +356,11 @@ def _bind(sock: zmq.Socket[Any], endpoint: str, flag: str) -> None:
         raise ConfigError(f"cannot bind {endpoint} ({flag}): {exc.strerror}") from exc
 
 
+def _any_port(endpoint: str) -> bool:
+    """True for a tcp endpoint on port 0 (bound to whatever port is free)."""
+    return endpoint.startswith("tcp://") and endpoint.rpartition(":")[2] == "0"
+
+
 def _check_free(ctx: zmq.Context[Any], endpoint: str, wait: float) -> None:
     """Raise ConfigError unless the learners' endpoint can be bound (its reader binds it later),
     waiting up to `wait` seconds for a taken port: a reader of a server killed a moment ago holds
@@ -381,7 +400,7 @@ class ServerProcess:
     ) -> None:
         self.config = config
         ctx = mp.get_context("spawn")
-        ready = ctx.Event()
+        ready = Started(ctx)
         self.process = ctx.Process(
             target=type(self).child_main, args=(config, ready, log_level, *child_args), name="h5replay-server"
         )
@@ -391,10 +410,20 @@ class ServerProcess:
             if not self.process.is_alive() or time.monotonic() > deadline:
                 self.kill()
                 raise RuntimeError(f"the server process did not start (exit code {self.process.exitcode})")
+        try:
+            self.endpoints = ready.endpoints(timeout=max(1.0, deadline - time.monotonic()))
+        except queue.Empty:  # a child_main that sets `ready` without the endpoints: as configured
+            self.endpoints = (config.bind, config.resolved_read_bind)
 
     @property
     def endpoint(self) -> str:
-        return self.config.bind
+        """The actors' (and learners' hello) endpoint, as bound (a port 0 became a free port)."""
+        return self.endpoints[0]
+
+    @property
+    def read_endpoint(self) -> str:
+        """The learners' read endpoint, as bound."""
+        return self.endpoints[1]
 
     @property
     def pid(self) -> int:

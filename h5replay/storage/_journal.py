@@ -27,20 +27,20 @@ import dataclasses
 import time
 import zlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import h5py
 import numpy as np
 
-from h5replay.errors import StorageError
+from h5replay.errors import ConfigError, StorageError
 from h5replay.records import NO_EPISODE
-from h5replay.storage._h5file import INTERNAL_GROUP, Prepare, h5_errors, upgrade_header
+from h5replay.storage._h5file import INTERNAL_GROUP, Prepare, h5_errors, replay_id, upgrade_header
 from h5replay.storage._rowio import read_slice, write_rows
 
 if TYPE_CHECKING:
     from h5replay.storage.hdf5 import HDF5Storage
 
-__all__ = ["REPLAY_GROUP", "State", "Journal", "EpisodeTable"]
+__all__ = ["REPLAY_GROUP", "State", "Journal", "JournalStore", "EpisodeTable"]
 
 REPLAY_GROUP = f"{INTERNAL_GROUP}/replay"
 _JOURNAL = "journal"
@@ -236,13 +236,36 @@ class EpisodeTable:
         return out
 
 
+class JournalStore(Protocol):
+    """Where a ReplayBuffer keeps its state and episode records (the file's journal, or a test's
+    memory): read and publish the state, write one episode record, fill a table."""
+
+    replay_id: str
+
+    def read(self) -> State: ...
+    def publish(self, state: State, fsync: bool = False) -> None: ...
+    def record(self, episode_id: int, slot: int, start: int, length: int) -> None: ...
+    def load(self, table: EpisodeTable, state: State) -> None: ...
+    def sync(self, table: EpisodeTable, old: State, new: State) -> None: ...
+
+
 class Journal:
     """The journal datasets of one open buffer file: reads, writes and publishes its state."""
 
     def __init__(self, storage: HDF5Storage) -> None:
+        """Raises:
+            ConfigError: the file holds no journal (a plain storage file, or not h5replay's).
+        """
         self.storage = storage
         self.capacity = storage.capacity
         self._where = repr(storage.filename)
+        if REPLAY_GROUP not in storage.file:
+            raise ConfigError(
+                f"{storage.filename!r} is not a replay buffer file; "
+                "open plain files with HDF5Storage.load_replay_buffer_from_raw_hdf5"
+            )
+        #: The file's UUID ('' for a format-1 file opened read-only).
+        self.replay_id = replay_id(storage.file)
         with h5_errors("opening the replay journal"):
             group = storage.file[REPLAY_GROUP]
             self._state_ds: h5py.Dataset = group[_JOURNAL] if _JOURNAL in group else group[_LEGACY_STATE]

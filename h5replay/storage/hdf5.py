@@ -119,6 +119,7 @@ class HDF5Storage:
         self._root: h5py.Group | h5py.Dataset | None = None
         self._file: h5py.File | None = None
         self._datasets: dict[str, h5py.Dataset] = {}
+        self._map_keys: dict[str, str] = {}  # leaf path -> its dataset's name in the file (the maps' key)
         self._io = _SharedIO()
         self._stale = False  # an SWMR reader's view of HDF5's metadata may be behind the writer
         self._cursor: int | None = None
@@ -166,6 +167,8 @@ class HDF5Storage:
             if check_file:
                 self._check_dataset(path, leaf, ds)
             self._datasets[path] = ds
+        # Asked once: Dataset.name is an HDF5 call, too dear for every read.
+        self._map_keys = {path: ds.name for path, ds in self._datasets.items()}
         self._io.drop_maps()
 
     def _check_dataset(self, path: str, leaf: LeafSpace, ds: h5py.Dataset) -> None:
@@ -676,11 +679,10 @@ class HDF5Storage:
 
     def _mapping(self, path: str) -> MappedRows | None:
         """The leaf's memory map, opened on first use (None when its layout cannot be mapped)."""
-        ds = self._datasets[path]
-        key = ds.name
+        key = self._map_keys[path]
         maps = self._io.maps
         if key not in maps:
-            maps[key] = MappedRows.open(ds)
+            maps[key] = MappedRows.open(self._datasets[path])
         return maps[key]
 
     def get_column(self, nested_keys: str | Sequence[str]) -> HDF5Storage:

@@ -42,7 +42,7 @@ from h5replay.records import Episode, Receipt, SampleInfo
 from h5replay.spaces import Schema, Space
 from h5replay.storage import _h5file, hdf5
 from h5replay.storage._indices import normalize_index
-from h5replay.storage._journal import REPLAY_GROUP, EpisodeTable, Journal, State
+from h5replay.storage._journal import EpisodeTable, Journal, JournalStore, State
 from h5replay.storage.hdf5 import HDF5Storage
 from h5replay.storage.segment import SegmentWriter
 
@@ -80,24 +80,23 @@ def as_row_ids(row_ids: Any) -> np.ndarray:
 class ReplayBuffer:
     """A ring buffer of rows over an HDF5Storage, with episodes, uniform and sequence sampling."""
 
-    def __init__(self, storage: HDF5Storage, *, raw: bool = False) -> None:
+    def __init__(self, storage: HDF5Storage, *, raw: bool = False, journal: JournalStore | None = None) -> None:
+        """A buffer over `storage` whose bookkeeping is `journal` (by default the journal in the
+        storage's own file). `raw=True`: a read-only view of every row, with no journal.
+
+        Raises:
+            ConfigError: the file holds no replay journal (open plain files with `from_raw_hdf5`).
+        """
         self.storage = storage
         self._raw = raw
         self._closed = False
         self._episodes = EpisodeTable(storage.capacity)
-        self._journal: Journal | None = None
-        self._replay_id = ""
+        self._journal: JournalStore | None = None
         if raw:
             end = len(storage)
             self._state = self._published = State(end=end, open_start=end)
         else:
-            if REPLAY_GROUP not in storage.file:
-                raise ConfigError(
-                    f"{storage.filename!r} is not a replay buffer file; "
-                    "open plain files with HDF5Storage.load_replay_buffer_from_raw_hdf5"
-                )
-            self._journal = Journal(storage)
-            self._replay_id = _h5file.replay_id(storage.file)
+            self._journal = journal if journal is not None else Journal(storage)
             self._state = self._published = self._journal.read()
             self._journal.load(self._episodes, self._state)
         #: The state the last read was answered from (readers: a published one).
@@ -173,7 +172,7 @@ class ReplayBuffer:
     @property
     def replay_id(self) -> str:
         """A UUID made when the file was created: tells this buffer's file from any other."""
-        return self._replay_id
+        return self._journal.replay_id if self._journal is not None else ""
 
     @property
     def view(self) -> State:
@@ -215,7 +214,7 @@ class ReplayBuffer:
         return ids - view.origin if cap is None else ids % cap
 
     @property
-    def _journal_or_raise(self) -> Journal:
+    def _journal_or_raise(self) -> JournalStore:
         if self._journal is None:
             raise ReadOnlyError("a buffer over a plain h5py file has no journal to write")
         return self._journal
@@ -583,7 +582,7 @@ class ReplayBuffer:
             "oldest_row_id": s.begin,
             "seq": s.seq,
             "generation": s.generation,
-            "replay_id": self._replay_id,
+            "replay_id": self.replay_id,
         }
 
     # ------------------------------------------------------------------ closing

@@ -25,9 +25,23 @@ from h5replay.spaces import LeafSpace
 from h5replay.storage._h5file import h5_errors
 from h5replay.storage._rowio import read_slice, write_rows
 
-__all__ = ["SegmentWriter", "Staging", "SegmentTarget"]
+__all__ = ["SegmentWriter", "Staging", "StagingArea", "SegmentTarget"]
 
 _SPARE_BUFFERS = 2
+
+
+class StagingArea(Protocol):
+    """Where a segment writer keeps its rows until commit: blocks of `block_rows` rows."""
+
+    block_rows: int
+    names: tuple[str, ...]
+
+    def take_buffers(self) -> dict[str, np.ndarray]: ...
+    def give_buffers(self, buffers: dict[str, np.ndarray]) -> None: ...
+    def allocate(self) -> int: ...
+    def release(self, blocks: list[int]) -> None: ...
+    def write(self, block: int, arrays: Mapping[str, np.ndarray]) -> None: ...
+    def read(self, block: int, first: int, stop: int) -> dict[str, np.ndarray]: ...
 
 
 class SegmentTarget(Protocol):
@@ -48,6 +62,7 @@ class Staging:
 
     def __init__(self, datasets: dict[str, h5py.Dataset], leaves: list[tuple[str, LeafSpace]], buffer_bytes: int) -> None:
         self.datasets = datasets
+        self.names = tuple(datasets)
         self._leaves = leaves
         row_bytes = sum(leaf.row_bytes for _, leaf in leaves)
         self.block_rows = max(1, buffer_bytes // max(1, row_bytes))
@@ -102,7 +117,7 @@ class SegmentWriter:
     manager it aborts on exit unless it was committed.
     """
 
-    def __init__(self, storage: SegmentTarget, staging: Staging) -> None:
+    def __init__(self, storage: SegmentTarget, staging: StagingArea) -> None:
         self.storage = storage
         self._staging = staging
         self._block_rows = staging.block_rows
@@ -173,7 +188,7 @@ class SegmentWriter:
         self._require_open("extend")
         if self.is_finished:
             raise SegmentStateError("cannot extend a finished segment writer")
-        self._push({path: arrays[path] for path in self._staging.datasets}, num_rows)
+        self._push({name: arrays[name] for name in self._staging.names}, num_rows)
 
     def _push(self, encoded: Mapping[str, np.ndarray], n: int) -> None:
         if self._buffers is None:

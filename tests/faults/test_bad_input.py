@@ -90,7 +90,7 @@ def live(tmp_path_factory):
     path = tmp_path_factory.mktemp("bad-input") / "rb.h5"
     config = server_config(path, space=SPACE, capacity=10_000, limits=LIMITS)
     with running_server(config) as server:
-        state = Live(server.endpoint, config.resolved_read_bind)
+        state = Live(server.endpoint, server.read_endpoint)
         with ActorClient(server.endpoint, timeout=10) as actor:
             for tag in range(3):
                 state.committed.append((actor.push_episode(user_rows(5 + tag, tag)), wire_rows(5 + tag, tag)))
@@ -527,7 +527,7 @@ def test_fuzzed_messages_between_real_commits(tmp_path):
     sent = 0
     with running_server(config) as server:
         with ActorClient(server.endpoint, timeout=10) as actor, RawClient(server.endpoint, timeout=10) as raw, \
-                RawClient(config.resolved_read_bind, timeout=10) as raw_reads:
+                RawClient(server.read_endpoint, timeout=10) as raw_reads:
             deadline = time.monotonic() + FUZZ_SECONDS
             while sent < FUZZ_MESSAGES and time.monotonic() < deadline:
                 op, frames = fuzzer.message()

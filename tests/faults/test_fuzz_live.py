@@ -92,8 +92,8 @@ def _fuzz_server(server: ServerProcess, limits: P.Limits, seconds: float) -> dic
     """Drive the fuzz; returns counts and what was committed through the fuzzing sockets."""
     fuzzer = Fuzzer(seed=2)
     ctx = zmq.Context.instance()
-    writer_socks = [FuzzSocket(ctx, server.config.bind, f"w{i}") for i in range(4)]
-    reader_sock = FuzzSocket(ctx, server.config.resolved_read_bind, "r")
+    writer_socks = [FuzzSocket(ctx, server.endpoint, f"w{i}") for i in range(4)]
+    reader_sock = FuzzSocket(ctx, server.read_endpoint, "r")
     socks = [*writer_socks, reader_sock]
     poller = zmq.Poller()
     for s in socks:
@@ -209,7 +209,7 @@ def test_live_server_survives_fuzzing_and_holds_exactly_what_was_committed(tmp_p
     config = server_config(tmp_path / "fuzz.h5", capacity=None, num_readers=1, limits=limits)
     server = ServerProcess(config, timeout=60)
     stop, receipts, actor_errors = threading.Event(), [], []
-    actor = threading.Thread(target=_actor_loop, args=(config.bind, stop, receipts, actor_errors), daemon=True)
+    actor = threading.Thread(target=_actor_loop, args=(server.endpoint, stop, receipts, actor_errors), daemon=True)
     try:
         actor.start()
         started = time.monotonic()
@@ -218,7 +218,7 @@ def test_live_server_survives_fuzzing_and_holds_exactly_what_was_committed(tmp_p
         stop.set()
         actor.join(30)
         assert server.process.is_alive(), "the server died under fuzzing"
-        with ActorClient(config.bind, timeout=10) as client, LearnerClient(config.bind, timeout=10) as learner:
+        with ActorClient(server.endpoint, timeout=10) as client, LearnerClient(server.endpoint, timeout=10) as learner:
             info = client.info()
             assert learner.sample(64)["step"].shape == (64,)
             assert learner.get_segments()

@@ -135,7 +135,7 @@ def test_a_client_without_keys_is_refused(secured):
 
 @pytest.mark.timeout(60)
 def test_a_plain_zmq_client_gets_no_reply_on_either_endpoint(secured):
-    for endpoint in (secured.endpoint, secured.config.resolved_read_bind):
+    for endpoint in (secured.endpoint, secured.read_endpoint):
         with RawClient(endpoint, timeout=REFUSED_WITHIN) as raw:
             raw.send(P.encode(P.Hello(1, "plain", "actor")))
             with pytest.raises(AssertionError, match="no reply"):

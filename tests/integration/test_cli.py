@@ -240,13 +240,13 @@ def test_a_client_sent_to_the_read_port_is_told_the_servers_endpoint(tmp_path):
     config = server_config(tmp_path / "rb.h5")
     with ServerProcess(config, timeout=60) as server:
         assert server.process.is_alive()
-        assert h5replay("ping", config.resolved_read_bind, "--timeout", "5").returncode == 0
-        done = h5replay("stats", config.resolved_read_bind, "--json", "--interval", "0.1")
+        assert h5replay("ping", server.read_endpoint, "--timeout", "5").returncode == 0
+        done = h5replay("stats", server.read_endpoint, "--json", "--interval", "0.1")
         assert done.returncode == 0 and json.loads(done.stdout)["length"] == 0, done.stderr
         with pytest.raises(ProtocolError) as info:
-            ActorClient(config.resolved_read_bind, timeout=5)
+            ActorClient(server.read_endpoint, timeout=5)
     message = str(info.value)
-    assert "read endpoint" in message and config.bind in message
+    assert "read endpoint" in message and server.endpoint in message
 
 
 # ------------------------------------------------------------------------------------- stats
@@ -257,15 +257,15 @@ def test_stats_reaches_an_auth_server_with_keys(tmp_path):
     keys = tmp_path / "keys"
     generate_keys(keys)
     config = server_config(tmp_path / "rb.h5", auth_dir=str(keys))
-    with ServerProcess(config, timeout=60):
-        with ActorClient(config.bind, timeout=10, secret_key=keys / "actor.key_secret",
+    with ServerProcess(config, timeout=60) as server:
+        with ActorClient(server.endpoint, timeout=10, secret_key=keys / "actor.key_secret",
                          server_key=keys / "server.key") as actor:
             actor.push_episode(episode_rows(1, 0, 25))
-        done = h5replay("stats", config.bind, "--json", "--interval", "0.1", "--secret-key",
+        done = h5replay("stats", server.endpoint, "--json", "--interval", "0.1", "--secret-key",
                         str(keys / "learner.key_secret"), "--server-key", str(keys / "server.key"))
         assert done.returncode == 0, done.stderr
         assert json.loads(done.stdout)["total_rows"] == 25
-        refused = h5replay("stats", config.bind, "--timeout", "1")
+        refused = h5replay("stats", server.endpoint, "--timeout", "1")
         one_line_error(refused, 1, "stats")
 
 
