@@ -229,6 +229,7 @@ class MemoryJournal:
     """A ReplayBuffer's state and episode records, in memory (the JournalStore protocol)."""
 
     replay_id = "memory"
+    sampling = None
 
     def __init__(self, storage: MemoryStorage) -> None:
         self.storage = storage

@@ -36,6 +36,8 @@ from h5replay.errors import ConfigError, StorageError
 from h5replay.records import NO_EPISODE
 from h5replay.storage._h5file import INTERNAL_GROUP, Prepare, h5_errors, replay_id, upgrade_header
 from h5replay.storage._rowio import read_slice, write_rows
+from h5replay.storage._sampling_file import SamplingFile
+from h5replay.storage.sampling import SamplingConfig
 
 if TYPE_CHECKING:
     from h5replay.storage.hdf5 import HDF5Storage
@@ -49,7 +51,8 @@ _LEGACY_STATE = "state"  # format 1: mark, begin, end, ep_begin, ep_end, open_st
 _MARK = 0x5245504C  # "REPL": tells a state row from zero fill
 _LAYOUT = 2
 _ROW = 16
-_FIELDS = ("seq", "generation", "begin", "end", "ep_begin", "ep_end", "open_start", "origin", "ep_origin")
+_FIELDS = ("seq", "generation", "begin", "end", "ep_begin", "ep_end", "open_start", "origin", "ep_origin",
+           "inserted", "sampled", "plog", "pckpt")
 _EPISODE_CHUNK_ROWS = 4096
 _TORN_RETRIES = 100  # a reader re-reads a torn state row this often (about 0.1 s) before calling it damaged
 
@@ -64,6 +67,9 @@ class State:
     below `begin` when the ring has overwritten its head, and then it is never recorded).
     `origin` / `ep_origin` (unbounded buffers) are the ids at physical row / table slot 0.
     `seq` counts publishes; `generation` counts `clear()`s.
+    The rate limiter's counters: rows `inserted` and rows `sampled` since creation or `clear()`.
+    The priority log (`_sampling_file.py`): `plog` updates published, the first `pckpt` of them
+    already in the priorities dataset.
     """
 
     seq: int = 0
@@ -75,6 +81,10 @@ class State:
     open_start: int = 0
     origin: int = 0
     ep_origin: int = 0
+    inserted: int = 0
+    sampled: int = 0
+    plog: int = 0
+    pckpt: int = 0
 
     def replace(self, **changes: int) -> State:
         return dataclasses.replace(self, **changes)
@@ -114,6 +124,7 @@ class State:
             and 0 <= self.ep_origin <= self.ep_begin <= self.ep_end
             and self.ep_end - self.ep_begin <= self.end - self.begin
             and (capacity is None or self.end - self.begin <= capacity)
+            and self.inserted >= 0 and self.sampled >= 0 and 0 <= self.pckpt <= self.plog
         )
         if not ok:
             raise StorageError(f"{where} has an inconsistent replay state: {self}")
@@ -241,6 +252,8 @@ class JournalStore(Protocol):
     memory): read and publish the state, write one episode record, fill a table."""
 
     replay_id: str
+    #: The file's sampling datasets (None: the buffer keeps its sampling state in memory only).
+    sampling: SamplingFile | None
 
     def read(self) -> State: ...
     def publish(self, state: State, fsync: bool = False) -> None: ...
@@ -272,19 +285,22 @@ class Journal:
             self._episodes_ds: h5py.Dataset = group[_EPISODES]
         self._legacy = self._state_ds.name.endswith(_LEGACY_STATE)
         self._reader = storage.multiprocessing and not storage.is_mutable
+        self.sampling: SamplingFile | None = SamplingFile(group, self._reader)
         self._row = np.empty(self._state_ds.shape[0], dtype=np.int64)  # reused for every state read
 
     # ------------------------------------------------------------------ creating and upgrading
 
     @staticmethod
-    def create_tables(capacity: int | None, initial: State | None = None) -> Prepare:
+    def create_tables(capacity: int | None, initial: State | None = None, sampling: SamplingConfig | None = None) -> Prepare:
         """The `prepare` hook that adds an empty journal to a new file (its ids starting where
-        `initial` says: an export that keeps the ids of what it copies)."""
+        `initial` says: an export that keeps the ids of what it copies), with the datasets its
+        sampling settings need."""
         state = initial or State()
         state.check("a new replay journal", capacity)
 
         def create(f: h5py.File) -> None:
             group = f.require_group(REPLAY_GROUP)
+            SamplingFile.create_tables(group, sampling or SamplingConfig(), capacity)
             group.create_dataset(_JOURNAL, data=state.to_row(), maxshape=(_ROW,), chunks=(_ROW,))
             rows = _EPISODE_CHUNK_ROWS if capacity is None else min(_EPISODE_CHUNK_ROWS, capacity)
             group.create_dataset(_EPISODES, shape=(0, 2), maxshape=(capacity, 2), chunks=(rows, 2), dtype=np.int64)

@@ -128,12 +128,39 @@ class SegmentWriter:
         self.is_finished = False
         self._state = "open"  # open | committed | aborted | invalid
         self._why_invalid = ""
+        self._priorities: np.ndarray | None = None  # per row, NaN where none was given
 
     def __len__(self) -> int:
         return self.length
 
     def __repr__(self) -> str:
         return f"<SegmentWriter {self._state}, {self.length} rows>"
+
+    @property
+    def priorities(self) -> np.ndarray | None:
+        """The priority given with each row (NaN: none, the buffer's default), or None if no row
+        was given one. A prioritized buffer uses them at commit; others ignore them."""
+        return None if self._priorities is None else self._priorities[: self.length]
+
+    def _note_priorities(self, priorities: Any, n: int) -> np.ndarray | None:
+        """Check `priorities` for the next n rows, before anything is stored (None: none given)."""
+        if priorities is None:
+            return None
+        from h5replay.storage._draws import check_priorities
+
+        return check_priorities(priorities, n)
+
+    def _keep_priorities(self, first: int, values: np.ndarray | None, n: int) -> None:
+        if values is None and self._priorities is None:
+            return
+        need = first + n
+        if self._priorities is None or self._priorities.shape[0] < need:
+            size = max(need, 2 * (0 if self._priorities is None else self._priorities.shape[0]), 64)
+            grown = np.full(size, np.nan)
+            if self._priorities is not None:
+                grown[: first] = self._priorities[:first]
+            self._priorities = grown
+        self._priorities[first:need] = np.nan if values is None else values
 
     @property
     def state(self) -> str:
@@ -147,17 +174,22 @@ class SegmentWriter:
 
     # ------------------------------------------------------------------ adding rows
 
-    def append(self, value: Any) -> None:
-        """Add one sample. Validated against the space before anything is stored.
+    def append(self, value: Any, priority: float | None = None) -> None:
+        """Add one sample (with its `priority`, for a prioritized buffer). Validated before
+        anything is stored.
 
         Raises:
             SpaceMismatchError: the sample does not fit the space (the writer is unchanged).
+            ConfigError: the priority is not a finite number >= 0 (the writer is unchanged).
             SegmentStateError: the writer was finished, committed or aborted.
         """
         if self._state != "open" or self.is_finished:
             self._require_open("append to")
             raise SegmentStateError("cannot append to a finished segment writer")
+        given = self._note_priorities(None if priority is None else [priority], 1)
         encoded = self.storage.encode_one(value)
+        if given is not None or self._priorities is not None:
+            self._keep_priorities(self.length, given, 1)
         # The per-step hot path: one row straight into the block, no batch bookkeeping.
         buffers = self._buffers
         if buffers is None:
@@ -174,23 +206,27 @@ class SegmentWriter:
                 self.abort()
                 raise
 
-    def extend(self, batch: Any) -> None:
-        """Add a batch of samples (a leading axis on every leaf); all or nothing on bad input."""
+    def extend(self, batch: Any, priorities: Any = None) -> None:
+        """Add a batch of samples (a leading axis on every leaf), with one priority per row if
+        given; all or nothing on bad input."""
         self._require_open("extend")
         if self.is_finished:
             raise SegmentStateError("cannot extend a finished segment writer")
         encoded, n = self.storage.encode_batch(batch)
-        self._push(encoded, n)
+        self._push(encoded, n, self._note_priorities(priorities, n))
 
-    def extend_stored(self, arrays: Mapping[str, np.ndarray], num_rows: int) -> None:
+    def extend_stored(self, arrays: Mapping[str, np.ndarray], num_rows: int, priorities: Any = None) -> None:
         """Add rows that are already in storage form and checked against the space, one array per
         leaf path (the server uses this for arrays off the wire, checked by `validate_stored`)."""
         self._require_open("extend")
         if self.is_finished:
             raise SegmentStateError("cannot extend a finished segment writer")
-        self._push({name: arrays[name] for name in self._staging.names}, num_rows)
+        given = self._note_priorities(priorities, num_rows)
+        self._push({name: arrays[name] for name in self._staging.names}, num_rows, given)
 
-    def _push(self, encoded: Mapping[str, np.ndarray], n: int) -> None:
+    def _push(self, encoded: Mapping[str, np.ndarray], n: int, priorities: np.ndarray | None = None) -> None:
+        if priorities is not None or self._priorities is not None:
+            self._keep_priorities(self.length, priorities, n)
         if self._buffers is None:
             self._buffers = self._staging.take_buffers()
         offset = 0
