@@ -28,7 +28,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Sampling", "check_priorities"]
 
-_DRAW_ROUNDS = 64  # draws without replacement: rounds of redraws before giving up
 _SYNC_RETRIES = 8
 
 
@@ -66,7 +65,7 @@ class Sampling:
         #: Whether draws go through the tree (else: uniform or in order over [begin, end)).
         self.weighted = config.prioritized or config.removes
         self.tree = SumTree(size if self.weighted else 0)
-        self.priorities = np.full(size, np.nan) if config.prioritized and writer else None
+        self.priorities = np.full(size, np.nan) if config.prioritized else None
         self.times = np.zeros(size, dtype=np.uint32) if config.removes and writer else None
         #: The largest priority given so far (the PER default for rows committed without one).
         self.max_priority = 1.0
@@ -166,8 +165,7 @@ class Sampling:
                 self.removed += int(np.count_nonzero(t >= self.config.max_times_sampled))
         finite = [p[np.isfinite(p)] for p in held_prio]
         seen = np.concatenate(finite) if finite else np.zeros(0)
-        if seen.size:
-            self.max_priority = max(1.0, float(seen.max())) if self._initial is None else float(seen.max())
+        self.max_priority = max(1.0, float(seen.max())) if seen.size else 1.0
         for s0, s1, _ in self._pieces(state.begin, state.end, state):
             if self.config.prioritized:
                 p = held_prio.pop(0)
@@ -180,6 +178,9 @@ class Sampling:
                 w = np.where(t >= self.config.max_times_sampled, 0.0, w)
             self.tree.set(np.arange(s0, s1), w)
         self._apply_log(state, state.pckpt, state.plog)
+        if self.priorities is not None and state.length:
+            held = np.concatenate([self.priorities[s0:s1] for s0, s1, _ in self._pieces(state.begin, state.end, state)])
+            self.max_priority = max(1.0, float(np.nanmax(held, initial=1.0)))
 
     def _apply_log(self, state: State, first: int, stop: int) -> None:
         if self.store is None or stop <= first or not self.config.prioritized:
@@ -202,7 +203,10 @@ class Sampling:
         self._grow(new, new.end)
         for s0, s1, _ in self._pieces(first_new, new.end, new):
             p = self.store.read_priorities(s0, s1) if self.store is not None else np.full(s1 - s0, np.nan)
-            self.tree.set(np.arange(s0, s1), self._weights(np.where(np.isfinite(p), p, self._default())))
+            p = np.where(np.isfinite(p), p, self._default())
+            if self.priorities is not None:
+                self.priorities[s0:s1] = p
+            self.tree.set(np.arange(s0, s1), self._weights(p))
         self._apply_log(new, old.plog, new.plog)
         if new.plog > old.plog and read_state().pckpt > old.plog:
             self.load(new, read_state)  # the log moved under us: start from the file
@@ -233,10 +237,10 @@ class Sampling:
         self._grow(state, first + n)
         if self.config.prioritized:
             given = priorities if priorities is not None else np.full(n, np.nan)
+            values = np.where(np.isfinite(given), given, self._default())  # the default from before this commit
             finite = given[np.isfinite(given)]
             if finite.size:
                 self.max_priority = max(self.max_priority, float(finite.max()))
-            values = np.where(np.isfinite(given), given, self._default())
         else:
             values = np.ones(n)
         offset = 0
@@ -306,6 +310,14 @@ class Sampling:
             self.store.write_priorities(s0, self.priorities[s0 : s0 + _CHECKPOINT_CHUNK])
         self._dirty_chunks.clear()
 
+    def priorities_of(self, ids: np.ndarray, state: State) -> np.ndarray:
+        """The current priorities of held rows `ids`."""
+        if self.priorities is None:
+            raise ConfigError(f"this buffer's sampler is {self.config.sampler!r}: only a Prioritized sampler keeps "
+                              "priorities")
+        values: np.ndarray = self.priorities[self._slots(ids, state)]  # fancy indexing copies
+        return values
+
     def mark_sampled(self, ids: np.ndarray, state: State) -> None:
         """Count a sample of `ids` (each at most once per batch): rows reaching
         max_times_sampled are removed (never drawn again)."""
@@ -368,21 +380,23 @@ class Sampling:
         return ids, np.ones(n)
 
     def _without_replacement(self, state: State, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-        """Draw n distinct rows one round at a time, taking drawn rows out of the tree until the
-        batch is whole (then putting them back: `mark_sampled` decides what stays out)."""
+        """n distinct rows, as if drawn one at a time with each pick leaving the draw.
+
+        Draws a round with replacement and keeps each row's first appearance, in order (the first
+        appearances of an i.i.d. weighted sequence are distributed exactly as sequential draws
+        without replacement), takes them out of the tree, and draws again for the rest. The k-th
+        row's probability is its weight over the weight left after the k - 1 before it. The
+        rows go back in the tree afterwards: `mark_sampled` decides what stays out."""
         chosen: list[np.ndarray] = []
-        probs: list[np.ndarray] = []
+        start_total = self.tree.total
         have = 0
         try:
-            for _ in range(_DRAW_ROUNDS):
-                total = self.tree.total
-                if total <= 0:
+            for _ in range(n):  # every round adds at least one row while any weight is left
+                if self.tree.total <= 0:
                     break
                 slots = self.tree.sample(rng, n - have)
                 slots = slots[np.sort(np.unique(slots, return_index=True)[1])]
-                weights = self.tree.get(slots)
                 chosen.append(slots)
-                probs.append(weights / total)
                 self.tree.set(slots, 0.0)
                 have += int(slots.size)
                 if have == n:
@@ -392,8 +406,11 @@ class Sampling:
                 self._restore(slots, state)
         if have < n:
             raise NotEnoughDataError(f"sampling {n} rows without replacement needs {n} rows that may be sampled; "
-                                     f"the buffer has {have if have < n else self.sampleable(state)}")
-        return self._ids(np.concatenate(chosen), state), np.concatenate(probs)
+                                     f"the buffer has {self.sampleable(state)}")
+        slots = np.concatenate(chosen)
+        weights = self.tree.get(slots)
+        left = start_total - (np.cumsum(weights) - weights)
+        return self._ids(slots, state), weights / left
 
     def _restore(self, slots: np.ndarray, state: State) -> None:
         p = self.priorities[slots] if self.priorities is not None else np.ones(slots.shape)

@@ -12,6 +12,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from h5replay.errors import ConfigError
 from h5replay.storage import _h5file
 from h5replay.storage.replay_buffer import ReplayBuffer
@@ -31,7 +33,8 @@ def export_buffer(
     **storage_kwargs: Any,
 ) -> None:
     """Write the rows and episodes `buffer` holds to a new buffer file, oldest row first, keeping
-    their ids; `storage_kwargs` go to `HDF5Storage.create` (layout, compression...).
+    their ids, priorities, sampling settings and rate-limit counters (not how often each row was
+    sampled: the copy starts those at 0); `storage_kwargs` go to `HDF5Storage.create`.
 
     Raises:
         ConfigError: `path` exists (without overwrite) or `capacity` is below the rows held.
@@ -50,10 +53,13 @@ def export_buffer(
     if os.path.exists(partial):
         os.unlink(partial)
     first_episode = int(table[0, 0]) if len(table) else view.ep_end
+    sampling = buffer.sampling
     copy = type(buffer).create(
         buffer.space, new_capacity, partial, first_row_id=view.begin,  # type: ignore[arg-type]
-        first_episode_id=first_episode, **storage_kwargs,
+        first_episode_id=first_episode, sampler=sampling.sampler, rate_limit=sampling.rate_limit,
+        max_times_sampled=sampling.max_times_sampled, **storage_kwargs,
     )
+    copy.carry_over(inserted=view.inserted, sampled=view.sampled, limit_inserts=False)
     try:
         block = max(1, _BLOCK_BYTES // max(1, buffer.storage.row_bytes))
         done = 0
@@ -62,7 +68,8 @@ def export_buffer(
             nonlocal done
             for lo in range(first, stop, block):
                 hi = min(stop, lo + block)
-                copy.extend(buffer.get_rows(range(lo, hi)))
+                ids = np.arange(lo, hi, dtype=np.int64)
+                copy.extend(buffer.get_rows(ids), priorities=buffer.priorities(ids) if sampling.prioritized else None)
                 done += hi - lo
                 if progress is not None:
                     progress(done, total)
@@ -80,6 +87,7 @@ def export_buffer(
             rows(cursor, open_start, record=False)
         if open_start < view.end:
             rows(open_start, view.end, record=None)  # the open episode stays open in the copy
+        copy.carry_over(inserted=view.inserted, sampled=view.sampled, limit_inserts=True)
         copy.close()
         os.replace(partial, target)
     except BaseException:

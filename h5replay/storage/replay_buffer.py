@@ -80,6 +80,22 @@ def as_row_ids(row_ids: Any) -> np.ndarray:
     return ids
 
 
+def _check_held(ids: np.ndarray, view: State) -> int:
+    """The lowest of `ids` (not empty), all held in `view`.
+
+    Raises:
+        EvictedError: an id is no longer held (names the first).
+        IndexError: an id was never committed.
+    """
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < view.begin:
+        first = int(ids[np.argmax(ids < view.begin)])
+        raise EvictedError(f"row id {first} is no longer held: the buffer holds ids [{view.begin}, {view.end})")
+    if hi >= view.end:
+        raise IndexError(f"row id {hi} was never committed: the next row id is {view.end}")
+    return lo
+
+
 class ReplayBuffer:
     """A ring buffer of rows over an HDF5Storage, with episodes, and sampling of rows and windows
     by the sampler its file records (uniform, prioritized, fifo, lifo), under its rate limit."""
@@ -114,6 +130,7 @@ class ReplayBuffer:
         if not raw:
             journal_read = self._journal.read if self._journal is not None else None
             self._sampling.load(self._state, None if storage.is_mutable else journal_read)
+        self._limit_inserts = True
         #: The state the last read was answered from (readers: a published one).
         self.last_view: State = self._state
 
@@ -538,13 +555,24 @@ class ReplayBuffer:
         def attempt(view: State) -> tuple[Any, int]:
             if ids.size == 0:
                 return self.storage.read("slice", (0, 0), decode), view.end
-            lo, hi = int(ids.min()), int(ids.max())
-            if lo < view.begin:
-                first = int(ids[np.argmax(ids < view.begin)])
-                raise EvictedError(f"row id {first} is no longer held: the buffer holds ids [{view.begin}, {view.end})")
-            if hi >= view.end:
-                raise IndexError(f"row id {hi} was never committed: the next row id is {view.end}")
-            return self.storage.read("array", self._phys(ids, view), decode), lo
+            return self.storage.read("array", self._phys(ids, view), decode), _check_held(ids, view)
+
+        return self._consistent(attempt)
+
+    def priorities(self, row_ids: Any) -> np.ndarray:
+        """The current priorities (float64) of rows by id (a prioritized buffer).
+
+        Raises:
+            ConfigError: the sampler keeps no priorities.
+            EvictedError / IndexError / TypeError: as `get_rows`.
+        """
+        ids = as_row_ids(row_ids)
+
+        def attempt(view: State) -> tuple[np.ndarray, int]:
+            if ids.size == 0:
+                return self._sampling.priorities_of(ids, view), view.end
+            lowest = _check_held(ids, view)
+            return self._sampling.priorities_of(ids, view), lowest
 
         return self._consistent(attempt)
 
@@ -573,8 +601,15 @@ class ReplayBuffer:
             return reason, False
         return limiter.insert_blocker(rows, s.inserted, s.sampled, held), False
 
+    def carry_over(self, *, inserted: int, sampled: int, limit_inserts: bool) -> None:
+        """Writer: take the rate limiter's counters of the buffer this one copies (an export), and
+        whether inserts are limited meanwhile (rows copied were inserted once already)."""
+        self._require_writable("carry counters over")
+        self._state = self._state.replace(inserted=int(inserted), sampled=int(sampled))
+        self._limit_inserts = limit_inserts
+
     def _check_insert(self, rows: int) -> None:
-        if self._sampling.config.rate_limit.samples_per_insert is not None:
+        if self._limit_inserts and self._sampling.config.rate_limit.samples_per_insert is not None:
             reason, _ = self.rate_limit_blocker(rows, sampling=False)
             if reason is not None:
                 raise RateLimitedError(reason)
