@@ -555,7 +555,8 @@ class ReplayBuffer:
         def attempt(view: State) -> tuple[Any, int]:
             if ids.size == 0:
                 return self.storage.read("slice", (0, 0), decode), view.end
-            return self.storage.read("array", self._phys(ids, view), decode), _check_held(ids, view)
+            lowest = _check_held(ids, view)  # before any read: an id not held names itself
+            return self.storage.read("array", self._phys(ids, view), decode), lowest
 
         return self._consistent(attempt)
 
