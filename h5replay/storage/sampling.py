@@ -236,6 +236,12 @@ class SamplingConfig:
         return None
 
     def describe(self) -> dict[str, Any]:
-        """JSON-ready: what `info()` and `h5replay stats` show."""
-        return {"sampler": json.loads(sampler_to_json(self.sampler)), "rate_limit": asdict(self.rate_limit),
-                "max_times_sampled": self.max_times_sampled}
+        """Flat name -> scalar: what `info()` and `h5replay stats` show."""
+        sampler = self.sampler
+        return {
+            "sampler": next(name for name, cls in _KINDS.items() if isinstance(sampler, cls)),
+            "priority_exponent": sampler.exponent if isinstance(sampler, Prioritized) else None,
+            "initial_priority": sampler.initial_priority if isinstance(sampler, Prioritized) else None,
+            **asdict(self.rate_limit),
+            "max_times_sampled": self.max_times_sampled,
+        }

@@ -215,7 +215,8 @@ def test_settings_and_counters_survive_a_reopen(tmp_path: os.PathLike[str]) -> N
         assert rb.sampling == SamplingConfig(Prioritized(0.7, 2.0), limit, 0)
         info = rb.info()
         assert (info["inserted"], info["sampled"], info["priority_updates"]) == (4, 3, 1)
-        assert info["sampler"] == {"kind": "prioritized", "exponent": 0.7, "initial_priority": 2.0}
+        assert (info["sampler"], info["priority_exponent"], info["initial_priority"]) == ("prioritized", 0.7, 2.0)
+        assert (info["min_size_to_sample"], info["samples_per_insert"], info["error_buffer"]) == (2, 2.0, 10.0)
         assert rb.priorities(np.arange(4)).tolist() == [1.0, 8.0, 3.0, 4.0]
 
 
