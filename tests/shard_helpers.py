@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from service_helpers import child_pids, episode_rows, file_episodes, server_config
+from service_helpers import child_pids, episode_rows, file_episodes, row_problems, server_config
 
-from h5replay.client import ActorClient
+from h5replay.client import ActorClient, LearnerClient
 from h5replay.config import ClientConfig, ServerConfig
-from h5replay.errors import ServerUnavailableError
+from h5replay.errors import NotEnoughDataError, ServerUnavailableError
 from h5replay.server import ServerProcess
 
 
@@ -112,47 +112,78 @@ def count_problems(acknowledged: dict[tuple[int, int], int], in_doubt: set[tuple
     return problems, doubled
 
 
-def sharded_actor_main(endpoints: list[str], actor: int, num_episodes: int, seed: int, out: Any,
-                       timeout: float = 2.0, pause: float = 0.01) -> None:
+def write_episodes(endpoints: list[str], actor: int, num_episodes: int, seed: int, timeout: float = 2.0,
+                   pause: float = 0.01) -> tuple[list[tuple[int, int]], list[int], int, int]:
     """Write `num_episodes` episodes of 1..200 steps through an actor over `endpoints`, by every
-    client path, pausing a little between episodes; report what was acknowledged.
+    client path, pausing `pause` s between episodes.
 
-    Puts ("done", actor, [(episode, length, shard)], [episode in doubt], home shard, failovers) on
-    `out`, or ("error", actor, message) when the actor gave up.
+    Returns ([(episode, length) acknowledged], [episode in doubt], home shard, failovers).
+
+    Raises:
+        ServerUnavailableError: no shard answered (the episodes acknowledged so far are lost to
+            the caller: it is a failure of the test).
     """
     rng = np.random.default_rng(seed)
     config = ClientConfig(timeout=timeout, name=f"shard-actor-{actor}", batch_seconds=0.02,
                           shard_retry_interval=0.5)
-    acknowledged: list[tuple[int, int, int]] = []
+    acknowledged: list[tuple[int, int]] = []
     doubted: list[int] = []
+    with ActorClient(config=config, endpoints=endpoints) as client:
+        home = client.shard
+        for e in range(num_episodes):
+            n = int(rng.integers(1, 201))
+            rows = episode_rows(actor, e, n)
+            how = int(rng.integers(0, 3))
+            before = len(client.in_doubt)
+            if how == 0:
+                receipt = client.push_episode(rows)
+            elif how == 1:
+                with client.segment() as seg:
+                    for i in range(n):
+                        seg.append({k: v[i] for k, v in rows.items()})
+                receipt = seg.receipt  # type: ignore[assignment]
+            else:
+                seg = client.segment()
+                cuts = sorted(set(rng.integers(0, n, size=3).tolist()) | {0, n})
+                for lo, hi in zip(cuts, cuts[1:]):
+                    seg.extend({k: v[lo:hi] for k, v in rows.items()})
+                receipt = seg.commit()
+            if receipt is None or receipt.length != n:
+                raise RuntimeError(f"episode {e}: receipt {receipt} for {n} rows")
+            if len(client.in_doubt) > before:
+                doubted.append(e)
+            acknowledged.append((e, n))
+            time.sleep(pause)
+        failovers = client._router.num_failovers if client._router is not None else 0
+    return acknowledged, doubted, home, failovers
+
+
+def sharded_actor_main(endpoints: list[str], actor: int, num_episodes: int, seed: int, out: Any,
+                       timeout: float = 2.0, pause: float = 0.01) -> None:
+    """`write_episodes` in a process: puts ("done", actor, acknowledged, doubted, home, failovers)
+    on `out`, or ("error", actor, message) when the actor gave up."""
     try:
-        with ActorClient(config=config, endpoints=endpoints) as client:
-            home = client.shard
-            for e in range(num_episodes):
-                n = int(rng.integers(1, 201))
-                rows = episode_rows(actor, e, n)
-                how = int(rng.integers(0, 3))
-                before = len(client.in_doubt)
-                if how == 0:
-                    receipt = client.push_episode(rows)
-                elif how == 1:
-                    with client.segment() as seg:
-                        for i in range(n):
-                            seg.append({k: v[i] for k, v in rows.items()})
-                    receipt = seg.receipt  # type: ignore[assignment]
-                else:
-                    seg = client.segment()
-                    cuts = sorted(set(rng.integers(0, n, size=3).tolist()) | {0, n})
-                    for lo, hi in zip(cuts, cuts[1:]):
-                        seg.extend({k: v[lo:hi] for k, v in rows.items()})
-                    receipt = seg.commit()
-                if receipt is None or receipt.length != n:
-                    raise RuntimeError(f"episode {e}: receipt {receipt} for {n} rows")
-                if len(client.in_doubt) > before:
-                    doubted.append(e)
-                acknowledged.append((e, n, client.in_doubt[-1].shard if len(client.in_doubt) > before else -1))
-                time.sleep(pause)
-            failovers = client._router.num_failovers if client._router is not None else 0
-        out.put(("done", actor, acknowledged, doubted, home, failovers))
+        out.put(("done", actor, *write_episodes(endpoints, actor, num_episodes, seed, timeout, pause)))
     except ServerUnavailableError as exc:
-        out.put(("error", actor, f"{exc} after {len(acknowledged)} episodes"))
+        out.put(("error", actor, str(exc)))
+
+
+def sample_for(endpoints: list[str], seconds: float, timeout: float = 2.0) -> dict[str, Any]:
+    """Sample batches of 64 from every shard for `seconds`, checking every row; returns the number
+    of batches, the problems found, the shards seen and the calls that skipped each shard."""
+    config = ClientConfig(timeout=timeout, name="shard-learner", shard_retry_interval=0.5)
+    batches, problems, seen = 0, [], set()
+    deadline = time.monotonic() + seconds
+    with LearnerClient(config=config, endpoints=endpoints) as learner:
+        while time.monotonic() < deadline:
+            try:
+                batch, info = learner.sample(64, with_info=True)
+            except NotEnoughDataError:
+                time.sleep(0.05)
+                continue
+            problems += row_problems(batch)
+            seen.update(info.shard_ids.tolist())
+            batches += 1
+            time.sleep(0.005)
+        skipped = list(learner.shards.num_skipped) if learner.shards is not None else []
+    return {"batches": batches, "problems": problems[:10], "shards_seen": sorted(seen), "skipped": skipped}

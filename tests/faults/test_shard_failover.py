@@ -49,7 +49,7 @@ def test_actors_fail_over_when_their_shard_is_sigkilled_and_every_acknowledged_e
 
     errors = [r for r in results if r[0] != "done"]
     assert not errors, errors
-    acknowledged = {(actor, e): n for _, actor, episodes, *_ in results for e, n, _ in episodes}
+    acknowledged = {(actor, e): n for _, actor, episodes, *_ in results for e, n in episodes}
     in_doubt = {(actor, e) for _, actor, _, doubted, *_ in results for e in doubted}
     assert len(acknowledged) == NUM_ACTORS * EPISODES
 
