@@ -780,11 +780,10 @@ class ShardedLearner(_Router):
     def _fan_out(self, calls: Mapping[int, Callable[[LearnerClient], Any]]) -> dict[int, Any]:
         """{shard: result} of one call per shard, all sent at once. A shard that does not answer is
         marked down and left out; any other error is raised (after every call has returned)."""
-        if len(calls) == 1:
-            ((index, call),) = calls.items()
-            futures: dict[int, Any] = {index: _run_inline(call, self.shards[index].client)}
-        else:
-            futures = {i: self._pool.submit(call, self.shards[i].client) for i, call in calls.items()}
+        # All but the last go to the pool; the last runs in this thread meanwhile (one hand-over less).
+        *others, (last, last_call) = calls.items()
+        futures: dict[int, Any] = {i: self._pool.submit(call, self.shards[i].client) for i, call in others}
+        futures[last] = _run_inline(last_call, self.shards[last].client)
         results: dict[int, Any] = {}
         error: BaseException | None = None
         for index, future in futures.items():
