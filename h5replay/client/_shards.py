@@ -42,7 +42,7 @@ import threading
 import time
 import uuid
 import zlib
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -166,6 +166,10 @@ class _Router:
         """`shard.client` is about to be closed."""
 
     # ------------------------------------------------------------------ shards coming and going
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def _check(self) -> None:
         if self._closed:
@@ -354,6 +358,7 @@ class ShardedActor(_Router):
         #: Episodes whose commit reply was lost with a shard (the newest 1000).
         self.in_doubt: deque[InDoubt] = deque(maxlen=1000)
         self.num_failovers = 0
+        self._using: Counter[int] = Counter()  # open segments per shard
         self._codec: ActorClient | None = None  # encodes steps (the space is every shard's)
         try:
             # A hello to every shard, so that a space mismatch shows now and not at a failover;
@@ -382,13 +387,22 @@ class ShardedActor(_Router):
         return shard.index == self.home and self.current != self.home
 
     def _adopted(self, shard: _Shard) -> None:
-        """The home shard answers again: write there from the next episode on."""
+        """The home shard answers again: write there from the next episode on (segments still
+        open on the other shard finish there; its connection closes once none is left)."""
         if shard.index == self.home and self.current != self.home:
-            away = self.shards[self.current]
-            if away.client is not None:
-                away.client.close()
-                away.client = None
             self.current = self.home
+
+    def use(self, index: int, count: int) -> None:
+        """A segment of this actor opened (+1) or finished (-1) on shard `index`."""
+        self._using[index] += count
+
+    def _close_idle(self) -> None:
+        """Close the connections of shards this actor no longer writes to (a server's client slots
+        are few)."""
+        for shard in self.shards:
+            if shard.index != self.current and shard.client is not None and self._using[shard.index] <= 0:
+                client, shard.client = shard.client, None
+                client.close()
 
     @property
     def codec(self) -> ActorClient:
@@ -404,6 +418,7 @@ class ShardedActor(_Router):
         """
         self._check()
         self._poll_probes()
+        self._close_idle()
         shard = self.shards[self.current]
         if shard.client is not None:
             return shard.index, shard.client
@@ -550,7 +565,7 @@ class ShardedSegment:
         try:
             self._attempt(lambda inner: inner.extend_encoded(encoded, n), rows=True)
         except BaseException:
-            self._state = "failed"
+            self._give_up()
             raise
 
     def _open(self) -> ActorSegment:
@@ -565,10 +580,11 @@ class ShardedSegment:
             index, client = self._actor.writer()
             inner = ActorSegment(client)
             self._inner, self._inner_shard = inner, index
+            self._actor.use(index, +1)
             if self._rows.num_rows:
                 try:
                     inner.extend_encoded(self._rows.view(), self._rows.num_rows)
-                except (ServerUnavailableError, SegmentStateError) as exc:
+                except (ServerUnavailableError, SegmentStateError, ClosedError) as exc:
                     self._lost(exc)
         return self._inner
 
@@ -582,15 +598,20 @@ class ShardedSegment:
                 return None
             try:
                 return action(inner)
-            except (ServerUnavailableError, SegmentStateError) as exc:
+            except (ServerUnavailableError, SegmentStateError, ClosedError) as exc:
                 self._lost(exc)
 
     def _lost(self, exc: BaseException) -> None:
         """The segment on shard `_inner_shard` is gone (its server did not answer, or restarted)."""
         inner, index = self._inner, self._inner_shard
         self._inner = None
+        self._actor.use(index, -1)
+        if isinstance(exc, ClosedError):
+            if self._actor.closed:
+                raise exc  # the user closed the actor
+            return  # the actor closed that connection (its shard was lost or restarted): open it again
         # "failed" is the state of a segment whose commit (or push) was sent without a reply.
-        if inner is not None and getattr(inner, "_state", None) == "failed":
+        if isinstance(exc, ServerUnavailableError) and inner is not None and getattr(inner, "_state", None) == "failed":
             self.in_doubt_on.append(index)
             # To wire with issue 14's idempotency keys: retry `_commit(..., self.key)` on shard `index`
             # first (for as long as it may come back), and only then move on; today the episode goes to
@@ -618,12 +639,19 @@ class ShardedSegment:
         try:
             receipt: Receipt = self._attempt(lambda inner: _commit(inner, self.key), rows=False)
         except BaseException:
-            self._state = "failed"
+            self._give_up()
             raise
         self._state, self.receipt, self.shard = "committed", receipt, self._inner_shard
+        self._actor.use(self._inner_shard, -1)
         if self.in_doubt_on:
             self._actor.in_doubt.append(InDoubt(self.key, tuple(self.in_doubt_on), self._inner_shard, receipt))
         return receipt
+
+    def _give_up(self) -> None:
+        self._state = "failed"
+        if self._inner is not None:
+            self._inner = None
+            self._actor.use(self._inner_shard, -1)
 
     def abort(self) -> None:
         """Drop the episode: nothing of it becomes visible. Safe to call twice."""
@@ -633,6 +661,7 @@ class ShardedSegment:
         self._rows = _Rows()
         if self._inner is not None:
             inner, self._inner = self._inner, None
+            self._actor.use(self._inner_shard, -1)
             inner.abort()
 
     def __enter__(self) -> ShardedSegment:
