@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import math
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -287,3 +289,9 @@ def test_one_actor_may_keep_several_segments_open(tmp_path):
             assert [r.length for r in receipts] == [12, 11, 10]
         with LearnerClient(endpoints=shards.endpoints, timeout=10) as learner:
             assert len(learner) == 33 and len(learner.episodes()) == 3
+
+
+def test_importing_h5replay_never_imports_ray():
+    code = ("import sys, h5replay, h5replay.client, h5replay.cli, h5replay.integrations, h5replay.server; "
+            "sys.exit('ray' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
