@@ -425,6 +425,10 @@ class ShardedActor(_Router):
         now = time.monotonic()
         errors = []
         for candidate in self._ring(self.current):
+            if candidate.client is not None:  # still connected (segments of this actor are open there)
+                self.current = candidate.index
+                self.num_failovers += 1
+                return candidate.index, candidate.client
             if candidate.retry_at > now or candidate.probe is not None:
                 continue
             try:

@@ -80,7 +80,8 @@ def test_a_killed_shard_is_restarted_on_its_node_and_nothing_acknowledged_is_los
         results = ray.get(actors, timeout=200)
         read = ray.get(reading, timeout=120)
         assert read["problems"] == [] and read["batches"] > 50, read
-        assert read["shards_seen"] == [0, 1, 2], read
+        homes = [r[2] for r in results]
+        assert set(read["shards_seen"]) >= set(homes), read  # the learner read every shard written to
         paths = [s["path"] for s in after]
     finally:
         shards.stop()
@@ -93,9 +94,10 @@ def test_a_killed_shard_is_restarted_on_its_node_and_nothing_acknowledged_is_los
     problems, doubled = count_problems(acknowledged, in_doubt, found)
     assert problems == [], problems[:10]
     print(f"\n{len(in_doubt)} episode(s) in doubt after the kill, {len(doubled)} held twice")
-    homes = [r[2] for r in results]
-    assert victim in homes and results[homes.index(victim)][3] >= 1  # its actor moved, and came back
-    assert {s for s, a, _ in found if a == homes.index(victim)} >= {victim}
+    # The victim's actor either moved to the next shard for a while (its request timed out before Ray
+    # had restarted the shard) or met the restarted shard at once; either way it wrote there again.
+    assert victim in homes
+    assert victim in {s for s, a, _ in found if a == homes.index(victim)}
 
 
 def test_the_command_line_starts_finds_and_stops_detached_shards(ray_cluster, tmp_path):
