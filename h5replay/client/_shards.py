@@ -749,6 +749,7 @@ class ShardedLearner(_Router):
         self._views: dict[int, View] = {}  # kept while a shard is down: its view never goes back
         #: Calls that skipped each shard because it was down.
         self.num_skipped = [0] * len(self.shards)
+        self._rng = np.random.default_rng()  # splits batches when the caller gives no seed
         try:
             self._connect_initial()
         except BaseException:
@@ -966,7 +967,7 @@ class ShardedLearner(_Router):
 
     def _draw(self, size: int, seed: int | None, with_info: bool, call: Callable[[Any, int, int | None], Any],
               what: str) -> Any:
-        rng = np.random.default_rng(seed)
+        rng = self._rng if seed is None else np.random.default_rng(seed)
         empty: set[int] = set()  # shards that had nothing to draw in this call
         with self._lock:
             for _ in range(2 * len(self.shards) + 2):  # each retry leaves a shard out, or learns its length
