@@ -58,7 +58,7 @@ def test_actors_fail_over_when_their_shard_is_sigkilled_and_every_acknowledged_e
     problems, doubled = count_problems(acknowledged, in_doubt, found)
     assert problems == [], problems[:10]
     print(f"\n{len(in_doubt)} episode(s) in doubt after the kill, {len(doubled)} of them held twice "
-          "(until idempotency keys are wired: see h5replay.client._shards._commit)")
+          "(until idempotency keys are wired: see h5replay.client._shards.actor._commit)")
 
     # The actors whose home was killed moved on, and came back home after the restart.
     moved = [r for r in results if r[4] == victim]
