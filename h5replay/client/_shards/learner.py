@@ -251,15 +251,8 @@ class ShardedLearner(_Router):
             IndexError: an id was never committed, or names a shard this learner does not have.
             TypeError: the ids are not integers.
         """
-        shards, local = _qualified(row_ids, len(self.shards))
         with self._lock:
-            self._live()
-            wanted = np.unique(shards) if shards.size else np.zeros(1, np.int64)
-            for index in wanted.tolist():
-                if self.shards[index].client is None:
-                    raise ServerUnavailableError(f"shard {index} ({self.endpoints[index]}) is unavailable; its rows "
-                                                 "cannot be read until it answers again")
-            masks = {index: shards == index for index in wanted.tolist()}
+            masks, local = self._by_shard(row_ids)
             calls = {index: _reader(index, local[mask]) for index, mask in masks.items()}
             results = self._fan_out(calls)
             missing = sorted(set(calls) - set(results))
@@ -267,6 +260,23 @@ class ShardedLearner(_Router):
                 raise ServerUnavailableError(f"shard(s) {missing} did not answer within {self.config.timeout} s")
         parts = {index: self._flat(batch) for index, batch in results.items()}
         return self._unflat(_scatter(parts, masks, local.shape[0]))
+
+    def _by_shard(self, row_ids: Any) -> tuple[dict[int, np.ndarray], np.ndarray]:
+        """({shard: mask of its ids}, local ids) of qualified ids, every shard named being live.
+        What a call naming rows sends to each shard (get_rows; update_priorities of issue 10 will
+        route the same way, one call per shard, all at once).
+
+        Raises:
+            ServerUnavailableError: a shard named is down.
+        """
+        shards, local = _qualified(row_ids, len(self.shards))
+        self._live()
+        wanted = np.unique(shards).tolist() if shards.size else [0]
+        for index in wanted:
+            if self.shards[index].client is None:
+                raise ServerUnavailableError(f"shard {index} ({self.endpoints[index]}) is unavailable; its rows "
+                                             "cannot be read until it answers again")
+        return {index: shards == index for index in wanted}, local
 
     def get(self, indices: Any) -> Any:
         raise NotImplementedError(
