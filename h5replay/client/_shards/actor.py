@@ -5,11 +5,12 @@ See the package's docstring (h5replay.client._shards) for the behaviour.
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Concatenate, NamedTuple, ParamSpec, TypeVar
 
 import numpy as np
 
@@ -22,6 +23,19 @@ if TYPE_CHECKING:
     from h5replay.client.actor import ActorClient, ActorSegment
 
 __all__ = ["InDoubt", "ShardedActor", "ShardedSegment"]
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _locked(method: Callable[Concatenate[ShardedActor, _P], _R]) -> Callable[Concatenate[ShardedActor, _P], _R]:
+    """Run the method under the actor's lock: segments of one actor may be used from several threads."""
+    def locked(self: ShardedActor, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    functools.update_wrapper(locked, method)
+    return locked
 
 
 class InDoubt(NamedTuple):
@@ -136,6 +150,7 @@ class ShardedActor(_Router):
         if shard.index == self.home and self.current != self.home:
             self.current = self.home
 
+    @_locked
     def use(self, index: int, count: int) -> None:
         """A segment of this actor opened (+1) or finished (-1) on shard `index`."""
         self._using[index] += count
@@ -154,6 +169,7 @@ class ShardedActor(_Router):
             raise ClosedError("this actor never connected")
         return self._codec
 
+    @_locked
     def writer(self) -> tuple[int, ActorClient]:
         """(shard, client) to write the next rows to: the current shard, or the next live one.
 
@@ -199,12 +215,14 @@ class ShardedActor(_Router):
             + (f": {'; '.join(errors)}" if errors else "")
         )
 
+    @_locked
     def lose(self, index: int, exc: BaseException) -> None:
         """Shard `index` stopped answering while this actor wrote to it."""
         shard = self.shards[index]
         if shard.client is not None:
             self._mark_down(shard, exc)
 
+    @_locked
     def restarted(self, index: int) -> bool:
         """Whether shard `index` is another server process than the one this actor said hello to
         (a restart quicker than the timeout: the new process knows none of the old one's segments)."""
@@ -218,6 +236,7 @@ class ShardedActor(_Router):
             return True
         return bool(stats.get("instance_id") != shard.client.instance_id)
 
+    @_locked
     def reconnect(self, index: int) -> None:
         """Say hello again to shard `index` (after a restart); marks it down if it does not answer."""
         shard = self.shards[index]
