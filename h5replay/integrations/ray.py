@@ -36,7 +36,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without ray
 
 from h5replay.client import ActorClient, LearnerClient
 from h5replay.config import ServerConfig, is_loopback
-from h5replay.errors import ConfigError, ServerUnavailableError
+from h5replay.errors import ConfigError, H5ReplayError, ServerUnavailableError
 from h5replay.storage.spaces import Space, space_from_json
 
 __all__ = ["ShardSet", "start_shards", "NAMESPACE"]
@@ -64,28 +64,38 @@ class ShardHost:
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         self.index = index
-        os.makedirs(directory, exist_ok=True)
         self.path = os.path.join(directory, f"shard-{index}.h5")
-        host = host or ray.util.get_node_ip_address()
-        bind, read_bind = self._endpoints(host)
-        exists = os.path.exists(self.path)
-        config = ServerConfig(
-            path=self.path, space=None if exists or space_json is None else space_from_json(space_json),
-            capacity=None if exists else capacity,
-            bind=bind, read_bind=read_bind, **serve_options,
-        )
-        self.starts = self._count_start(directory)
+        self.starts = 0
         self._stopping = False
-        self._server = Server(config)
-        self._config = config
         self._ready = threading.Event()
-        self._failure: BaseException | None = None
-        self._thread = threading.Thread(target=self._serve, name=f"h5replay-shard-{index}", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + _START_TIMEOUT
-        while not self._ready.wait(0.1):
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"shard {index} did not start serving {self.path}: {self._failure!r}")
+        self._thread: threading.Thread | None = None
+        self._config: ServerConfig | None = None
+        #: Why this shard does not serve (a start that failed stays failed: Ray restarts a process
+        #: that died, not a configuration that cannot work). Reported by endpoint() and describe().
+        self.failure: str | None = None
+        try:
+            os.makedirs(directory, exist_ok=True)
+            bind, read_bind = self._endpoints(host or ray.util.get_node_ip_address())
+            exists = os.path.exists(self.path)
+            self._config = ServerConfig(
+                path=self.path, space=None if exists or space_json is None else space_from_json(space_json),
+                capacity=None if exists else capacity, bind=bind, read_bind=read_bind, **serve_options,
+            )
+            self.starts = self._count_start()
+            self._server = Server(self._config)
+            self._thread = threading.Thread(target=self._serve, name=f"h5replay-shard-{index}", daemon=True)
+            self._thread.start()
+            deadline = time.monotonic() + _START_TIMEOUT
+            while not self._ready.wait(0.1):
+                if not self._thread.is_alive():
+                    break
+                if time.monotonic() > deadline:
+                    self.failure = f"it did not serve within {_START_TIMEOUT} s"
+                    break
+        except (H5ReplayError, OSError) as exc:
+            self.failure = f"{type(exc).__name__}: {exc}"
+        if self.failure is not None:
+            log.error("shard %d cannot serve %s: %s", index, self.path, self.failure)
 
     def _endpoints(self, host: str) -> tuple[str, str]:
         """The shard's endpoints: chosen at its first start, kept next to its file for restarts."""
@@ -101,7 +111,7 @@ class ShardHost:
         os.replace(tmp, path)
         return bind, read_bind
 
-    def _count_start(self, directory: str) -> int:
+    def _count_start(self) -> int:
         path = self.path + ".starts"
         starts = 1
         with contextlib.suppress(OSError, ValueError):
@@ -115,7 +125,7 @@ class ShardHost:
         try:
             code = self._server.run(self._ready)
         except BaseException as exc:  # noqa: B036 (reported by the constructor or below)
-            self._failure, code = exc, 1
+            self.failure, code = f"{type(exc).__name__}: {exc}", 1
         if not self._stopping and self._ready.is_set():
             # The server ended by itself (a failed write): end the process, so that Ray starts the
             # shard again and it recovers its file.
@@ -123,21 +133,26 @@ class ShardHost:
             logging.shutdown()
             os._exit(1)
 
-    def endpoint(self) -> str:
-        return self._config.bind
+    def endpoint(self) -> tuple[str, str | None]:
+        """(the shard's endpoint, why it does not serve or None)."""
+        return (self._config.bind if self._config is not None else "", self.failure)
 
     def describe(self) -> dict[str, Any]:
         """Where and what this shard is: index, node, pid, file, endpoints, number of starts."""
         return {
             "index": self.index, "node_id": ray.get_runtime_context().get_node_id(),
             "node_ip": ray.util.get_node_ip_address(), "pid": os.getpid(), "path": self.path,
-            "endpoint": self._config.bind, "read_endpoint": self._config.resolved_read_bind,
-            "starts": self.starts, "serving": self._thread.is_alive(),
+            "endpoint": self._config.bind if self._config else None,
+            "read_endpoint": self._config.resolved_read_bind if self._config else None,
+            "starts": self.starts, "serving": self._thread is not None and self._thread.is_alive(),
+            "failure": self.failure,
         }
 
     def stop(self, timeout: float = 60.0) -> bool:
         """Stop serving: open segments aborted, the file flushed and closed. True once stopped."""
         self._stopping = True
+        if self._thread is None:
+            return True
         self._server.stop()
         self._thread.join(timeout)
         return not self._thread.is_alive()
@@ -218,8 +233,8 @@ class ShardSet:
                 break
         if not handles:
             raise ConfigError(f"no h5replay shards named {name!r} on this Ray cluster (namespace {NAMESPACE!r})")
-        endpoints = ray.get([h.endpoint.remote() for h in handles], timeout=timeout)
-        return cls(handles, endpoints, name)
+        answers = ray.get([h.endpoint.remote() for h in handles], timeout=timeout)
+        return cls(handles, [endpoint for endpoint, _ in answers], name)
 
 
 def _nodes() -> list[dict[str, Any]]:
@@ -307,11 +322,17 @@ def start_shards(
                                                         serve_options))
     shards = ShardSet(handles, [], name)
     try:
-        shards.endpoints = list(ray.get([h.endpoint.remote() for h in handles], timeout=timeout))
+        answers = ray.get([h.endpoint.remote() for h in handles], timeout=timeout)
     except Exception as exc:
         shards.stop()
         if isinstance(exc, ray.exceptions.GetTimeoutError):
             raise ServerUnavailableError(f"the {num_shards} shards did not all serve within {timeout} s") from exc
         raise
+    failed = [(k, failure) for k, (_, failure) in enumerate(answers) if failure is not None]
+    if failed:
+        shards.stop()
+        raise ConfigError("; ".join(f"shard {k} did not start on node {placed[k]['NodeManagerAddress']}: {why}"
+                                    for k, why in failed))
+    shards.endpoints = [endpoint for endpoint, _ in answers]
     log.info("h5replay: %d shard(s) serving: %s", num_shards, " ".join(shards.endpoints))
     return shards

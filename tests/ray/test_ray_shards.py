@@ -143,3 +143,6 @@ def test_bad_placements_are_refused_before_anything_starts(ray_cluster, tmp_path
     with pytest.raises(ConfigError, match="unknown serve options"):
         start_shards(1, EPISODE_SPACE, 100, tmp_path, readers=2)
     assert not list(tmp_path.iterdir())
+    # A shard that cannot start (here: a new file and no space) fails the call with its reason.
+    with pytest.raises(ConfigError, match="shard 0 did not start on node .*needs a space"):
+        start_shards(1, None, None, tmp_path / "nospace", host="127.0.0.1")
