@@ -295,3 +295,20 @@ def test_importing_h5replay_never_imports_ray():
     code = ("import sys, h5replay, h5replay.client, h5replay.cli, h5replay.integrations, h5replay.server; "
             "sys.exit('ray' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+def test_nested_and_text_leaves_merge_across_shards_without_truncation(tmp_path):
+    """Text decodes to str arrays as wide as each shard's longest: the merged batch takes the widest."""
+    from h5replay.storage import TextSpace
+
+    space = DictSpace({"note": TextSpace(max_length=32), "pos": {"xy": BoxSpace(-10, 10, (2,), np.float32)}})
+    with running_shards(tmp_path, 2, space=space) as shards:
+        for shard, note in ((0, "a"), (1, "a much longer note")):
+            with ActorClient(shards.endpoints[shard], timeout=10) as actor:
+                actor.push_episode({"note": [note] * 20, "pos": {"xy": np.full((20, 2), shard, np.float32)}})
+        with LearnerClient(endpoints=shards.endpoints, timeout=10) as learner:
+            batch, info = learner.sample(200, seed=5, with_info=True)
+            assert set(info.shard_ids.tolist()) == {0, 1}
+            expected = np.where(info.shard_ids == 0, "a", "a much longer note")
+            assert list(batch["note"]) == list(expected)
+            assert np.all(batch["pos"]["xy"][:, 0] == info.shard_ids)
