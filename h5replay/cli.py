@@ -121,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--timeout", type=_seconds, default=30.0, help="seconds to wait for the server")
 
     actor = sub.add_parser("actor", parents=[common], help="example actor: a gymnasium environment with a random policy")
-    actor.add_argument("endpoint", metavar="ENDPOINT")
+    actor.add_argument("endpoint", metavar="ENDPOINT", nargs="+",
+                       help="the server's endpoint; several: shards, the actor writes to one and fails over")
     actor.add_argument("--env", default="CartPole-v1", help="gymnasium environment id (default CartPole-v1)")
     actor.add_argument("--episodes", type=_non_negative_int, default=0, help="episodes to send (0: until SIGTERM)")
     actor.add_argument("--seed", type=int, default=None)
@@ -131,7 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     client_keys(actor)
 
     learner = sub.add_parser("learner", parents=[common], help="example learner: samples and prints what it learns of the data")
-    learner.add_argument("endpoint", metavar="ENDPOINT")
+    learner.add_argument("endpoint", metavar="ENDPOINT", nargs="+",
+                         help="the server's endpoint; several: shards, the learner samples all of them")
     learner.add_argument("--batch-size", type=_positive_int, default=256)
     learner.add_argument("--seconds", type=float, default=0.0, help="how long to run (0: until SIGTERM)")
     learner.add_argument("--report-every", type=_seconds, default=5.0)
@@ -165,6 +167,32 @@ def build_parser() -> argparse.ArgumentParser:
     compact = sub.add_parser("compact", parents=[common], help="rewrite a replay file in place (no server may be running)")
     compact.add_argument("path", metavar="FILE")
     layout_flags(compact)
+
+    ray = sub.add_parser("ray", parents=[common], help="h5replay shards on a running Ray cluster (needs h5replay[ray])")
+    ray_sub = ray.add_subparsers(dest="ray_command", metavar="ACTION")
+    ray_sub.required = True
+    ray_start = ray_sub.add_parser("start", parents=[common], help="start one server per node (detached); print the endpoints")
+    ray_start.add_argument("--shards", type=_positive_int, required=True, metavar="N", help="how many servers")
+    ray_start.add_argument("--directory", required=True, metavar="DIR",
+                           help="a folder on each node's local disk; shard k serves DIR/shard-k.h5")
+    ray_start.add_argument("--space", metavar="SPACE.json", help="space of new files (`h5replay space`)")
+    ray_size = ray_start.add_mutually_exclusive_group()
+    ray_size.add_argument("--capacity", type=_positive_int, metavar="N", help="rows each new file holds, a ring")
+    ray_size.add_argument("--unbounded", action="store_true", help="new files grow without limit")
+    ray_start.add_argument("--spread", action="store_true",
+                           help="allow several shards per node (round the nodes); default: one per node")
+    ray_start.add_argument("--host", help="address to bind (default: each node's IP as Ray knows it)")
+    ray_start.add_argument("--readers", type=_non_negative_int, default=1, metavar="K",
+                           help="reader processes per shard (default 1)")
+    ray_start.add_argument("--fsync", action="store_true", help="fsync every commit")
+    ray_start.add_argument("--auth", metavar="DIR", help="CURVE keys, in DIR on every node (see `serve --auth`)")
+    ray_start.add_argument("--insecure", action="store_true",
+                           help="bind the nodes' IPs without --auth (Ray's own network is trusted anyway)")
+    ray_start.add_argument("--json", action="store_true", help="print the shards' details as JSON")
+    for p in (ray_start, ray_sub.add_parser("endpoints", parents=[common], help="print the endpoints of running shards"),
+              ray_sub.add_parser("stop", parents=[common], help="stop the shards (each flushes and closes its file)")):
+        p.add_argument("--address", default="auto", help="the Ray cluster (default auto: the one this node belongs to)")
+        p.add_argument("--name", default="h5replay", help="name of the shards' Ray actors (default h5replay)")
 
     demo = sub.add_parser("demo", parents=[common], help="start a server, actors and a learner on an embedded default")
     demo.add_argument("--actors", type=_positive_int, default=4)
@@ -332,6 +360,37 @@ def cmd_learner(args: argparse.Namespace) -> int:
                        secret_key=args.secret_key, server_key=args.server_key)
 
 
+def cmd_ray(args: argparse.Namespace) -> int:
+    try:
+        import ray
+
+        from h5replay.integrations.ray import ShardSet, start_shards
+    except ImportError as exc:
+        raise ConfigError(f"{exc}") from exc
+    if not ray.is_initialized():
+        ray.init(address=args.address, logging_level=logging.WARNING)
+    if args.ray_command == "stop":
+        ShardSet.connect(args.name).stop()
+        print(f"stopped the shards {args.name}-*", file=sys.stderr)
+        return 0
+    if args.ray_command == "endpoints":
+        print(" ".join(ShardSet.connect(args.name).endpoints))
+        return 0
+    options: dict[str, Any] = {"num_readers": args.readers, "fsync": args.fsync, "insecure": args.insecure}
+    if args.auth:
+        options["auth_dir"] = args.auth
+    if not args.space and not args.capacity and not args.unbounded:
+        log.info("no --space / --capacity: each shard's file must exist already")
+    shards = start_shards(args.shards, _load_space(args.space) if args.space else None,
+                          None if args.unbounded else args.capacity, args.directory, per_node=not args.spread,
+                          host=args.host, name=args.name, **options)
+    if args.json:
+        print(json.dumps(shards.stats(), indent=2, default=str))
+    else:
+        print(" ".join(shards.endpoints))
+    return 0
+
+
 def cmd_space(args: argparse.Namespace) -> int:
     if args.space_command == "python":
         print(json.dumps(_python_space(args.target).to_json(), indent=2))
@@ -445,6 +504,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 COMMANDS = {
     "serve": cmd_serve, "ping": cmd_ping, "stats": cmd_stats, "info": cmd_info, "keys": cmd_keys, "demo": cmd_demo,
     "actor": cmd_actor, "learner": cmd_learner, "space": cmd_space, "export": cmd_export, "compact": cmd_compact,
+    "ray": cmd_ray,
 }
 
 

@@ -111,10 +111,15 @@ class ClientConfig:
     # one message within this time travels as a single push: one round trip.
     batch_seconds: float = 1.0
     heartbeat_interval: float = 1.0
+    # Over several servers (endpoints=[...]): a shard that did not answer is probed again (in the
+    # background) this often, and used again once it answers.
+    shard_retry_interval: float = 2.0
 
     def __post_init__(self) -> None:
         if self.timeout <= 0:
             raise ConfigError(f"timeout must be > 0 seconds, got {self.timeout}")
+        if self.shard_retry_interval <= 0:
+            raise ConfigError(f"shard_retry_interval must be > 0 seconds, got {self.shard_retry_interval}")
         if self.max_in_flight < 1 or self.batch_rows < 1 or self.batch_bytes < 1:
             raise ConfigError("max_in_flight, batch_rows and batch_bytes must be >= 1")
         if not self.endpoint.startswith(("tcp://", "ipc://")):

@@ -11,12 +11,14 @@ from __future__ import annotations
 import collections
 import os
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from h5replay import protocol as P
 from h5replay.client._connection import Connection, curve_keys, say_hello
+from h5replay.client._shards import InDoubt, ShardedActor, ShardedSegment
 from h5replay.config import DEFAULT_ENDPOINT, ClientConfig
 from h5replay.errors import ClosedError, SegmentStateError
 from h5replay.records import Receipt
@@ -38,12 +40,17 @@ class ActorClient:
     Args:
         endpoint: the server's endpoint, e.g. "tcp://127.0.0.1:5555".
         timeout: seconds to wait for any reply before raising ServerUnavailableError.
-        name: shown in the server's logs.
+        name: shown in the server's logs; over several servers it picks the home shard.
         config: full client settings (overrides endpoint and timeout).
         secret_key, server_key: CURVE certificate files (`h5replay keys generate`).
+        endpoints: several servers ("shards", the same list in the same order for every client),
+            instead of `endpoint`: the actor writes to its home shard (crc32 of its name) and moves
+            to the next live shard when that one stops answering, the episode in flight pushed
+            again whole (see h5replay.client._shards).
 
     Raises:
-        ServerUnavailableError: the server did not answer the hello within `timeout`.
+        ServerUnavailableError: the server (every shard) did not answer the hello within `timeout`.
+        ConfigError: the shards hold different spaces, or two endpoints reach the same file.
     """
 
     def __init__(
@@ -55,8 +62,15 @@ class ActorClient:
         config: ClientConfig | None = None,
         secret_key: str | os.PathLike[str] | None = None,
         server_key: str | os.PathLike[str] | None = None,
+        endpoints: Sequence[str] | None = None,
     ) -> None:
         self.config = config or ClientConfig(endpoint=endpoint, timeout=timeout, name=name or f"actor-{os.getpid()}")
+        #: Over several servers: the routing (h5replay.client._shards), which every call goes through.
+        self._router: ShardedActor | None = None
+        if endpoints is not None:
+            self._router = ShardedActor(endpoints, self.config, secret_key, server_key)
+            self._adopt(self._router.codec)
+            return
         self._conn, hello = say_hello(self.config, "actor", curve_keys(secret_key, server_key))
         self.limits = hello.limits
         self.space: Space = space_from_json(hello.space)
@@ -76,14 +90,37 @@ class ActorClient:
             room // max(1, self._row_bytes),
         ))
 
-    def segment(self) -> ActorSegment:
+    def _adopt(self, shard: ActorClient) -> None:
+        """Take the figures of a shard's client as this client's (all shards hold the same space)."""
+        self._conn = shard.connection
+        self.limits, self.space, self.capacity = shard.limits, shard.space, shard.capacity
+        self.server_version, self.replay_id, self.instance_id = shard.server_version, shard.replay_id, shard.instance_id
+        self.schema, self._row_bytes, self.rows_per_message = shard.schema, shard._row_bytes, shard.rows_per_message
+
+    @property
+    def shard(self) -> int:
+        """The index (in `endpoints`) of the shard this actor writes to now; 0 for a single server."""
+        return self._router.current if self._router is not None else 0
+
+    @property
+    def in_doubt(self) -> list[InDoubt]:
+        """Over several servers: episodes whose commit reply was lost with a shard and that were
+        pushed again on another (they may be held twice until idempotency keys settle them)."""
+        return list(self._router.in_doubt) if self._router is not None else []
+
+    def segment(self) -> ActorSegment | ShardedSegment:
         """Open a segment (one episode). As a context manager it commits on normal exit and
-        aborts on an exception."""
+        aborts on an exception. Over several servers the episode moves whole to the next live
+        shard when its shard stops answering."""
+        if self._router is not None:
+            return self._router.segment()
         return ActorSegment(self)
 
     def push_episode(self, batch: Any) -> Receipt:
         """Send one whole episode (a leading axis on every leaf) and wait for its commit. Returns
         the global ids the server gave it; an empty episode records nothing: Receipt(-1, -1, 0)."""
+        if self._router is not None:
+            return self._router.push_episode(batch)
         encoded, n = self.encode_batch(batch)
         if n == 0:
             return Receipt(-1, -1, 0)
@@ -94,7 +131,10 @@ class ActorClient:
         return seg.receipt  # type: ignore[return-value]
 
     def info(self) -> dict[str, Any]:
-        """The server's figures (length, episodes, clients, rows in, ...)."""
+        """The server's figures (length, episodes, clients, rows in, ...); over several servers,
+        the current shard's, with "shard": its index."""
+        if self._router is not None:
+            return self._router.info()
         return dict(self._conn.request(lambda rid: P.Info(rid)).stats)  # type: ignore[attr-defined]
 
     def encode_one(self, step: Any) -> dict[str, np.ndarray]:
@@ -107,10 +147,15 @@ class ActorClient:
 
     @property
     def connection(self) -> Connection:
+        if self._router is not None:
+            return self._router.writer()[1].connection
         return self._conn
 
     def close(self) -> None:
         """Close the socket (after every commit was acknowledged). Safe to call twice."""
+        if self._router is not None:
+            self._router.close()
+            return
         self._conn.close()
 
     def __enter__(self) -> ActorClient:

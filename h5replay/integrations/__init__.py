@@ -4,6 +4,8 @@
   (reads the objects' attributes only: gymnasium itself is needed only to make them).
 * `h5replay.integrations.torch`: `H5ReplayDataset`, an `IterableDataset` of sampled batches for a
   PyTorch `DataLoader` (`pip install 'h5replay[torch]'`).
+* `h5replay.integrations.ray`: `start_shards`, h5replay servers placed on a Ray cluster, one per
+  node, restarted on their node (`pip install 'h5replay[ray]'`).
 
 Nothing is imported here, so `import h5replay.integrations` never needs those libraries.
 """
