@@ -86,6 +86,21 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--metrics-address", default="127.0.0.1", help="address of the metrics port (default 127.0.0.1)")
     serve.add_argument("--auth", metavar="DIR", help="accept only CURVE keys listed in DIR/actors and DIR/learners")
     serve.add_argument("--insecure", action="store_true", help="allow binding beyond loopback without --auth")
+    sampling = serve.add_argument_group("sampling (a new file; an existing one keeps its own)")
+    sampling.add_argument("--sampler", choices=("uniform", "prioritized", "fifo", "lifo"),
+                          help="how rows are drawn (default uniform)")
+    sampling.add_argument("--priority-exponent", type=float, metavar="A",
+                          help="prioritized: probability ~ priority ** A (default 0.6)")
+    sampling.add_argument("--initial-priority", type=float, metavar="P",
+                          help="prioritized: the priority of a row given none (default: the largest so far)")
+    sampling.add_argument("--min-size-to-sample", type=_positive_int, metavar="N",
+                          help="samples wait until N rows are held (Reverb's MinSize)")
+    sampling.add_argument("--samples-per-insert", type=float, metavar="R",
+                          help="keep rows sampled / rows inserted near R (Reverb's SampleToInsertRatio)")
+    sampling.add_argument("--error-buffer", type=float, metavar="E",
+                          help="how far sampling may run ahead of or behind R (with --samples-per-insert)")
+    sampling.add_argument("--max-times-sampled", type=_non_negative_int, metavar="K",
+                          help="a row sampled K times is removed (fifo and 1: a queue; default 0: never)")
     serve.add_argument("--heartbeat-timeout", type=_seconds, default=5.0, metavar="S",
                        help="drop a client whose connection is silent this long (default 5)")
     serve.add_argument("--session-timeout", type=_seconds, default=300.0, metavar="S",
@@ -243,6 +258,27 @@ def _check_serve_args(args: argparse.Namespace) -> None:
                           "--unbounded (it is for a new file) or give a new path")
 
 
+def _sampling_config(args: argparse.Namespace) -> Any:
+    """The sampling settings the flags give, or None when none was given."""
+    from h5replay.sampling import Fifo, Lifo, Prioritized, RateLimit, SamplingConfig, Uniform
+
+    flags = ("sampler", "priority_exponent", "initial_priority", "min_size_to_sample", "samples_per_insert",
+             "error_buffer", "max_times_sampled")
+    if all(getattr(args, name) is None for name in flags):
+        return None
+    kind = args.sampler or ("prioritized" if args.priority_exponent is not None or args.initial_priority is not None
+                            else "uniform")
+    if kind != "prioritized" and (args.priority_exponent is not None or args.initial_priority is not None):
+        raise UsageError("--priority-exponent and --initial-priority go with --sampler prioritized")
+    if kind == "prioritized":
+        sampler: Any = Prioritized(0.6 if args.priority_exponent is None else args.priority_exponent,
+                                   args.initial_priority)
+    else:
+        sampler = {"uniform": Uniform, "fifo": Fifo, "lifo": Lifo}[kind]()
+    limit = RateLimit(args.min_size_to_sample or 1, args.samples_per_insert, args.error_buffer)
+    return SamplingConfig(sampler, limit, args.max_times_sampled or 0)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from h5replay.server import Server
 
@@ -262,6 +298,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         insecure=args.insecure,
         heartbeat_timeout=args.heartbeat_timeout,
         session_timeout=args.session_timeout,
+        sampling=_sampling_config(args),
     )
     return Server(config).run()
 

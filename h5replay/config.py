@@ -12,6 +12,7 @@ from typing import Any
 
 from h5replay.errors import ConfigError
 from h5replay.protocol import DEFAULT_LIMITS, Limits
+from h5replay.sampling import SamplingConfig
 
 __all__ = ["ServerConfig", "ClientConfig", "DEFAULT_ENDPOINT", "read_endpoint_for"]
 
@@ -68,6 +69,9 @@ class ServerConfig:
     metrics_address: str = "127.0.0.1"
     auth_dir: str | None = None  # CURVE keys (h5replay keys generate): only listed clients connect
     insecure: bool = False  # allow a non-loopback bind without authentication
+    # Sampler, rate limit and max_times_sampled of a new file (None: uniform, no limit); for an
+    # existing file, when given, they must be the file's own.
+    sampling: SamplingConfig | None = None
 
     def __post_init__(self) -> None:
         if self.num_readers < 0:
@@ -111,6 +115,9 @@ class ClientConfig:
     # one message within this time travels as a single push: one round trip.
     batch_seconds: float = 1.0
     heartbeat_interval: float = 1.0
+    # How long the server may hold a commit or a sample back for its rate limit (Reverb's
+    # rate_limiter_timeout) before refusing it with RateLimitedError.
+    rate_limit_timeout: float = 60.0
     # Over several servers (endpoints=[...]): a shard that did not answer is probed again (in the
     # background) this often, and used again once it answers.
     shard_retry_interval: float = 2.0
@@ -118,6 +125,8 @@ class ClientConfig:
     def __post_init__(self) -> None:
         if self.timeout <= 0:
             raise ConfigError(f"timeout must be > 0 seconds, got {self.timeout}")
+        if not 0 <= self.rate_limit_timeout <= 86_400:
+            raise ConfigError(f"rate_limit_timeout must be in [0, 86400] seconds, got {self.rate_limit_timeout}")
         if self.shard_retry_interval <= 0:
             raise ConfigError(f"shard_retry_interval must be > 0 seconds, got {self.shard_retry_interval}")
         if self.max_in_flight < 1 or self.batch_rows < 1 or self.batch_bytes < 1:

@@ -32,20 +32,26 @@ kind               sent by      request fields                       reply field
 hello              any client   client_name, role                    space (JSON), capacity (int|None),
                                 ('actor' | 'learner')                length, num_episodes, server_version,
                                                                      protocol_version, limits, read_endpoint,
-                                                                     replay_id, instance_id
+                                                                     replay_id, instance_id, sampling
+                                                                     ({name: scalar}: sampler, writer_samples)
 open_segment       actor        -                                    segment_id
-append             actor        segment_id, num_rows, leaf arrays    segment_length
-commit             actor        segment_id                           episode_id, first_row_id (nil when
+append             actor        segment_id, num_rows, priorities:    segment_length
+                                float64 (0 or num_rows; NaN: the
+                                default), leaf arrays
+commit             actor        segment_id, timeout (s)              episode_id, first_row_id (nil when
                                                                      empty), length
 abort              actor        segment_id                           -
-push_episode       actor        num_rows, leaf arrays                episode_id, first_row_id, length
+push_episode       actor        num_rows, timeout, priorities, leaf  episode_id, first_row_id, length
+                                arrays
+update_priorities  any client   row_ids: int64 (n,), priorities:     ignored (ids no longer held), seq
+                                float64 (n,)
 get                learner      min_seq, indices: int64 (n,)         view, row_ids (n,), leaf arrays (n, ...)
                                 (logical: 0 is the oldest row held)
 get_rows           learner      min_seq, row_ids: int64 (n,)         view, leaf arrays (n, ...)
 sample             learner      batch_size, seed (int|None),         view, row_ids (b,), episode_ids (b,),
-                                min_seq                              probabilities (b,), leaf arrays (b, ...)
+                                min_seq, timeout                     probabilities (b,), leaf arrays (b, ...)
 sample_sequences   learner      batch_size, length, seed, min_seq,   view, row_ids, episode_ids, probabilities
-                                with_rows (bool)                     (of each window's first row), leaf
+                                with_rows (bool), timeout            (of each window's first row), leaf
                                                                      arrays (b, length, ...) when with_rows
 episodes           learner      min_seq                              view, episodes: int64 (n, 3) of
                                                                      (episode_id, first_row_id, length)
@@ -55,6 +61,11 @@ reply              server       answers any request                  on error: c
 =================  ===========  ===================================  =======================================
 
 "view" is the four fields seq, generation, begin, end.
+
+``timeout`` (seconds, >= 0): how long the server may hold a commit, push_episode or sample back for
+the rate limit before refusing it with ``rate_limited`` (0: refuse at once). When the hello's
+``sampling.writer_samples`` is true (a rate limit, or rows removed as they are sampled), learners
+send sample and sample_sequences to the writer's endpoint: only the writer may count them.
 
 Every request gets exactly one reply with the same ``request_id``. A changed message bumps
 PROTOCOL_VERSION and extends tests/property/test_protocol_roundtrip.py.
@@ -67,7 +78,7 @@ import re
 import reprlib
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 from functools import lru_cache
 from typing import Any, Callable, ClassVar, TypeVar, overload
@@ -83,6 +94,7 @@ from h5replay.errors import (
     LimitExceededError,
     NotEnoughDataError,
     ProtocolError,
+    RateLimitedError,
     ReadOnlyError,
     RemoteError,
     SegmentStateError,
@@ -95,14 +107,15 @@ from h5replay.errors import (
 __all__ = [
     "PROTOCOL_VERSION", "ROWS_MESSAGE_OVERHEAD", "ID_BYTES", "SAMPLE_INFO_BYTES", "ROLES", "Kind", "ErrorCode", "ERROR_CLASSES", "Limits", "DEFAULT_LIMITS",
     "Message", "Request", "Reply", "Hello", "OpenSegment", "Append", "Commit", "Abort", "PushEpisode",
-    "Get", "GetRows", "Sample", "SampleSequences", "Episodes", "Info", "Heartbeat", "HelloReply",
-    "OpenSegmentReply", "AppendReply", "CommitReply", "AbortReply", "PushEpisodeReply", "GetReply",
+    "UpdatePriorities", "Get", "GetRows", "Sample", "SampleSequences", "Episodes", "Info", "Heartbeat", "HelloReply",
+    "OpenSegmentReply", "AppendReply", "CommitReply", "AbortReply", "PushEpisodeReply", "UpdatePrioritiesReply",
+    "GetReply",
     "GetRowsReply", "SampleReply", "SampleSequencesReply", "EpisodesReply", "InfoReply", "HeartbeatReply",
     "ErrorReply", "ReadReply",
     "encode", "decode", "peek_request_id", "error_to_exception", "exception_to_error",
 ]
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 ROLES = ("actor", "learner")
 
 Array = NDArray[Any]
@@ -118,6 +131,7 @@ class Kind(str, Enum):
     COMMIT = "commit"
     ABORT = "abort"
     PUSH_EPISODE = "push_episode"
+    UPDATE_PRIORITIES = "update_priorities"
     GET = "get"
     GET_ROWS = "get_rows"
     SAMPLE = "sample"
@@ -138,6 +152,7 @@ class ErrorCode(str, Enum):
     INDEX_OUT_OF_RANGE = "index_out_of_range"
     EVICTED = "evicted"  # a row id is no longer held
     NOT_ENOUGH_DATA = "not_enough_data"  # sampling before the buffer holds enough; retry later
+    RATE_LIMITED = "rate_limited"  # the rate limit held the request back for its whole timeout
     UNKNOWN_SEGMENT = "unknown_segment"  # no open segment of that id for this client
     READ_ONLY = "read_only"  # a learner tried to write, or the store is read-only
     STORAGE_ERROR = "storage_error"
@@ -156,6 +171,7 @@ ERROR_CLASSES: Mapping[str, type[Exception]] = {
     ErrorCode.INDEX_OUT_OF_RANGE.value: IndexError,
     ErrorCode.EVICTED.value: EvictedError,
     ErrorCode.NOT_ENOUGH_DATA.value: NotEnoughDataError,
+    ErrorCode.RATE_LIMITED.value: RateLimitedError,
     ErrorCode.UNKNOWN_SEGMENT.value: SegmentStateError,
     ErrorCode.READ_ONLY.value: ReadOnlyError,
     ErrorCode.STORAGE_ERROR.value: StorageError,
@@ -174,6 +190,7 @@ _CODE_OF_EXCEPTION: tuple[tuple[type[BaseException], ErrorCode], ...] = (
     (EvictedError, ErrorCode.EVICTED),
     (IndexError, ErrorCode.INDEX_OUT_OF_RANGE),
     (NotEnoughDataError, ErrorCode.NOT_ENOUGH_DATA),
+    (RateLimitedError, ErrorCode.RATE_LIMITED),
     (SegmentStateError, ErrorCode.UNKNOWN_SEGMENT),
     (ReadOnlyError, ErrorCode.READ_ONLY),
     (StorageError, ErrorCode.STORAGE_ERROR),
@@ -307,21 +324,33 @@ class OpenSegment(Request):
     KIND = Kind.OPEN_SEGMENT
 
 
+_NO_PRIORITIES: Array = np.zeros(0, dtype=np.float64)
+_NO_PRIORITIES.flags.writeable = False
+
+
+def _check_priorities(priorities: Array, num_rows: int) -> None:
+    if len(priorities) not in (0, num_rows):
+        raise ProtocolError(f"priorities must be empty (none given) or one per row ({num_rows}), got {len(priorities)}")
+
+
 @dataclass(frozen=True, eq=False, repr=False)
 class Append(Request):
     KIND = Kind.APPEND
     segment_id: int
     num_rows: int
     arrays: Arrays
+    priorities: Array = field(default_factory=lambda: _NO_PRIORITIES)  # one per row (NaN: the default), or none
 
     def _validate(self, limits: Limits) -> None:
         _check_leading(self.arrays, self.num_rows)
+        _check_priorities(self.priorities, self.num_rows)
 
 
 @dataclass(frozen=True, eq=False, repr=False)
 class Commit(Request):
     KIND = Kind.COMMIT
     segment_id: int
+    timeout: float = 0.0  # seconds the rate limit may hold the commit back
 
 
 @dataclass(frozen=True, eq=False, repr=False)
@@ -335,9 +364,25 @@ class PushEpisode(Request):
     KIND = Kind.PUSH_EPISODE
     num_rows: int
     arrays: Arrays
+    timeout: float = 0.0
+    priorities: Array = field(default_factory=lambda: _NO_PRIORITIES)
 
     def _validate(self, limits: Limits) -> None:
         _check_leading(self.arrays, self.num_rows)
+        _check_priorities(self.priorities, self.num_rows)
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class UpdatePriorities(Request):
+    KIND = Kind.UPDATE_PRIORITIES
+    row_ids: Array
+    priorities: Array
+
+    def _validate(self, limits: Limits) -> None:
+        _check_rows_limit(len(self.row_ids), "row_ids", limits)
+        if len(self.priorities) != len(self.row_ids):
+            raise ProtocolError(f"update_priorities needs one priority per row id, got {len(self.priorities)} for "
+                                f"{len(self.row_ids)}")
 
 
 @dataclass(frozen=True, eq=False, repr=False)
@@ -368,6 +413,7 @@ class Sample(Request):
     batch_size: int
     seed: int | None = None
     min_seq: int = 0
+    timeout: float = 0.0  # seconds the rate limit may hold the sample back (writer-side sampling)
 
 
 @dataclass(frozen=True, eq=False, repr=False)
@@ -378,6 +424,7 @@ class SampleSequences(Request):
     seed: int | None = None
     min_seq: int = 0
     with_rows: bool = True  # False: only the windows' ids (the learner then fetches rows by id)
+    timeout: float = 0.0
 
     def _validate(self, limits: Limits) -> None:
         if self.length < 1:
@@ -418,6 +465,8 @@ class HelloReply(Reply):
     read_endpoint: str  # where learners send their reads (reader processes)
     replay_id: str  # the file's UUID: tells this replay from any other
     instance_id: str  # this server process's UUID: tells a restarted server from the same one
+    # {name: scalar}: sampler, writer_samples (learners send samples to the writer), ...
+    sampling: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, eq=False, repr=False)
@@ -451,6 +500,13 @@ class PushEpisodeReply(Reply):
     episode_id: int | None
     first_row_id: int | None
     length: int
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class UpdatePrioritiesReply(Reply):
+    KIND = Kind.UPDATE_PRIORITIES
+    ignored: int  # ids no longer held (evicted, cleared or removed): ignored, as Reverb does
+    seq: int  # the publish that made the new priorities durable
 
 
 @dataclass(frozen=True, eq=False, repr=False)
@@ -556,13 +612,13 @@ class ErrorReply(Reply):
 
 _REQUEST_CLASSES: dict[str, type[Request]] = {
     c.KIND.value: c
-    for c in (Hello, OpenSegment, Append, Commit, Abort, PushEpisode, Get, GetRows, Sample, SampleSequences,
-              Episodes, Info, Heartbeat)
+    for c in (Hello, OpenSegment, Append, Commit, Abort, PushEpisode, UpdatePriorities, Get, GetRows, Sample,
+              SampleSequences, Episodes, Info, Heartbeat)
 }
 _REPLY_CLASSES: dict[str, type[Reply]] = {
     c.KIND.value: c
     for c in (HelloReply, OpenSegmentReply, AppendReply, CommitReply, AbortReply, PushEpisodeReply,
-              GetReply, GetRowsReply, SampleReply, SampleSequencesReply, EpisodesReply, InfoReply, HeartbeatReply)
+              UpdatePrioritiesReply, GetReply, GetRowsReply, SampleReply, SampleSequencesReply, EpisodesReply, InfoReply, HeartbeatReply)
 }
 
 # --------------------------------------------------------------------------------- field checks
@@ -658,6 +714,15 @@ def _stats(value: Any, name: str, limits: Limits) -> dict[str, Any]:
     return value
 
 
+_MAX_TIMEOUT = 86_400.0  # a day: longer is a mistake, not a wait
+
+
+def _seconds(value: Any, name: str, limits: Limits) -> float:
+    if type(value) not in (int, float) or not 0 <= value <= _MAX_TIMEOUT:  # NaN fails both comparisons
+        raise ProtocolError(f"field {name!r} must be seconds in [0, {_MAX_TIMEOUT:g}], got {_show(value)}")
+    return float(value)
+
+
 def _limits(value: Any, name: str, limits: Limits) -> Limits:
     return Limits.from_json(value)
 
@@ -675,7 +740,7 @@ _SCALAR_CHECKS: dict[str, Callable[[Any, str, Limits], Any]] = {
     "server_version": _text, "protocol_version": _uint, "space": _json_map, "limits": _limits,
     "stats": _stats, "code": _text, "message": _text, "read_endpoint": _text, "replay_id": _text,
     "instance_id": _text, "min_seq": _uint, "seq": _uint, "generation": _uint, "begin": _uint, "end": _uint,
-    "with_rows": _bool,
+    "with_rows": _bool, "timeout": _seconds, "ignored": _uint, "sampling": _stats,
 }
 
 
@@ -684,6 +749,7 @@ class _ArrayField:
     dtype: np.dtype[Any]
     ndim: int
     columns: int | None = None  # the second axis of a 2-d field
+    optional: bool = False  # left out of the message when empty (and then decoded as empty)
 
 
 # A message's own arrays: one dtype and shape each, whatever message carries them.
@@ -692,6 +758,7 @@ _ARRAY_FIELDS: dict[str, _ArrayField] = {
     "row_ids": _ArrayField(np.dtype("<i8"), 1),
     "episode_ids": _ArrayField(np.dtype("<u8"), 1),
     "probabilities": _ArrayField(np.dtype("<f8"), 1),
+    "priorities": _ArrayField(np.dtype("<f8"), 1, optional=True),
     "episodes": _ArrayField(np.dtype("<i8"), 2, 3),
 }
 
@@ -827,6 +894,7 @@ def encode(msg: Message, limits: Limits | None = None) -> list[bytes | memoryvie
     """
     layout = _LAYOUTS[type(msg)]
     arrays = [(name, _own_array(getattr(msg, name), name)) for name in layout.array_fields]
+    arrays = [(name, a) for name, a in arrays if a.size or not _ARRAY_FIELDS[name].optional]
     if layout.has_leaves:
         arrays += [(name, _leaf_array(a, name)) for name, a in getattr(msg, "arrays").items()]  # noqa: B009
     header: dict[str, Any] = {"version": PROTOCOL_VERSION, "kind": msg.KIND.value, "id": msg.request_id}
@@ -987,10 +1055,15 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS, *, expect: ty
         declared = len(entries) if type(entries) is list else _show(entries)
         raise ProtocolError(f"header declares {declared} arrays but the message has {len(views) - 1} array frames")
     arrays = [_decode_array(entry, view, limits) for entry, view in zip(entries, views[1:])]
-    num_fixed = len(layout.array_fields)
-    if [name for name, _ in arrays[:num_fixed]] != list(layout.array_fields):
-        raise ProtocolError(f"{cls.__name__} starts with arrays {list(layout.array_fields)}, "
-                            f"got {[name for name, _ in arrays[:num_fixed]]}")
+    present = [name for name in layout.array_fields
+               if not _ARRAY_FIELDS[name].optional or any(entry == name for entry, _ in arrays[: len(layout.array_fields)])]
+    num_fixed = len(present)
+    if [name for name, _ in arrays[:num_fixed]] != present:
+        raise ProtocolError(f"{cls.__name__} starts with arrays {list(layout.array_fields)} (those marked optional "
+                            f"may be left out), got {[name for name, _ in arrays[:num_fixed]]}")
+    for name in layout.array_fields:
+        if name not in present:
+            values[name] = _NO_PRIORITIES  # the one optional own array (read-only, like every decoded one)
     for name, arr in arrays[:num_fixed]:
         spec = _ARRAY_FIELDS[name]
         if arr.dtype.newbyteorder("<") != spec.dtype or arr.ndim != spec.ndim or (

@@ -20,11 +20,20 @@ from h5replay import protocol as P
 from h5replay.client._connection import Connection, curve_keys, say_hello
 from h5replay.client._shards import InDoubt, ShardedActor, ShardedSegment
 from h5replay.config import DEFAULT_ENDPOINT, ClientConfig
-from h5replay.errors import ClosedError, SegmentStateError
+from h5replay.errors import ClosedError, RateLimitedError, SegmentStateError
 from h5replay.records import Receipt
+from h5replay.sampling import check_priorities
 from h5replay.spaces import Schema, Space, space_from_json
 
 __all__ = ["ActorClient", "ActorSegment", "Receipt"]
+
+
+_NO_PRIORITIES = np.zeros(0, dtype=np.float64)
+
+
+def _check_priorities(priorities: Any, n: int) -> np.ndarray:
+    """Priorities for n steps as sent (empty: none given), checked here before anything leaves."""
+    return _NO_PRIORITIES if priorities is None else check_priorities(priorities, n)
 
 
 def _receipt(reply: Any) -> Receipt:
@@ -116,18 +125,26 @@ class ActorClient:
             return self._router.segment()
         return ActorSegment(self)
 
-    def push_episode(self, batch: Any) -> Receipt:
-        """Send one whole episode (a leading axis on every leaf) and wait for its commit. Returns
-        the global ids the server gave it; an empty episode records nothing: Receipt(-1, -1, 0)."""
+    def push_episode(self, batch: Any, priorities: Any = None) -> Receipt:
+        """Send one whole episode (a leading axis on every leaf), with one priority per step if
+        given (a prioritized server), and wait for its commit. Returns the global ids the server
+        gave it; an empty episode records nothing: Receipt(-1, -1, 0).
+
+        Raises:
+            RateLimitedError: the server's rate limit held the commit back for `rate_limit_timeout`.
+        """
         if self._router is not None:
-            return self._router.push_episode(batch)
+            return self._router.push_episode(batch, priorities)
         encoded, n = self.encode_batch(batch)
+        given = _check_priorities(priorities, n)
         if n == 0:
             return Receipt(-1, -1, 0)
         if n <= self.rows_per_message:
-            return _receipt(self._conn.request(lambda rid: P.PushEpisode(rid, n, encoded)))
+            limit = self.config.rate_limit_timeout
+            return _receipt(self._conn.request(
+                lambda rid: P.PushEpisode(rid, n, encoded, limit, given), timeout=self.config.timeout + limit))
         with self.segment() as seg:
-            seg.extend_encoded(encoded, n)
+            seg.extend_encoded(encoded, n, given)
         return seg.receipt  # type: ignore[return-value]
 
     def info(self) -> dict[str, Any]:
@@ -181,6 +198,7 @@ class ActorSegment:
         # Rows wait in one preallocated batch per leaf; a full batch leaves as one message.
         self._batch_capacity = client.rows_per_message
         self._batch: dict[str, np.ndarray] | None = None
+        self._priorities: np.ndarray | None = None  # per buffered row (NaN: none given), once one is
         self._buffered_rows = 0
         self._buffered_since = 0.0
         self.length = 0
@@ -194,23 +212,26 @@ class ActorSegment:
         if self._state != "open":
             raise SegmentStateError(f"cannot {what} a segment that was {self._state}")
 
-    def append(self, step: Any) -> None:
-        """Add one step; checked against the space now, sent in a batch soon."""
+    def append(self, step: Any, priority: float | None = None) -> None:
+        """Add one step (with its priority, for a prioritized server); checked against the space
+        now, sent in a batch soon."""
         self._require_open("append to")
-        self._add(self._client.encode_one(step), 1)
+        given = _check_priorities(None if priority is None else [priority], 1)
+        self._add(self._client.encode_one(step), 1, given)
 
-    def extend(self, batch: Any) -> None:
-        """Add a batch of steps (a leading axis on every leaf)."""
+    def extend(self, batch: Any, priorities: Any = None) -> None:
+        """Add a batch of steps (a leading axis on every leaf), with one priority per step if given."""
         self._require_open("extend")
         encoded, n = self._client.encode_batch(batch)
-        self.extend_encoded(encoded, n)
+        self.extend_encoded(encoded, n, _check_priorities(priorities, n))
 
-    def extend_encoded(self, encoded: dict[str, np.ndarray], n: int) -> None:
-        """Add rows already checked and in storage form (from `ActorClient.encode_batch`)."""
+    def extend_encoded(self, encoded: dict[str, np.ndarray], n: int, priorities: np.ndarray | None = None) -> None:
+        """Add rows already checked and in storage form (from `ActorClient.encode_batch`), with
+        priorities already checked (empty or None: none given)."""
         self._require_open("extend")
-        self._add(encoded, n)
+        self._add(encoded, n, priorities if priorities is not None else _NO_PRIORITIES)
 
-    def _add(self, encoded: dict[str, np.ndarray], n: int) -> None:
+    def _add(self, encoded: dict[str, np.ndarray], n: int, priorities: np.ndarray) -> None:
         offset = 0
         while offset < n:
             if self._batch is None:
@@ -223,6 +244,10 @@ class ActorSegment:
             first = self._buffered_rows
             for path, arr in encoded.items():  # a copy: the caller may reuse its arrays at once
                 self._batch[path][first : first + take] = arr[offset : offset + take]
+            if len(priorities) or self._priorities is not None:
+                if self._priorities is None:
+                    self._priorities = np.full(self._batch_capacity, np.nan)
+                self._priorities[first : first + take] = priorities[offset : offset + take] if len(priorities) else np.nan
             self._buffered_rows += take
             self.length += take
             offset += take
@@ -240,12 +265,13 @@ class ActorSegment:
             self.segment_id = int(reply.segment_id)  # type: ignore[attr-defined]
         n = self._buffered_rows
         arrays = {path: batch[:n] for path, batch in self._batch.items()}
+        priorities = self._priorities[:n] if self._priorities is not None else _NO_PRIORITIES
         # The message owns these arrays until it is sent (frames leave without a copy).
-        self._batch, self._buffered_rows = None, 0
+        self._batch, self._priorities, self._buffered_rows = None, None, 0
         while len(self._pending) >= self._config.max_in_flight:
             self._settle_oldest()
         segment_id = self.segment_id
-        self._pending.append(self._conn.send(lambda rid: P.Append(rid, segment_id, n, arrays)))
+        self._pending.append(self._conn.send(lambda rid: P.Append(rid, segment_id, n, arrays, priorities)))
 
     def _settle_oldest(self) -> None:
         request_id = self._pending.popleft()
@@ -271,20 +297,27 @@ class ActorSegment:
 
     def commit(self) -> Receipt:
         """Send what is buffered, wait for every append, then commit. Returns after the server has
-        the episode in the file, flushed. Raises and aborts if any part was refused."""
+        the episode in the file, flushed. Raises and aborts if any part was refused.
+
+        Raises:
+            RateLimitedError: the server's rate limit held the commit back for the client's
+                `rate_limit_timeout`; the segment stays open on the server: call commit again.
+        """
         self._require_open("commit")
         if self.segment_id is None:
             return self._push_whole()
         self._send_buffered()
         while self._pending:
             self._settle_oldest()
-        segment_id = self.segment_id
-        return self._conclude(lambda rid: P.Commit(rid, segment_id))
+        segment_id, limit = self.segment_id, self._config.rate_limit_timeout
+        return self._conclude(lambda rid: P.Commit(rid, segment_id, limit))
 
     def _conclude(self, request: Any) -> Receipt:
         """Send the request that commits the episode; its reply is the receipt."""
         try:
-            reply = self._conn.request(request)
+            reply = self._conn.request(request, timeout=self._config.timeout + self._config.rate_limit_timeout)
+        except RateLimitedError:
+            raise  # still open: the server keeps the segment (a push's rows stay here); commit again
         except BaseException:
             self._state = "failed"
             raise
@@ -295,13 +328,17 @@ class ActorSegment:
     def _push_whole(self) -> Receipt:
         """Commit an episode that never left the client: one push, one round trip."""
         n, batch = self._buffered_rows, self._batch
-        self._batch, self._buffered_rows = None, 0
         if not n or batch is None:
+            self._batch, self._priorities, self._buffered_rows = None, None, 0
             self._state = "committed"
             self.receipt = Receipt(-1, -1, 0)
             return self.receipt
         arrays = {path: rows[:n] for path, rows in batch.items()}
-        return self._conclude(lambda rid: P.PushEpisode(rid, n, arrays))
+        priorities = self._priorities[:n] if self._priorities is not None else _NO_PRIORITIES
+        limit = self._config.rate_limit_timeout
+        receipt = self._conclude(lambda rid: P.PushEpisode(rid, n, arrays, limit, priorities))
+        self._batch, self._priorities, self._buffered_rows = None, None, 0
+        return receipt
 
     def abort(self) -> None:
         """Drop the episode: nothing of it becomes visible. Safe to call twice."""

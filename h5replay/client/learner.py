@@ -29,6 +29,7 @@ from h5replay.client._shards import ShardedLearner
 from h5replay.config import DEFAULT_ENDPOINT, ClientConfig
 from h5replay.errors import ConfigError, ProtocolError
 from h5replay.records import Episode, SampleInfo
+from h5replay.sampling import check_priorities
 from h5replay.spaces import Schema, Space, space_from_json
 
 __all__ = ["LearnerClient", "View"]
@@ -154,6 +155,11 @@ class LearnerClient:
         self.server_version = hello.server_version
         self.replay_id = hello.replay_id
         self.instance_id = hello.instance_id
+        #: The server's sampling settings (sampler, rate limit, ...) as its hello gave them.
+        self.sampling: dict[str, Any] = dict(hello.sampling)
+        # Samples that change the buffer (a rate limit, removals) are drawn by the writer.
+        self._samples: Connection = self._conn if hello.sampling.get("writer_samples") else self._reads
+        self._seen_seq = 0  # the newest publish this client's own writes (priority updates) made
         self.schema = Schema(self.space)
         row_bytes = self.schema.row_bytes
         room = self.limits.max_message_bytes - P.ROWS_MESSAGE_OVERHEAD
@@ -184,7 +190,7 @@ class LearnerClient:
 
     @property
     def _min_seq(self) -> int:
-        return self._view.seq if self._view is not None else 0
+        return max(self._view.seq if self._view is not None else 0, self._seen_seq)
 
     def _observe(self, reply: P.ReadReply) -> View:
         view = View(reply.seq, reply.generation, reply.begin, reply.end)
@@ -232,26 +238,31 @@ class LearnerClient:
             raise ProtocolError("this learner has no read connection")
         return self._reads.request(factory)
 
-    def _read_many(self, factories: Sequence[Callable[[int], P.Request]]) -> list[Any]:
-        """Replies to several reads, keeping up to `max_in_flight` of them travelling at once."""
-        if self._reads is None:
+    def _read_many(
+        self, factories: Sequence[Callable[[int], P.Request]], conn: Connection | None = None, timeout: float | None = None,
+    ) -> list[Any]:
+        """Replies to several reads (on the read connection, or `conn`), keeping up to
+        `max_in_flight` of them travelling at once."""
+        conn = conn if conn is not None else self._reads
+        if conn is None:
             raise ProtocolError("this learner has no read connection")
-        conn, window = self._reads, self.config.max_in_flight
+        window = self.config.max_in_flight
         replies: list[Any] = []
         pending: list[int] = []
         try:
             for factory in factories:
                 if len(pending) >= window:
-                    replies.append(conn.wait(pending.pop(0)))
+                    replies.append(conn.wait(pending.pop(0), timeout))
                 pending.append(conn.send(factory))
             while pending:
-                replies.append(conn.wait(pending.pop(0)))
+                replies.append(conn.wait(pending.pop(0), timeout))
         except BaseException:
             for request_id in pending:
                 conn.forget(request_id)
             raise
         for reply in replies:
-            self._observe(reply)
+            if isinstance(reply, P.ReadReply):
+                self._observe(reply)
         return replies
 
     def _joined(self, parts: list[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
@@ -313,18 +324,33 @@ class LearnerClient:
         replies = self._read_many([_request(P.GetRows, min_seq, ids[lo:hi]) for lo, hi in parts])
         return self._joined([r.arrays for r in replies])
 
+    def _sample_many(self, factories: Sequence[Callable[[int], P.Request]]) -> list[Any]:
+        """Sample requests go to whoever draws them: readers, or the writer when samples change the
+        buffer (then each may wait up to `rate_limit_timeout` for the rate limit)."""
+        if self._samples is self._reads:
+            return self._read_many(factories)
+        return self._read_many(factories, self._samples, self.config.timeout + self.config.rate_limit_timeout)
+
     def sample(self, batch_size: int, seed: int | None = None, *, with_info: bool = False) -> Any:
-        """`batch_size` rows drawn uniformly with replacement from all rows held. With
-        `with_info=True` returns (batch, SampleInfo): row ids, episode ids, draw probabilities.
-        A batch bigger than one message is drawn in parts (seed, seed + 1, ...). Over several
-        servers, from every live shard in proportion to the rows it holds (one request per shard,
-        all at once); `SampleInfo.shard_ids` says where each row came from."""
+        """`batch_size` rows drawn by the server's sampler: uniformly or by priority, with
+        replacement; fifo / lifo or when rows are removed, without. With `with_info=True` returns
+        (batch, SampleInfo): row ids, episode ids, draw probabilities (for importance weights:
+        `SampleInfo.importance_weights(beta)`). A batch bigger than one message is drawn in parts
+        (seed, seed + 1, ...). Over several servers, from every live shard in proportion to the
+        rows it holds (one request per shard, all at once); `SampleInfo.shard_ids` says where
+        each row came from.
+
+        Raises:
+            NotEnoughDataError: nothing to sample yet (without a rate limit; with one, the sample waits).
+            RateLimitedError: the server's rate limit held the sample back for `rate_limit_timeout`.
+        """
         if self._router is not None:
             return self._router.sample(batch_size, seed, with_info=with_info)
         size = _positive(batch_size, "batch_size")
         parts = _chunks(size, self.rows_per_message)
-        replies = self._read_many([
-            _request(P.Sample, hi - lo, _seed(seed, k), self._min_seq) for k, (lo, hi) in enumerate(parts)
+        limit = self.config.rate_limit_timeout
+        replies = self._sample_many([
+            _request(P.Sample, hi - lo, _seed(seed, k), self._min_seq, limit) for k, (lo, hi) in enumerate(parts)
         ])
         batch = self._decode(self._joined([r.arrays for r in replies]))
         return (batch, self._info(replies)) if with_info else batch
@@ -337,16 +363,17 @@ class LearnerClient:
             return self._router.sample_sequences(batch_size, length, seed, with_info=with_info)
         size, steps = _positive(batch_size, "batch_size"), _positive(length, "length")
         windows = self.rows_per_message // steps
+        limit = self.config.rate_limit_timeout
         if windows >= 1:
-            replies = self._read_many([
-                _request(P.SampleSequences, hi - lo, steps, _seed(seed, k), self._min_seq, True)
+            replies = self._sample_many([
+                _request(P.SampleSequences, hi - lo, steps, _seed(seed, k), self._min_seq, True, limit)
                 for k, (lo, hi) in enumerate(_chunks(size, windows))
             ])
             batch = self._decode(self._joined([r.arrays for r in replies]))
             return (batch, self._info(replies)) if with_info else batch
         # One window is bigger than a message: draw the windows, then read each one by row ids.
-        replies = self._read_many([
-            _request(P.SampleSequences, hi - lo, steps, _seed(seed, k), self._min_seq, False)
+        replies = self._sample_many([
+            _request(P.SampleSequences, hi - lo, steps, _seed(seed, k), self._min_seq, False, limit)
             for k, (lo, hi) in enumerate(_chunks(size, self.limits.max_rows_per_message))
         ])
         info = self._info(replies)
@@ -362,6 +389,31 @@ class LearnerClient:
         for more in infos[1:]:
             info = info.concatenate(more)
         return info
+
+    def update_priorities(self, row_ids: Any, priorities: Any) -> int:
+        """Set the priorities of rows by id (a prioritized server), e.g. to |TD error| after a
+        learning step. Ids no longer held are ignored (and counted by the server). Returns when
+        the server has published them (durable; every later sample of this client sees them).
+
+        Returns:
+            How many ids were ignored.
+
+        Raises:
+            ConfigError: the server's sampler keeps no priorities, or a priority is negative, NaN
+                or infinite, or the counts differ (nothing is changed).
+            IndexError: an id was never committed (nothing of that message is changed).
+        """
+        if self._router is not None:
+            return self._router.update_priorities(row_ids, priorities)
+        ids = _integer_array(row_ids, "row ids")
+        values = check_priorities(priorities, ids.shape[0])
+        if ids.size and int(ids.min()) < 0:
+            raise IndexError(f"row id {int(ids.min())} is negative; row ids count from 0")
+        parts = _chunks(ids.shape[0], self._ids_per_message // 2) or [(0, 0)]
+        replies = self._read_many([_request(P.UpdatePriorities, ids[lo:hi], values[lo:hi]) for lo, hi in parts],
+                                  self._conn)
+        self._seen_seq = max(self._seen_seq, *(int(r.seq) for r in replies))
+        return sum(int(r.ignored) for r in replies)
 
     def episodes(self) -> list[Episode]:
         """Every complete episode held, oldest first: Episode(episode_id, first_row_id, length).

@@ -8,6 +8,7 @@ Every method either returns a reply or raises; the caller turns exceptions into 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -22,11 +23,13 @@ from h5replay import protocol as P
 from h5replay.errors import (
     LimitExceededError,
     ProtocolError,
+    RateLimitedError,
     ReadOnlyError,
     SegmentStateError,
     ServerUnavailableError,
     StorageError,
 )
+from h5replay.server.waiting import Side, WaitingRoom
 from h5replay.storage.replay_buffer import ReplayBuffer
 from h5replay.storage.segment import SegmentWriter
 
@@ -148,6 +151,12 @@ def read_reply(buffer: ReplayBuffer, request: P.Request, rng: np.random.Generato
 
 READ_KINDS = (P.Get, P.GetRows, P.Sample, P.SampleSequences, P.Episodes)
 WRITE_KINDS = (P.OpenSegment, P.Append, P.Commit, P.Abort, P.PushEpisode)
+SAMPLE_KINDS = (P.Sample, P.SampleSequences)
+_WAITING_PER_CLIENT = 4  # requests one client may have waiting for the rate limit, on average
+_WAITING_BYTES = 256 << 20  # rows of waiting push_episode requests held in memory, at most
+
+#: (identity, request, granted role): a request waiting for the rate limit.
+Parked = tuple[bytes, P.Request, str | None]
 
 
 class Service:
@@ -187,11 +196,100 @@ class Service:
             P.Commit: self.commit,
             P.Abort: self.abort,
             P.PushEpisode: self.push_episode,
+            P.UpdatePriorities: self.update_priorities,
             P.Info: self.info,
             P.Heartbeat: self.heartbeat,
         }
+        sampling = buffer.sampling
+        #: Whether samples change the buffer (a rate limit, or removals): only this service draws them.
+        self.writer_samples = sampling.writer_only is not None
+        self._limited = sampling.rate_limit.active or sampling.removes
+        #: Samples and commits the rate limit holds back (see waiting.py).
+        self.waiting: WaitingRoom[Parked] = WaitingRoom(
+            lambda side, rows: buffer.rate_limit_blocker(rows, sampling=side == "sample"),
+            max_waiting=limits.max_clients * _WAITING_PER_CLIENT,
+        )
+        self._waiting_bytes = 0
 
     # ------------------------------------------------------------------ sessions
+
+    # ------------------------------------------------------------------ the rate limit
+
+    def _gate(self, identity: bytes, request: P.Request) -> tuple[Side, int] | None:
+        """(side, rows) of a request the rate limit governs; None for any other."""
+        if not self._limited:
+            return None
+        if isinstance(request, P.Commit):
+            session = self.sessions.get(identity)
+            writer = session.segments.get(request.segment_id) if session is not None else None
+            return ("insert", len(writer)) if writer is not None and len(writer) else None
+        if isinstance(request, P.PushEpisode):
+            return ("insert", request.num_rows) if request.num_rows else None
+        if isinstance(request, P.Sample) and self.writer_samples:
+            return "sample", request.batch_size
+        if isinstance(request, P.SampleSequences) and self.writer_samples:
+            return "sample", request.batch_size * request.length
+        return None
+
+    def submit(self, identity: bytes, request: P.Request, granted_role: str | None = None) -> P.Reply | None:
+        """`handle`, through the rate limit: a sample or commit it holds back waits (None is
+        returned; `released` gives its reply later), first come first served, at most the
+        request's `timeout`; one that could never go ahead, or may not wait, is refused.
+
+        Raises:
+            RateLimitedError: refused by the rate limit (the message says which side is ahead).
+        """
+        gate = self._gate(identity, request)
+        if gate is None:
+            return self.handle(identity, request, granted_role)
+        side, rows = gate
+        nbytes = sum(a.nbytes for a in request.arrays.values()) if isinstance(request, P.PushEpisode) else 0
+        if nbytes and self._waiting_bytes + nbytes > _WAITING_BYTES and self.waiting.queues["insert"]:
+            raise RateLimitedError(f"the rate limit holds inserts back and {self._waiting_bytes} bytes of episodes "
+                                   "already wait in this server's memory; stream long episodes through segments")
+        timeout = float(getattr(request, "timeout", 0.0))
+        status, why = self.waiting.admit(side, rows, timeout, (identity, request, granted_role))
+        if status == "go":
+            return self.handle(identity, request, granted_role)
+        if status == "refused":
+            self.session(identity)  # counts the request as the client's
+            raise RateLimitedError(f"{why} (the request's timeout: {timeout:g} s)")
+        self._waiting_bytes += nbytes
+        self.session(identity)
+        return None
+
+    def released(self) -> list[tuple[bytes, P.Reply]]:
+        """Replies to waiting requests that may go now (served now, oldest first), and refusals of
+        those whose timeout ended."""
+        out: list[tuple[bytes, P.Reply]] = []
+        while (ready := self.waiting.next_ready()) is not None:
+            identity, request, role = ready.payload
+            self._forget_bytes(request)
+            try:
+                reply: P.Reply = self.handle(identity, request, role)
+            except Exception as exc:  # the request's own refusal, as if it had not waited
+                self.stats.errors += 1
+                reply = P.ErrorReply.from_exception(request.request_id, exc)
+            out.append((identity, reply))
+        for late in self.waiting.expire():
+            identity, request, _ = late.payload
+            self._forget_bytes(request)
+            self.stats.errors += 1
+            waited = late.deadline - late.since
+            refusal = RateLimitedError(f"{late.reason} (waited the request's whole timeout, {waited:g} s)")
+            out.append((identity, P.ErrorReply.from_exception(request.request_id, refusal)))
+        return out
+
+    def _forget_bytes(self, request: P.Request) -> None:
+        if isinstance(request, P.PushEpisode):
+            self._waiting_bytes -= sum(a.nbytes for a in request.arrays.values())
+
+    def needs_publish(self, reply: P.Reply) -> bool:
+        """Whether a reply may leave only after the pass's publish: commits, priority updates, and
+        samples that changed the buffer (counted, or rows removed)."""
+        if isinstance(reply, (P.CommitReply, P.PushEpisodeReply, P.UpdatePrioritiesReply)):
+            return True
+        return self.writer_samples and isinstance(reply, (P.SampleReply, P.SampleSequencesReply))
 
     def session(self, identity: bytes) -> Session:
         """The session of `identity`, created on its first message (limited to max_clients)."""
@@ -224,9 +322,11 @@ class Service:
         return count
 
     def expire(self, timeout: float) -> list[bytes]:
-        """Abort the segments of sessions silent for `timeout` seconds; returns their identities."""
+        """Abort the segments of sessions silent for `timeout` seconds (a client waiting for the
+        rate limit is not silent); returns their identities."""
         now = time.monotonic()
-        expired = [s.identity for s in self.sessions.values() if now - s.last_seen > timeout]
+        waiting = {w.payload[0] for queue in self.waiting.queues.values() for w in queue}
+        expired = [s.identity for s in self.sessions.values() if now - s.last_seen > timeout and s.identity not in waiting]
         for identity in expired:
             self.drop_session(identity)
         return expired
@@ -252,6 +352,11 @@ class Service:
         if granted_role is not None and session.granted_role is None:
             session.granted_role = session.role = granted_role
         if isinstance(request, READ_KINDS):
+            if isinstance(request, SAMPLE_KINDS) and self.writer_samples:
+                if self.write_failure is not None:
+                    raise StorageError(f"this server stopped writing after a failed write ({self.write_failure}); "
+                                       "samples change the buffer here (a rate limit, or removals), so none is served")
+                self.unpublished += 1  # the counters (and removals) are published before the reply leaves
             reply = read_reply(self.buffer, request, self._rng, self.limits)
             self.stats.rows_out += reply_rows(reply)
             return reply
@@ -281,9 +386,11 @@ class Service:
         # A client may ask for less than it was granted, never more.
         session.role = "learner" if "learner" in (request.role, session.granted_role) else request.role
         buffer = self.buffer
+        sampling = {**buffer.sampling.describe(), "writer_samples": self.writer_samples}
         return P.HelloReply(
             request.request_id, buffer.space.to_json(), buffer.capacity, len(buffer), buffer.num_episodes,
             __version__, P.PROTOCOL_VERSION, self.limits, self.read_endpoint, buffer.replay_id, self.instance_id,
+            sampling,
         )
 
     def _writer(self, session: Session, segment_id: int) -> SegmentWriter:
@@ -316,21 +423,21 @@ class Service:
         self._segment_owner[segment_id] = session.identity
         return P.OpenSegmentReply(request.request_id, segment_id)
 
-    def _add_rows(self, writer: SegmentWriter, num_rows: int, arrays: P.Arrays) -> None:
+    def _add_rows(self, writer: SegmentWriter, num_rows: int, arrays: P.Arrays, priorities: np.ndarray) -> None:
         if len(writer) + num_rows > self.limits.max_rows_per_segment:
             raise LimitExceededError(
                 f"the segment would have {len(writer) + num_rows} rows, over the limit max_rows_per_segment="
                 f"{self.limits.max_rows_per_segment}; commit it and start another"
             )
         checked = self.buffer.schema.validate_stored(arrays, num_rows)
-        writer.extend_stored(checked, num_rows)
+        writer.extend_stored(checked, num_rows, priorities if len(priorities) else None)
         self.stats.rows_in += num_rows
         self.stats.bytes_in += sum(a.nbytes for a in checked.values())
 
     def append(self, request: P.Append, session: Session) -> P.AppendReply:
         writer = self._writer(session, request.segment_id)
         try:
-            self._add_rows(writer, request.num_rows, request.arrays)
+            self._add_rows(writer, request.num_rows, request.arrays, request.priorities)
         except BaseException:
             if writer.state != "open":  # the file refused the rows: the segment is gone
                 session.segments.pop(request.segment_id, None)
@@ -362,11 +469,27 @@ class Service:
     def push_episode(self, request: P.PushEpisode, session: Session) -> P.PushEpisodeReply:
         writer = self.buffer.open_segment_writer()
         try:
-            self._add_rows(writer, request.num_rows, request.arrays)
+            self._add_rows(writer, request.num_rows, request.arrays, request.priorities)
             return P.PushEpisodeReply(request.request_id, *self._commit(writer))
         finally:
             if writer.state == "open":
                 writer.abort()
+
+    def update_priorities(self, request: P.UpdatePriorities, session: Session) -> P.UpdatePrioritiesReply:
+        """Set priorities (any client: an actor's own, a learner's TD errors). Published before the
+        reply leaves; its `seq` is filled in then (`after_publish`)."""
+        if self.write_failure is not None:
+            raise StorageError(f"this server stopped writing after a failed write ({self.write_failure}); it serves "
+                               "reads until it is restarted")
+        ignored = self.buffer.update_priorities(request.row_ids, request.priorities)
+        self.unpublished += 1
+        return P.UpdatePrioritiesReply(request.request_id, ignored, 0)
+
+    def after_publish(self, reply: P.Reply) -> P.Reply:
+        """A deferred reply as it leaves: priority updates name the publish that made them durable."""
+        if isinstance(reply, P.UpdatePrioritiesReply):
+            return dataclasses.replace(reply, seq=self.buffer.published.seq)
+        return reply
 
     def publish(self) -> None:
         """Publish the commits placed since the last call (flushed; with fsync, on disk).
@@ -418,6 +541,11 @@ class Service:
             "file_bytes": os.path.getsize(path) if path and os.path.exists(path) else 0,
             "uptime": round(uptime, 3),
             "server_version": __version__,
+            "sample_wait_s": round(self.waiting.waited_now("sample"), 6),
+            "insert_wait_s": round(self.waiting.waited_now("insert"), 6),
+            "waiting_samples": len(self.waiting.queues["sample"]),
+            "waiting_inserts": len(self.waiting.queues["insert"]),
+            "writer_samples": self.writer_samples,
         }
         if self._extra_stats is not None:
             for key, value in self._extra_stats().items():

@@ -35,6 +35,7 @@ from zmq.utils.monitor import parse_monitor_message
 from h5replay import protocol as P
 from h5replay.config import ServerConfig
 from h5replay.errors import ConfigError
+from h5replay.sampling import SamplingConfig
 from h5replay.server.auth import RefusalLog, RoleAuthenticator, handshake_failure, server_keys
 from h5replay.server.handlers import READ_KINDS, Service
 from h5replay.server.metrics import Metrics
@@ -62,19 +63,25 @@ def open_buffer(config: ServerConfig) -> ReplayBuffer:
             config.path, read_only=False, multiprocessing=config.multiprocessing, **config.storage_kwargs
         )
         differences = []
+        if config.sampling is not None and config.sampling != buffer.sampling:
+            differences.append(f"sampling {buffer.sampling.describe()}, not the {config.sampling.describe()} asked for")
         if config.space is not None and config.space != buffer.space:
             differences.append(f"space {buffer.space!r}, not the {config.space!r} asked for")
         if config.capacity is not None and config.capacity != buffer.capacity:
             differences.append(f"capacity {buffer.capacity or 'unbounded'}, not the {config.capacity} asked for")
         if differences:
             buffer.close()
-            raise ConfigError(f"{config.path!r} exists with {'; and '.join(differences)}; a space and a capacity "
-                              "are only for a new file: leave them out to serve this one, or give a new path")
+            raise ConfigError(f"{config.path!r} exists with {'; and '.join(differences)}; a space, a capacity and "
+                              "sampling settings are only for a new file: leave them out to serve this one, or give "
+                              "a new path")
         return buffer
     if config.space is None:
         raise ConfigError(f"{config.path!r} does not exist; creating it needs a space (--space SPACE.json)")
+    sampling = config.sampling or SamplingConfig()
     return ReplayBuffer.create(
-        config.space, config.capacity, config.path, multiprocessing=config.multiprocessing, **config.storage_kwargs
+        config.space, config.capacity, config.path, multiprocessing=config.multiprocessing,
+        sampler=sampling.sampler, rate_limit=sampling.rate_limit, max_times_sampled=sampling.max_times_sampled,
+        **config.storage_kwargs,
     )
 
 
@@ -240,6 +247,10 @@ class Server:
                     except zmq.Again:
                         break
                     self._serve(sock, service, frames)
+                self._release(sock, service)
+                self._publish(sock, service)
+            elif service.waiting:
+                self._release(sock, service)  # timeouts end while nothing arrives
                 self._publish(sock, service)
             now = time.monotonic()
             if monitor in events:
@@ -270,17 +281,31 @@ class Server:
 
     def _publish(self, sock: zmq.Socket[Any], service: Service) -> None:
         """Publish the commits of this pass, then send their replies: a commit is acknowledged only
-        once it is in the file and flushed. One publish serves every commit of the pass."""
+        once it is in the file and flushed. One publish serves every commit of the pass (and every
+        priority update, and every sample that counted against the rate limit)."""
         deferred, self._deferred = self._deferred, []
         try:
             service.publish()
         except Exception as exc:  # the file refused them: the commits it did not take failed
             deferred = [
                 (identity, P.ErrorReply.from_exception(reply.request_id, exc)
-                 if isinstance(reply, (P.CommitReply, P.PushEpisodeReply)) and not service.is_durable(reply) else reply)
+                 if service.needs_publish(reply) and not service.is_durable(reply) else reply)
                 for identity, reply in deferred
             ]
         for identity, reply in deferred:
+            self._send(sock, service, identity, service.after_publish(reply))
+
+    def _release(self, sock: zmq.Socket[Any], service: Service) -> None:
+        """Serve the requests the rate limit let go since (and refuse those whose timeout ended)."""
+        for identity, reply in service.released():
+            self._reply(sock, service, identity, reply)
+
+    def _reply(self, sock: zmq.Socket[Any], service: Service, identity: bytes, reply: P.Reply) -> None:
+        # Replies that need the pass's publish wait for it; a client's later replies queue behind
+        # them, so every client still gets its replies in the order it asked.
+        if service.needs_publish(reply) or any(i == identity for i, _ in self._deferred):
+            self._deferred.append((identity, reply))
+        else:
             self._send(sock, service, identity, reply)
 
     def _serve(self, sock: zmq.Socket[Any], service: Service, frames: list[zmq.Frame]) -> None:
@@ -293,18 +318,17 @@ class Server:
             kind = request.KIND.value
             if service.unpublished and isinstance(request, READ_KINDS):
                 self._publish(sock, service)  # a read must not see a commit before it is acknowledged
-            reply = service.handle(identity, request, self._granted_role(body))
+            answer = service.submit(identity, request, self._granted_role(body))
         except Exception as exc:  # the boundary: every refusal becomes an error reply
             service.stats.errors += 1
-            reply = P.ErrorReply.from_exception(P.peek_request_id(body, service.limits), exc)
-            if reply.code == P.ErrorCode.INTERNAL.value:
+            answer = P.ErrorReply.from_exception(P.peek_request_id(body, service.limits), exc)
+            if answer.code == P.ErrorCode.INTERNAL.value:
                 log.exception("internal error while serving a request")
-        # Commit replies wait for the pass's publish; a client's later replies queue behind its
-        # commit's, so every client still gets its replies in the order it asked.
-        if isinstance(reply, (P.CommitReply, P.PushEpisodeReply)) or any(i == identity for i, _ in self._deferred):
-            self._deferred.append((identity, reply))
-        else:
-            self._send(sock, service, identity, reply)
+        if answer is not None:  # None: it waits for the rate limit (see _release)
+            self._reply(sock, service, identity, answer)
+            if service.waiting and isinstance(answer, (P.CommitReply, P.PushEpisodeReply, P.SampleReply,
+                                                       P.SampleSequencesReply)):
+                self._release(sock, service)  # the counters moved: a waiting request may go now
         if self._metrics is not None:
             self._metrics.observe(kind, time.perf_counter() - started)
 

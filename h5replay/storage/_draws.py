@@ -19,35 +19,16 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from h5replay.errors import ConfigError, NotEnoughDataError
+from h5replay.sampling import Fifo, Prioritized, RateLimiter, SamplingConfig
 from h5replay.storage._sampling_file import LOG_ENTRIES, SamplingFile
 from h5replay.storage._sumtree import SumTree
-from h5replay.storage.sampling import Fifo, Prioritized, RateLimiter, SamplingConfig
 
 if TYPE_CHECKING:
     from h5replay.storage._journal import State
 
-__all__ = ["Sampling", "check_priorities"]
+__all__ = ["Sampling"]
 
 _SYNC_RETRIES = 8
-
-
-def check_priorities(values: object, n: int) -> np.ndarray:
-    """Priorities as a float64 array of `n` finite values >= 0.
-
-    Raises:
-        ConfigError: wrong count, not numbers, negative, NaN or infinite (names the first bad one).
-    """
-    try:
-        arr = np.asarray(values, dtype=np.float64).reshape(-1)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"priorities must be numbers: {exc}") from exc
-    if arr.shape[0] != n:
-        raise ConfigError(f"got {arr.shape[0]} priorities for {n} rows")
-    bad = ~np.isfinite(arr) | (arr < 0)
-    if bad.any():
-        i = int(np.argmax(bad))
-        raise ConfigError(f"priority {i} is {arr[i]!r}: priorities must be finite and >= 0")
-    return arr
 
 
 class Sampling:
@@ -63,7 +44,7 @@ class Sampling:
         self._initial = config.sampler.initial_priority if isinstance(config.sampler, Prioritized) else None
         size = capacity or 0
         #: Whether draws go through the tree (else: uniform or in order over [begin, end)).
-        self.weighted = config.prioritized or config.removes
+        self.weighted = config.prioritized or (config.removes and writer)  # readers never draw removals
         self.tree = SumTree(size if self.weighted else 0)
         self.priorities = np.full(size, np.nan) if config.prioritized else None
         self.times = np.zeros(size, dtype=np.uint32) if config.removes and writer else None
@@ -73,9 +54,6 @@ class Sampling:
         self.removed = 0
         #: Priority updates that named a row no longer held (ignored).
         self.ignored_updates = 0
-        #: Seconds samples and inserts spent waiting for the rate limit (kept by the server).
-        self.sample_wait_s = 0.0
-        self.insert_wait_s = 0.0
         self._dirty_chunks: set[int] = set()
         #: Entries of the priority log ring (a checkpoint before the ring overwrites unsaved ones).
         self.log_entries = store.log_entries if store is not None else LOG_ENTRIES
@@ -158,10 +136,9 @@ class Sampling:
                 held_prio.append(p)
                 if self.priorities is not None:
                     self.priorities[s0:s1] = p
-            if self.config.removes:
+            if self.times is not None:  # the writer's: readers never draw what max_times_sampled removes
                 t = self.store.read_times(s0, s1) if self.store is not None else np.zeros(s1 - s0, np.uint32)
-                if self.times is not None:
-                    self.times[s0:s1] = t
+                self.times[s0:s1] = t
                 self.removed += int(np.count_nonzero(t >= self.config.max_times_sampled))
         finite = [p[np.isfinite(p)] for p in held_prio]
         seen = np.concatenate(finite) if finite else np.zeros(0)
@@ -173,9 +150,8 @@ class Sampling:
             else:
                 p = np.ones(s1 - s0)
             w = self._weights(p)
-            if self.config.removes:
-                t = self.times[s0:s1] if self.times is not None else np.zeros(s1 - s0, np.uint32)
-                w = np.where(t >= self.config.max_times_sampled, 0.0, w)
+            if self.times is not None:
+                w = np.where(self.times[s0:s1] >= self.config.max_times_sampled, 0.0, w)
             self.tree.set(np.arange(s0, s1), w)
         self._apply_log(state, state.pckpt, state.plog)
         if self.priorities is not None and state.length:

@@ -34,10 +34,10 @@ import numpy as np
 
 from h5replay.errors import ConfigError, StorageError
 from h5replay.records import NO_EPISODE
+from h5replay.sampling import SamplingConfig
 from h5replay.storage._h5file import INTERNAL_GROUP, Prepare, h5_errors, replay_id, upgrade_header
 from h5replay.storage._rowio import read_slice, write_rows
 from h5replay.storage._sampling_file import SamplingFile
-from h5replay.storage.sampling import SamplingConfig
 
 if TYPE_CHECKING:
     from h5replay.storage.hdf5 import HDF5Storage

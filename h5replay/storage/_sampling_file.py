@@ -26,9 +26,7 @@ import h5py
 import numpy as np
 
 from h5replay.errors import ConfigError
-from h5replay.storage._h5file import h5_errors
-from h5replay.storage._rowio import read_slice, write_points, write_rows
-from h5replay.storage.sampling import (
+from h5replay.sampling import (
     RateLimit,
     SamplingConfig,
     rate_limit_from_json,
@@ -36,6 +34,8 @@ from h5replay.storage.sampling import (
     sampler_from_json,
     sampler_to_json,
 )
+from h5replay.storage._h5file import h5_errors
+from h5replay.storage._rowio import read_slice, write_points, write_rows
 
 __all__ = ["SamplingFile", "LOG_ENTRIES", "read_config"]
 

@@ -40,13 +40,13 @@ from h5replay.errors import (
     StorageError,
 )
 from h5replay.records import Episode, Receipt, SampleInfo
+from h5replay.sampling import RateLimit, Sampler, SamplingConfig, Uniform, check_priorities
 from h5replay.spaces import Schema, Space
 from h5replay.storage import _h5file, hdf5
-from h5replay.storage._draws import Sampling, check_priorities
+from h5replay.storage._draws import Sampling
 from h5replay.storage._indices import normalize_index
 from h5replay.storage._journal import EpisodeTable, Journal, JournalStore, State
 from h5replay.storage.hdf5 import HDF5Storage
-from h5replay.storage.sampling import RateLimit, Sampler, SamplingConfig, Uniform
 from h5replay.storage.segment import SegmentWriter
 
 __all__ = ["ReplayBuffer", "CommitInfo"]
@@ -318,6 +318,8 @@ class ReplayBuffer:
         if needed <= self._published.begin:
             return
         ahead = needed + cap // _EVICTION_FRACTION
+        if self._sampling.config.removes:  # never release early a row that may still be sampled
+            ahead = max(needed, min(ahead, self._sampling.first_held(self._state)))
         self._move_begin(max(self._state.begin, min(ahead, self._state.end)))
         self._publish()
 
@@ -770,20 +772,21 @@ class ReplayBuffer:
         }
 
     def _sampling_info(self, s: State) -> dict[str, Any]:
+        """Sampling figures; those only the writer keeps (what it ignored or removed) only there."""
         sampling = self._sampling
         out: dict[str, Any] = {
             **sampling.config.describe(),
             "inserted": s.inserted,
             "sampled": s.sampled,
-            "sampleable": sampling.sampleable(s) if self.is_mutable or not sampling.config.removes else None,
             "priority_updates": s.plog,
-            "priority_updates_ignored": sampling.ignored_updates,
-            "sample_wait_s": round(sampling.sample_wait_s, 6),
-            "insert_wait_s": round(sampling.insert_wait_s, 6),
         }
+        if self.is_mutable:
+            out["sampleable"] = sampling.sampleable(s)
+            out["priority_updates_ignored"] = sampling.ignored_updates
         if sampling.config.prioritized:
-            out["priority_sum"] = sampling.tree.total
-            out["max_priority"] = sampling.max_priority
+            out["priority_sum"] = sampling.tree.total  # sum of priority ** exponent: what draws divide by
+            if self.is_mutable:
+                out["max_priority"] = sampling.max_priority
         return out
 
     # ------------------------------------------------------------------ closing

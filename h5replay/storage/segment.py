@@ -21,6 +21,7 @@ import h5py
 import numpy as np
 
 from h5replay.errors import SegmentStateError, StorageError
+from h5replay.sampling import check_priorities
 from h5replay.spaces import LeafSpace
 from h5replay.storage._h5file import h5_errors
 from h5replay.storage._rowio import read_slice, write_rows
@@ -142,13 +143,11 @@ class SegmentWriter:
         was given one. A prioritized buffer uses them at commit; others ignore them."""
         return None if self._priorities is None else self._priorities[: self.length]
 
-    def _note_priorities(self, priorities: Any, n: int) -> np.ndarray | None:
+    def _note_priorities(self, priorities: Any, n: int, missing_ok: bool = False) -> np.ndarray | None:
         """Check `priorities` for the next n rows, before anything is stored (None: none given)."""
         if priorities is None:
             return None
-        from h5replay.storage._draws import check_priorities
-
-        return check_priorities(priorities, n)
+        return check_priorities(priorities, n, missing_ok=missing_ok)
 
     def _keep_priorities(self, first: int, values: np.ndarray | None, n: int) -> None:
         if values is None and self._priorities is None:
@@ -217,11 +216,12 @@ class SegmentWriter:
 
     def extend_stored(self, arrays: Mapping[str, np.ndarray], num_rows: int, priorities: Any = None) -> None:
         """Add rows that are already in storage form and checked against the space, one array per
-        leaf path (the server uses this for arrays off the wire, checked by `validate_stored`)."""
+        leaf path (the server uses this for arrays off the wire, checked by `validate_stored`);
+        `priorities` may hold NaN for rows given none."""
         self._require_open("extend")
         if self.is_finished:
             raise SegmentStateError("cannot extend a finished segment writer")
-        given = self._note_priorities(priorities, num_rows)
+        given = self._note_priorities(priorities, num_rows, missing_ok=True)
         self._push({name: arrays[name] for name in self._staging.names}, num_rows, given)
 
     def _push(self, encoded: Mapping[str, np.ndarray], n: int, priorities: np.ndarray | None = None) -> None:

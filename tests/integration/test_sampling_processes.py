@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from h5replay.sampling import Fifo, Prioritized, RateLimit
 from h5replay.storage import BoxSpace, ReplayBuffer, _sampling_file
-from h5replay.storage.sampling import Fifo, Prioritized, RateLimit
 
 SPACE = BoxSpace(0, 2**40, (), np.int64)
 CTX = mp.get_context("spawn")

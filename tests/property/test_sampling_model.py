@@ -26,8 +26,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from h5replay.errors import NotEnoughDataError
+from h5replay.sampling import Fifo, Prioritized, Uniform
 from h5replay.storage import BoxSpace, ReplayBuffer, _sampling_file
-from h5replay.storage.sampling import Fifo, Prioritized, Uniform
 
 SPACE = BoxSpace(0, 2**40, (), np.int64)  # every row holds its own id
 PRIORITY = st.one_of(st.none(), st.floats(0.0, 50.0, allow_nan=False), st.sampled_from([0.0, 1e-9, 1e6]))

@@ -17,6 +17,7 @@ from h5replay.errors import (
     LimitExceededError,
     NotEnoughDataError,
     ProtocolError,
+    RateLimitedError,
     ReadOnlyError,
     RemoteError,
     SegmentStateError,
@@ -42,6 +43,11 @@ EXAMPLES: list[P.Message] = [
     P.Commit(4, 7),
     P.Abort(5, 7),
     P.PushEpisode(6, 2, ROWS),
+    P.Append(3, 7, 2, ROWS, np.array([0.5, np.nan])),
+    P.Commit(4, 7, 2.5),
+    P.PushEpisode(6, 2, ROWS, 10.0, np.array([1.0, 2.0])),
+    P.UpdatePriorities(13, np.array([4, 2**40], np.int64), np.array([0.0, 7.5])),
+    P.Sample(8, 32, None, 0, 0.25),
     P.Get(7, 0, np.array([5, 0, 5, -1], np.int64)),
     P.GetRows(7, 3, np.array([2**40, 0, 5], np.int64)),
     P.Sample(8, 32, None),
@@ -73,6 +79,9 @@ EXAMPLES: list[P.Message] = [
     P.EpisodesReply(10, 0, 0, 0, 0, np.zeros((0, 3), np.int64)),
     P.InfoReply(11, {"length": 5, "capacity": None, "uptime": 1.5, "file": "x.h5", "swmr": True}),
     P.HeartbeatReply(12),
+    P.UpdatePrioritiesReply(13, 1, 42),
+    P.HelloReply(1, {"type": "text", "max_length": 3, "min_length": 0}, 1000, 10, 2, "0.1.0", 1, P.Limits(),
+                 "", "", "", {"sampler": "prioritized", "writer_samples": False, "priority_exponent": 0.6}),
     P.ErrorReply(13, "space_mismatch", "field 'obs' arrived as float64 but the space stores float32"),
     P.ErrorReply(None, "bad_request", "header frame is not valid msgpack"),
 ]
@@ -234,7 +243,7 @@ def test_non_buffer_frame() -> None:
 
 
 def test_unknown_version() -> None:
-    refused(with_header(APPEND, version=1), "protocol version 1", "speaks 2", cls=UnsupportedVersionError)
+    refused(with_header(APPEND, version=1), "protocol version 1", "speaks 3", cls=UnsupportedVersionError)
     refused(with_header(APPEND, version=True), "'version'")
     refused(with_header(APPEND, version=DROP), "'version'")
 
@@ -288,14 +297,17 @@ def test_text_and_enum_fields() -> None:
 
 def test_optional_fields_are_explicit() -> None:
     refused(with_header(P.Sample(1, 4, None), fields={"batch_size": 4}), "needs fields")
-    refused(with_header(P.Sample(1, 4, None), fields={"batch_size": 4, "seed": -3, "min_seq": 0}), "'seed'")
-    refused(with_header(P.Sample(1, 4, None), fields={"batch_size": 0, "seed": None, "min_seq": 0}),
+    refused(with_header(P.Sample(1, 4, None), fields={"batch_size": 4, "seed": -3, "min_seq": 0, "timeout": 0.0}), "'seed'")
+    refused(with_header(P.Sample(1, 4, None), fields={"batch_size": 0, "seed": None, "min_seq": 0, "timeout": 0.0}),
             "'batch_size' must be >= 1")
-    refused(with_header(P.Sample(1, 4, None), fields={"batch_size": 1, "seed": None, "min_seq": -1}), "'min_seq'")
+    for timeout in (-1.0, float("nan"), float("inf"), 86_401, "1", None, True):
+        refused(with_header(P.Sample(1, 4, None), fields={"batch_size": 4, "seed": None, "min_seq": 0,
+                                                          "timeout": timeout}), "'timeout' must be seconds")
+    refused(with_header(P.Sample(1, 4, None), fields={"batch_size": 1, "seed": None, "min_seq": -1, "timeout": 0.0}), "'min_seq'")
     refused(with_header(P.SampleSequences(1, 4, 2), fields={"batch_size": 4, "length": 2, "seed": None,
-                                                            "min_seq": 0, "with_rows": 1}), "'with_rows' must be a bool")
+                                                            "min_seq": 0, "with_rows": 1, "timeout": 0.0}), "'with_rows' must be a bool")
     refused(with_header(P.SampleSequences(1, 4, 2), fields={"batch_size": 4, "length": 0, "seed": None,
-                                                            "min_seq": 0, "with_rows": True}),
+                                                            "min_seq": 0, "with_rows": True, "timeout": 0.0}),
             "'length' must be >= 1")
 
 
@@ -461,7 +473,7 @@ def test_peek_request_id() -> None:
 CLASS_OF_CODE = {
     "bad_request": ProtocolError, "unsupported_version": UnsupportedVersionError,
     "limit_exceeded": LimitExceededError, "space_mismatch": SpaceMismatchError,
-    "index_out_of_range": IndexError, "evicted": EvictedError, "not_enough_data": NotEnoughDataError, "unknown_segment": SegmentStateError, "read_only": ReadOnlyError,
+    "index_out_of_range": IndexError, "evicted": EvictedError, "not_enough_data": NotEnoughDataError, "rate_limited": RateLimitedError, "unknown_segment": SegmentStateError, "read_only": ReadOnlyError,
     "storage_error": StorageError, "busy": ServerUnavailableError, "shutting_down": ServerUnavailableError,
     "internal": RemoteError,
 }

@@ -25,9 +25,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from h5replay.errors import RateLimitedError
+from h5replay.sampling import RateLimit
 from h5replay.server.waiting import WaitingRoom
 from h5replay.storage import BoxSpace, ReplayBuffer
-from h5replay.storage.sampling import RateLimit
 
 
 @dataclass

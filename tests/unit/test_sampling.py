@@ -15,9 +15,9 @@ from h5replay.errors import (
     RateLimitedError,
     ReadOnlyError,
 )
+from h5replay.sampling import Fifo, Lifo, Prioritized, RateLimit, SamplingConfig, Uniform
 from h5replay.storage import BoxSpace, ReplayBuffer, export_buffer
 from h5replay.storage._sumtree import SumTree
-from h5replay.storage.sampling import Fifo, Lifo, Prioritized, RateLimit, SamplingConfig, Uniform
 
 SPACE = BoxSpace(0, 2**40, (), np.int64)  # every row holds its own id
 # Chi-square critical value for 9 degrees of freedom at p = 0.001: a right sampler fails 1 in 1000.
@@ -329,23 +329,32 @@ def test_fifo_with_max_times_sampled_one_is_a_queue(tmp_path: os.PathLike[str]) 
             rb.get_rows([19])
 
 
-def test_a_queue_never_drops_a_row_when_its_rate_limit_matches_its_capacity(tmp_path: os.PathLike[str]) -> None:
-    with make(tmp_path, capacity=4, sampler=Fifo(), max_times_sampled=1, rate_limit=RateLimit.queue(4)) as rb:
+@pytest.mark.parametrize("capacity", [4, 64, 130])
+def test_a_queue_never_drops_a_row_when_its_rate_limit_matches_its_capacity(
+    tmp_path: os.PathLike[str], capacity: int
+) -> None:
+    # From 64 rows on, the ring releases capacity // 64 rows ahead of need: never a row that may
+    # still be sampled (it did, and a full queue lost its oldest row).
+    with make(tmp_path, capacity=capacity, sampler=Fifo(), max_times_sampled=1,
+              rate_limit=RateLimit.queue(capacity)) as rb:
         out: list[int] = []
         nxt = 0
         rng = np.random.default_rng(0)
-        for _ in range(200):
+        for _ in range(40 * capacity):
             if rng.random() < 0.5:
+                n = int(rng.integers(1, 6))
                 try:
-                    rb.append(np.int64(nxt))
-                    nxt += 1
+                    rb.extend(np.arange(nxt, nxt + n))
+                    nxt += n
                 except RateLimitedError:
-                    assert rb.info()["sampleable"] == 4
+                    assert rb.info()["sampleable"] + n > capacity
             else:
                 try:
                     out += rb.sample(1).tolist()
                 except RateLimitedError:
                     assert rb.info()["sampleable"] == 0
+            info = rb.info()
+            assert info["sampleable"] == info["inserted"] - info["sampled"] == len(rb), info
         out += rb.sample(rb.info()["sampleable"]).tolist() if rb.info()["sampleable"] else []
         assert out == list(range(nxt)), "every row exactly once, in order"
 

@@ -18,6 +18,7 @@ from h5replay.client._shards._router import _Router, _Shard, home_shard, log
 from h5replay.config import ClientConfig
 from h5replay.errors import ClosedError, ConfigError, SegmentStateError, ServerUnavailableError
 from h5replay.records import Receipt
+from h5replay.sampling import check_priorities
 
 if TYPE_CHECKING:
     from h5replay.client.actor import ActorClient, ActorSegment
@@ -59,9 +60,18 @@ class _Rows:
 
     def __init__(self) -> None:
         self._arrays: dict[str, np.ndarray] = {}
+        self._priorities: np.ndarray | None = None  # per row, NaN where none was given; once one is
         self.num_rows = 0
 
-    def add(self, encoded: Mapping[str, np.ndarray], n: int) -> None:
+    def add(self, encoded: Mapping[str, np.ndarray], n: int, priorities: np.ndarray | None = None) -> None:
+        given = priorities is not None and len(priorities) > 0
+        if given or self._priorities is not None:
+            if self._priorities is None or self._priorities.shape[0] < self.num_rows + n:  # doubling, as below
+                grown = np.full(max(64, 2 * self.num_rows, self.num_rows + n), np.nan)
+                if self._priorities is not None:
+                    grown[: self.num_rows] = self._priorities[: self.num_rows]
+                self._priorities = grown
+            self._priorities[self.num_rows : self.num_rows + n] = priorities if given else np.nan
         if not self._arrays:
             self._arrays = {k: np.empty((max(n, 64), *v.shape[1:]), v.dtype) for k, v in encoded.items()}
         room = next(iter(self._arrays.values())).shape[0]
@@ -77,6 +87,9 @@ class _Rows:
 
     def view(self) -> dict[str, np.ndarray]:
         return {k: a[: self.num_rows] for k, a in self._arrays.items()}
+
+    def priorities(self) -> np.ndarray | None:
+        return None if self._priorities is None else self._priorities[: self.num_rows]
 
 
 def _commit(segment: ActorSegment, key: bytes) -> Receipt:
@@ -258,12 +271,13 @@ class ShardedActor(_Router):
         self._check()
         return ShardedSegment(self)
 
-    def push_episode(self, batch: Any) -> Receipt:
+    def push_episode(self, batch: Any, priorities: Any = None) -> Receipt:
         encoded, n = self.codec.encode_batch(batch)
+        given = None if priorities is None else check_priorities(priorities, n)
         if n == 0:
             return Receipt(-1, -1, 0)
         seg = ShardedSegment(self)
-        seg.extend_encoded(encoded, n)
+        seg.extend_encoded(encoded, n, given)
         return seg.commit()
 
     def info(self) -> dict[str, Any]:
@@ -308,29 +322,30 @@ class ShardedSegment:
         if self._state != "open":
             raise SegmentStateError(f"cannot {what} a segment that was {self._state}")
 
-    def append(self, step: Any) -> None:
-        """Add one step; checked against the space now, sent in a batch soon."""
+    def append(self, step: Any, priority: float | None = None) -> None:
+        """Add one step (with its priority, for a prioritized server); checked now, sent soon."""
         self._require_open("append to")
-        self._add(self._actor.codec.encode_one(step), 1)
+        given = None if priority is None else check_priorities([priority], 1)
+        self._add(self._actor.codec.encode_one(step), 1, given)
 
-    def extend(self, batch: Any) -> None:
-        """Add a batch of steps (a leading axis on every leaf)."""
+    def extend(self, batch: Any, priorities: Any = None) -> None:
+        """Add a batch of steps (a leading axis on every leaf), with one priority per step if given."""
         self._require_open("extend")
         encoded, n = self._actor.codec.encode_batch(batch)
-        self._add(encoded, n)
+        self._add(encoded, n, None if priorities is None else check_priorities(priorities, n))
 
-    def extend_encoded(self, encoded: dict[str, np.ndarray], n: int) -> None:
+    def extend_encoded(self, encoded: dict[str, np.ndarray], n: int, priorities: np.ndarray | None = None) -> None:
         """Add rows already checked and in storage form (from `ActorClient.encode_batch`)."""
         self._require_open("extend")
-        self._add(encoded, n)
+        self._add(encoded, n, priorities)
 
-    def _add(self, encoded: dict[str, np.ndarray], n: int) -> None:
+    def _add(self, encoded: dict[str, np.ndarray], n: int, priorities: np.ndarray | None = None) -> None:
         if n == 0:
             return
-        self._rows.add(encoded, n)
+        self._rows.add(encoded, n, priorities)
         self.length += n
         try:
-            self._attempt(lambda inner: inner.extend_encoded(encoded, n), rows=True)
+            self._attempt(lambda inner: inner.extend_encoded(encoded, n, priorities), rows=True)
         except BaseException:
             self._give_up()
             raise
@@ -350,7 +365,7 @@ class ShardedSegment:
             self._actor.use(index, +1)
             if self._rows.num_rows:
                 try:
-                    inner.extend_encoded(self._rows.view(), self._rows.num_rows)
+                    inner.extend_encoded(self._rows.view(), self._rows.num_rows, self._rows.priorities())
                 except (ServerUnavailableError, SegmentStateError, ClosedError) as exc:
                     self._lost(exc)
         return self._inner

@@ -15,6 +15,7 @@ from h5replay.client._shards._router import _outcome, _Router, _Shard
 from h5replay.config import ClientConfig
 from h5replay.errors import ClosedError, ConfigError, EvictedError, NotEnoughDataError, ServerUnavailableError
 from h5replay.records import Episode, SampleInfo, pack_ids, unpack_ids
+from h5replay.sampling import check_priorities
 from h5replay.spaces import Space, flatten_value, unflatten_value
 
 if TYPE_CHECKING:
@@ -261,10 +262,29 @@ class ShardedLearner(_Router):
         parts = {index: self._flat(batch) for index, batch in results.items()}
         return self._unflat(_scatter(parts, masks, local.shape[0]))
 
+    def update_priorities(self, row_ids: Any, priorities: Any) -> int:
+        """Set priorities by qualified id (as `get_rows` takes them), one call per shard, all at
+        once. Returns how many ids the shards ignored (no longer held).
+
+        Raises:
+            ServerUnavailableError: a shard named does not answer (the others may have taken theirs).
+            ConfigError: a priority is negative, NaN or infinite, or the counts differ.
+        """
+        with self._lock:
+            masks, local = self._by_shard(row_ids)
+            values = check_priorities(priorities, local.shape[0])
+            calls = {index: _prioritizer(local[mask], values[mask]) for index, mask in masks.items()}
+            results = self._fan_out(calls)
+            missing = sorted(set(calls) - set(results))
+            if missing:
+                raise ServerUnavailableError(f"shard(s) {missing} did not answer within {self.config.timeout} s; "
+                                             "the other shards took their priorities")
+        return int(sum(results.values()))
+
     def _by_shard(self, row_ids: Any) -> tuple[dict[int, np.ndarray], np.ndarray]:
         """({shard: mask of its ids}, local ids) of qualified ids, every shard named being live.
-        What a call naming rows sends to each shard (get_rows; update_priorities of issue 10 will
-        route the same way, one call per shard, all at once).
+        What a call naming rows sends to each shard (get_rows, update_priorities: one call per
+        shard, all at once).
 
         Raises:
             ServerUnavailableError: a shard named is down.
@@ -411,6 +431,13 @@ def _drawer(call: Callable[[Any, int, int | None], Any], count: int, seed: int |
             return _EMPTY
 
     return draw
+
+
+def _prioritizer(ids: np.ndarray, values: np.ndarray) -> Callable[[Any], Any]:
+    def update(client: Any) -> Any:
+        return client.update_priorities(ids, values)
+
+    return update
 
 
 def _reader(index: int, ids: np.ndarray) -> Callable[[Any], Any]:

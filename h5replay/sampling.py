@@ -10,7 +10,8 @@ Chosen when a file is created and stored in it (reopening restores them):
 * `max_times_sampled`: a row sampled that often is never sampled again (with `Fifo()` and 1,
   the buffer is a queue).
 
-Pure: no files. The buffer keeps the state (priorities, counters) in its journal.
+Pure (numpy only, no h5py): clients and the CLI use it too; `h5replay.storage` re-exports it.
+The buffer keeps the state (priorities, counters) in its file.
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Union
 
+import numpy as np
+
 from h5replay.errors import ConfigError
 
 __all__ = ["Uniform", "Prioritized", "Fifo", "Lifo", "Sampler", "RateLimit", "RateLimiter", "SamplingConfig",
-           "sampler_from_json", "sampler_to_json", "rate_limit_from_json", "rate_limit_to_json"]
+           "sampler_from_json", "sampler_to_json", "rate_limit_from_json", "rate_limit_to_json", "check_priorities"]
 
 
 @dataclass(frozen=True)
@@ -190,7 +193,7 @@ class RateLimiter:
         need = rows if sampling else rows * spi
         if need > window:
             side = "sample" if sampling else "insert"
-            return (f"a {side} of {rows} rows moves the sample/insert balance by {need:g}, more than the whole window "
+            return (f"{'a' if sampling else 'an'} {side} of {rows} rows moves the sample/insert balance by {need:g}, more than the whole window "
                     f"2 * error_buffer = {window:g}: raise error_buffer or {side} fewer rows at a time")
         return None
 
@@ -245,3 +248,23 @@ class SamplingConfig:
             **asdict(self.rate_limit),
             "max_times_sampled": self.max_times_sampled,
         }
+
+
+def check_priorities(values: object, n: int, *, missing_ok: bool = False) -> np.ndarray:
+    """Priorities as a float64 array of `n` finite values >= 0 (`missing_ok`: NaN too, for a
+    row given no priority of its own).
+
+    Raises:
+        ConfigError: wrong count, not numbers, negative, NaN or infinite (names the first bad one).
+    """
+    try:
+        arr = np.asarray(values, dtype=np.float64).reshape(-1)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"priorities must be numbers: {exc}") from exc
+    if arr.shape[0] != n:
+        raise ConfigError(f"got {arr.shape[0]} priorities for {n} rows")
+    bad = (np.isinf(arr) | (arr < 0)) if missing_ok else (~np.isfinite(arr) | (arr < 0))
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise ConfigError(f"priority {i} is {float(arr[i])!r}: priorities must be finite and >= 0")
+    return arr
