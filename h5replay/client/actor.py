@@ -87,6 +87,10 @@ class ActorClient:
         self.server_version = hello.server_version
         self.replay_id: str = hello.replay_id
         self.instance_id: str = hello.instance_id
+        #: How long the server may hold a commit back: `rate_limit_timeout` when it has a rate
+        #: limit, else 0 (then a commit's reply is waited for `timeout` only, so a dead server is
+        #: noticed as soon as without one).
+        self.commit_hold = self.config.rate_limit_timeout if hello.sampling.get("writer_samples") else 0.0
         self.schema = Schema(self.space)
         self._row_bytes = self.schema.row_bytes
         # Rows per message: the client's batching settings, within the server's message limits
@@ -140,7 +144,7 @@ class ActorClient:
         if n == 0:
             return Receipt(-1, -1, 0)
         if n <= self.rows_per_message:
-            limit = self.config.rate_limit_timeout
+            limit = self.commit_hold
             return _receipt(self._conn.request(
                 lambda rid: P.PushEpisode(rid, n, encoded, limit, given), timeout=self.config.timeout + limit))
         with self.segment() as seg:
@@ -309,13 +313,13 @@ class ActorSegment:
         self._send_buffered()
         while self._pending:
             self._settle_oldest()
-        segment_id, limit = self.segment_id, self._config.rate_limit_timeout
+        segment_id, limit = self.segment_id, self._client.commit_hold
         return self._conclude(lambda rid: P.Commit(rid, segment_id, limit))
 
     def _conclude(self, request: Any) -> Receipt:
         """Send the request that commits the episode; its reply is the receipt."""
         try:
-            reply = self._conn.request(request, timeout=self._config.timeout + self._config.rate_limit_timeout)
+            reply = self._conn.request(request, timeout=self._config.timeout + self._client.commit_hold)
         except RateLimitedError:
             raise  # still open: the server keeps the segment (a push's rows stay here); commit again
         except BaseException:
@@ -335,7 +339,7 @@ class ActorSegment:
             return self.receipt
         arrays = {path: rows[:n] for path, rows in batch.items()}
         priorities = self._priorities[:n] if self._priorities is not None else _NO_PRIORITIES
-        limit = self._config.rate_limit_timeout
+        limit = self._client.commit_hold
         receipt = self._conclude(lambda rid: P.PushEpisode(rid, n, arrays, limit, priorities))
         self._batch, self._priorities, self._buffered_rows = None, None, 0
         return receipt

@@ -90,6 +90,26 @@ def _leaf_text(space: Space) -> str:
     raise ConfigError(f"unknown space {space!r}")
 
 
+def _sampling_lines(r: dict[str, Any]) -> list[str]:
+    """The sampler, its priorities and the rate limiter's counters, from `ReplayBuffer.info()`."""
+    if "sampler" not in r:
+        return []
+    sampler = r["sampler"]
+    if sampler == "prioritized":
+        initial = r["initial_priority"] if r["initial_priority"] is not None else "the largest seen"
+        sampler += (f" (exponent {r['priority_exponent']}, new rows get {initial}), priority sum "
+                    f"{r['priority_sum']:.6g}, {r['priority_updates']} updates")
+    if r["max_times_sampled"]:
+        sampler += f", a row is removed after {r['max_times_sampled']} samples"
+    lines = [f"sampling  {sampler}"]
+    if r["min_size_to_sample"] or r["samples_per_insert"]:
+        ratio = (f", {r['samples_per_insert']} samples per insert within +-{r['error_buffer']}"
+                 if r["samples_per_insert"] else "")
+        lines.append(f"limit     at least {r['min_size_to_sample']} rows to sample{ratio}; "
+                     f"{r['inserted']} rows inserted, {r['sampled']} sampled")
+    return lines
+
+
 def format_description(d: dict[str, Any]) -> str:
     from h5replay.spaces import space_from_json
 
@@ -103,6 +123,7 @@ def format_description(d: dict[str, Any]) -> str:
             f"episodes  {r['num_episodes']} complete held ({r['total_episodes']} in all), "
             f"length {r['episode_length_min']}..{r['episode_length_max']}"
         )
+        lines += _sampling_lines(r)
     else:
         lines.append(f"rows      {d['rows_allocated']} (not a replay buffer file: no episode table)")
     lines.append("datasets")

@@ -296,7 +296,7 @@ def test_max_message_bytes(room):
     with RawClient(room.endpoint) as raw:
         rid = raw.next_id()
         big = 40_000  # two frames under the limit, together over it
-        frames = [header("push_episode", rid, {"num_rows": 1}, [["a", "|u1", [big]], ["b", "|u1", [big]]]),
+        frames = [header("push_episode", rid, {"num_rows": 1, "timeout": 0.0}, [["a", "|u1", [big]], ["b", "|u1", [big]]]),
                   bytes(big), bytes(big)]
         _refused(raw.request(frames), "max_message_bytes")
         assert isinstance(raw.call(lambda r: P.Heartbeat(r)), P.HeartbeatReply)  # still served
@@ -323,7 +323,7 @@ def test_one_frame_over_max_message_bytes_gets_an_error_reply(room):
     with RawClient(room.endpoint, timeout=3) as raw:
         rid = raw.next_id()
         size = SMALL.max_message_bytes + 1
-        frames = [header("push_episode", rid, {"num_rows": 1}, [["a", "|u1", [size]]]), bytes(size)]
+        frames = [header("push_episode", rid, {"num_rows": 1, "timeout": 0.0}, [["a", "|u1", [size]]]), bytes(size)]
         _refused(raw.request(frames), "max_message_bytes")
 
 
@@ -334,7 +334,7 @@ def test_max_header_bytes_and_max_frames(room):
         _refused(raw.request([header("info", rid, padding="x" * 9000)]), "max_header_bytes")
         rid = raw.next_id()
         arrays = [[f"a{i}", "|u1", [1]] for i in range(9)]
-        _refused(raw.request([header("push_episode", rid, {"num_rows": 1}, arrays), *[b"\0"] * 9]), "max_frames")
+        _refused(raw.request([header("push_episode", rid, {"num_rows": 1, "timeout": 0.0}, arrays), *[b"\0"] * 9]), "max_frames")
         assert isinstance(raw.call(lambda r: P.Heartbeat(r)), P.HeartbeatReply)
 
 

@@ -22,10 +22,11 @@ import h5py
 import numpy as np
 import pytest
 from fault_helpers import cli_command, cli_server
-from service_helpers import EPISODE_SPACE, episode_rows, free_port, server_config
+from service_helpers import EPISODE_SPACE, episode_rows, free_port, running_server, server_config
 
 from h5replay.client import ActorClient
 from h5replay.errors import ProtocolError
+from h5replay.sampling import Prioritized, RateLimit, SamplingConfig
 from h5replay.server import ServerProcess
 from h5replay.server.auth import generate_keys
 from h5replay.storage import BoxSpace, DictSpace, ReplayBuffer
@@ -131,6 +132,24 @@ def test_info_says_what_a_sparse_file_takes_on_disk(tmp_path):
     text = h5replay("info", str(path)).stdout
     (line,) = [line for line in text.splitlines() if line.startswith("on disk")]
     assert f"{description['disk_bytes'] / 1e6:.1f} MB" in line and "sparse" in line
+
+
+@pytest.mark.timeout(120)
+def test_info_and_stats_show_the_sampler_and_the_rate_limiter(tmp_path):
+    path = tmp_path / "prioritized.h5"
+    sampling = SamplingConfig(Prioritized(0.6), RateLimit(10, 4.0, 100.0))
+    with running_server(server_config(path, sampling=sampling)) as server:
+        with ActorClient(server.endpoint, timeout=10) as actor:
+            actor.push_episode(episode_rows(4, 0, 20))
+        done = h5replay("stats", server.endpoint, "--interval", "0.1")
+        assert done.returncode == 0, done.stderr
+        stats = dict(line.split(None, 1) for line in done.stdout.splitlines())
+        assert stats["sampler"] == "prioritized" and float(stats["priority_sum"]) > 0
+        assert stats["samples_per_insert"] == "4.0" and stats["inserted"] == "20"
+        assert {"sample_wait_s", "insert_wait_s", "waiting_samples", "waiting_inserts"} <= stats.keys()
+    text = h5replay("info", str(path)).stdout
+    assert "sampling  prioritized (exponent 0.6, new rows get the largest seen)" in text, text
+    assert "at least 10 rows to sample, 4.0 samples per insert within +-100.0; 20 rows inserted, 0 sampled" in text
 
 
 @pytest.mark.timeout(60)
