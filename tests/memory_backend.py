@@ -237,6 +237,9 @@ class MemoryJournal:
         self._records: dict[int, tuple[int, int]] = {}
         self.publishes = 0
 
+    def close(self) -> None:
+        """Nothing to release."""
+
     def read(self) -> State:
         return self._state
 

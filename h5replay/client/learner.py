@@ -17,8 +17,10 @@ copy); copy them to modify.
 
 from __future__ import annotations
 
+import collections
+import itertools
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -346,12 +348,27 @@ class LearnerClient:
         """
         if self._router is not None:
             return self._router.sample(batch_size, seed, with_info=with_info)
-        size = _positive(batch_size, "batch_size")
-        parts = _chunks(size, self.rows_per_message)
+        replies = self._sample_many(self._sample_requests(_positive(batch_size, "batch_size"), seed))
+        return self._sampled(replies, with_info)
+
+    def _sample_requests(self, size: int, seed: int | None) -> list[Callable[[int], P.Request]]:
+        """The Sample requests of one batch: one per message's worth of rows."""
         limit = self.config.rate_limit_timeout
-        replies = self._sample_many([
-            _request(P.Sample, hi - lo, _seed(seed, k), self._min_seq, limit) for k, (lo, hi) in enumerate(parts)
-        ])
+        return [_request(P.Sample, hi - lo, _seed(seed, k), self._min_seq, limit)
+                for k, (lo, hi) in enumerate(_chunks(size, self.rows_per_message))]
+
+    def _window_requests(self, size: int, steps: int, seed: int | None) -> list[Callable[[int], P.Request]] | None:
+        """The SampleSequences requests of one batch with its rows, or None when one window is
+        bigger than a message (then the windows are drawn first and read by row ids)."""
+        windows = self.rows_per_message // steps
+        if windows < 1:
+            return None
+        limit = self.config.rate_limit_timeout
+        return [_request(P.SampleSequences, hi - lo, steps, _seed(seed, k), self._min_seq, True, limit)
+                for k, (lo, hi) in enumerate(_chunks(size, windows))]
+
+    def _sampled(self, replies: list[Any], with_info: bool) -> Any:
+        """The batch the replies of one sample carry (and its SampleInfo when asked)."""
         batch = self._decode(self._joined([r.arrays for r in replies]))
         return (batch, self._info(replies)) if with_info else batch
 
@@ -362,16 +379,11 @@ class LearnerClient:
         if self._router is not None:
             return self._router.sample_sequences(batch_size, length, seed, with_info=with_info)
         size, steps = _positive(batch_size, "batch_size"), _positive(length, "length")
-        windows = self.rows_per_message // steps
-        limit = self.config.rate_limit_timeout
-        if windows >= 1:
-            replies = self._sample_many([
-                _request(P.SampleSequences, hi - lo, steps, _seed(seed, k), self._min_seq, True, limit)
-                for k, (lo, hi) in enumerate(_chunks(size, windows))
-            ])
-            batch = self._decode(self._joined([r.arrays for r in replies]))
-            return (batch, self._info(replies)) if with_info else batch
+        requests = self._window_requests(size, steps, seed)
+        if requests is not None:
+            return self._sampled(self._sample_many(requests), with_info)
         # One window is bigger than a message: draw the windows, then read each one by row ids.
+        limit = self.config.rate_limit_timeout
         replies = self._sample_many([
             _request(P.SampleSequences, hi - lo, steps, _seed(seed, k), self._min_seq, False, limit)
             for k, (lo, hi) in enumerate(_chunks(size, self.limits.max_rows_per_message))
@@ -381,6 +393,67 @@ class LearnerClient:
         rows = self._rows_by_id(ids, self._min_seq)
         batch = self._decode({name: rows[name].reshape(size, steps, *rows[name].shape[1:]) for name in self.schema.names})
         return (batch, info) if with_info else batch
+
+    def batches(
+        self, batch_size: int, *, prefetch: int = 4, sequence_length: int | None = None, with_info: bool = False,
+        seed: int | None = None,
+    ) -> Iterator[Any]:
+        """Batches without end: `sample(batch_size)`, or `sample_sequences(batch_size,
+        sequence_length)`, with `prefetch` batches requested ahead, so the server draws the next
+        ones while the learner works on this one (no threads needed). With a `seed`, batch k is
+        drawn with seeds from `seed + k * parts` (parts: messages per batch). Leave the loop to
+        stop; requests still travelling are dropped (`prefetch - 1` batches at most: with a
+        sampler that removes what it draws, `max_times_sampled`, those rows are gone; use
+        `prefetch=1` there if no row may be missed). Over several servers, each batch is one
+        `sample` across the shards (which already fans out).
+
+        Raises:
+            ConfigError: `batch_size`, `sequence_length` or `prefetch` is not a positive int
+                (at once, not at the first batch).
+            NotEnoughDataError, RateLimitedError, ServerUnavailableError: as `sample`; the
+                iterator ends with the error.
+        """
+        size = _positive(batch_size, "batch_size")
+        steps = None if sequence_length is None else _positive(sequence_length, "sequence_length")
+        ahead = _positive(prefetch, "prefetch")
+
+        def one_batch(k: int) -> Any:
+            if steps is None:
+                return self.sample(size, _seed(seed, k), with_info=with_info)
+            return self.sample_sequences(size, steps, _seed(seed, k), with_info=with_info)
+
+        if self._router is not None or (steps is not None and self.rows_per_message < steps):
+            return (one_batch(k) for k in itertools.count())  # shards fan out; huge windows are read by id
+        parts = len(self._sample_requests(size, None) if steps is None else self._window_requests(size, steps, None) or [])
+
+        def batch_requests(k: int) -> list[Callable[[int], P.Request]]:
+            batch_seed = _seed(seed, k * parts)
+            if steps is None:
+                return self._sample_requests(size, batch_seed)
+            return self._window_requests(size, steps, batch_seed) or []
+
+        return self._pipelined(batch_requests, ahead, with_info)
+
+    def _pipelined(
+        self, batch_requests: Callable[[int], list[Callable[[int], P.Request]]], ahead: int, with_info: bool,
+    ) -> Iterator[Any]:
+        """Batch k = the replies to `batch_requests(k)`, with `ahead` batches' requests in flight."""
+        conn = self._samples
+        timeout = None if conn is self._reads else self.config.timeout + self.config.rate_limit_timeout
+        in_flight: collections.deque[list[int]] = collections.deque()
+        try:
+            for k in itertools.count():
+                while len(in_flight) < ahead:
+                    in_flight.append([conn.send(request) for request in batch_requests(k + len(in_flight))])
+                replies = [conn.wait(request_id, timeout) for request_id in in_flight.popleft()]
+                for reply in replies:
+                    if isinstance(reply, P.ReadReply):
+                        self._observe(reply)
+                yield self._sampled(replies, with_info)
+        finally:
+            for request_ids in in_flight:
+                for request_id in request_ids:
+                    conn.forget(request_id)
 
     @staticmethod
     def _info(replies: list[Any]) -> SampleInfo:

@@ -163,22 +163,24 @@ class H5ReplayDataset(IterableDataset[Any]):  # type: ignore[misc,unused-ignore]
                 empty_since: float | None = None
                 while not stop.is_set() and (count is None or produced < count):
                     try:
-                        batch = self._sample(client)
+                        for batch in client.batches(self.batch_size, prefetch=self.prefetch,
+                                                    sequence_length=self.sequence_length):
+                            empty_since = None
+                            item = to_tensors(batch)
+                            while not stop.is_set():
+                                try:
+                                    batches.put(item, timeout=_POLL)
+                                    break
+                                except queue.Full:
+                                    continue
+                            produced += 1
+                            if stop.is_set() or (count is not None and produced >= count):
+                                break
                     except NotEnoughDataError:
                         empty_since = empty_since or time.monotonic()
                         if time.monotonic() - empty_since > self.timeout:
                             raise
                         stop.wait(_POLL)
-                        continue
-                    empty_since = None
-                    item = to_tensors(batch)
-                    while not stop.is_set():
-                        try:
-                            batches.put(item, timeout=_POLL)
-                            break
-                        except queue.Full:
-                            continue
-                    produced += 1
         except BaseException as exc:  # handed to the consumer, who raises it
             end = _End(exc)
         while not stop.is_set():
@@ -188,7 +190,3 @@ class H5ReplayDataset(IterableDataset[Any]):  # type: ignore[misc,unused-ignore]
             except queue.Full:
                 continue
 
-    def _sample(self, client: Any) -> Any:
-        if self.sequence_length is None:
-            return client.sample(self.batch_size)
-        return client.sample_sequences(self.batch_size, self.sequence_length)

@@ -26,7 +26,7 @@ import numpy as np
 from h5replay.errors import ClosedError
 from h5replay.storage._rowio import check_out, plain_dtype, raw_file_type
 
-__all__ = ["MappedRows"]
+__all__ = ["MappedChunk", "MappedRows"]
 
 # HDF5 1.14.4 started to include the user block in chunk addresses (HDFGroup/hdf5#3003, fixed by
 # PR #4236); before that the caller had to add it. H5Dget_offset always included it.
@@ -483,3 +483,53 @@ class MappedRows:
 
     def _check_out(self, out: np.ndarray, shape: tuple[int, ...]) -> None:
         check_out(out, shape, self.dtype)
+
+
+class MappedChunk:
+    """The one chunk of a small, fixed-size, unfiltered dataset, mapped read-only: a row another
+    process rewrites in place (the journal's state row), read with one copy and no HDF5 call.
+
+    Such a chunk never moves once allocated (no filter changes its size; the dataset is never
+    resized), so its address is looked up once. Torn reads are the caller's to detect (the
+    state row carries a checksum). Use `MappedChunk.open`, and `close()` when done.
+    """
+
+    def __init__(self, dataset: h5py.Dataset, fd: int, address: int, nbytes: int) -> None:
+        page = mmap.ALLOCATIONGRANULARITY
+        start = address - address % page
+        self._mm: mmap.mmap | None = mmap.mmap(fd, address - start + nbytes, access=mmap.ACCESS_READ, offset=start)
+        os.close(fd)  # the map keeps the file
+        self.values: np.ndarray = np.frombuffer(self._mm, dtype=plain_dtype(dataset.dtype),
+                                                count=int(dataset.shape[0]), offset=address - start)
+        """The dataset's values, live: copy them out (`np.copyto`) before use."""
+
+    @classmethod
+    def open(cls, dataset: h5py.Dataset) -> MappedChunk | None:
+        """A map of `dataset`'s only chunk, or None when it is not one allocated, unfiltered chunk
+        holding the whole (1-D, fixed-size) dataset in a regular file (then read through h5py)."""
+        if _unmappable_reason(dataset) is not None or dataset.ndim != 1 or dataset.maxshape != dataset.shape:
+            return None
+        dcpl = dataset.id.get_create_plist()
+        if dcpl.get_layout() != h5py.h5d.CHUNKED or tuple(dcpl.get_chunk()) != tuple(dataset.shape):
+            return None
+        info = dataset.id.get_chunk_info_by_coord((0,))
+        nbytes = int(dataset.shape[0]) * dataset.dtype.itemsize
+        if info.byte_offset is None or info.size != nbytes:
+            return None  # not allocated (yet)
+        userblock = 0 if _CHUNK_ADDRESSES_INCLUDE_USERBLOCK else int(dataset.file.id.get_create_plist().get_userblock())
+        address = int(info.byte_offset) + userblock
+        fd = MappedRows._open_fd(dataset)
+        if os.fstat(fd).st_size < address + nbytes:
+            os.close(fd)
+            return None
+        return cls(dataset, fd, address, nbytes)
+
+    def close(self) -> None:
+        """Release the map (views taken of `values` keep it alive until they go). Safe twice."""
+        mm, self._mm = self._mm, None
+        self.values = np.empty(0, dtype=self.values.dtype)
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:
+                pass

@@ -804,7 +804,11 @@ class ReplayBuffer:
             if self.is_mutable and not self.storage.closed:
                 self._publish()
         finally:
-            self.storage.close()
+            try:
+                if self._journal is not None:
+                    self._journal.close()
+            finally:
+                self.storage.close()
 
     def __enter__(self) -> ReplayBuffer:
         return self

@@ -520,3 +520,46 @@ def _drive_writer(writer: subprocess.Popen[str], path: Path) -> None:
     stdin.write("0\n")
     stdin.flush()
     assert writer.wait(timeout=30) == 0
+
+
+# ------------------------------------------------------------------------------------ MappedChunk
+
+
+def test_mapped_chunk_follows_rewrites_in_place(tmp_path: Path) -> None:
+    """The journal's state row: one chunk, rewritten in place by the writer, read through a map."""
+    path = tmp_path / "row.h5"
+    with h5py.File(path, "w", libver="latest", locking=False) as f:
+        f.create_dataset("row", data=np.arange(16, dtype=np.int64), maxshape=(16,), chunks=(16,))
+        f.swmr_mode = True
+        with h5py.File(path, "r", swmr=True, locking=False) as reader:
+            mapped = fastread.MappedChunk.open(reader["row"])
+            assert mapped is not None
+            for k in range(1, 50):
+                f["row"][...] = np.arange(16, dtype=np.int64) * k
+                f.flush()
+                np.testing.assert_array_equal(mapped.values, np.arange(16) * k)
+            mapped.close()
+            mapped.close()
+            assert mapped.values.size == 0
+
+
+@pytest.mark.parametrize("make", [
+    lambda f: f.create_dataset("d", data=np.zeros(16), maxshape=(None,), chunks=(16,)),  # may grow
+    lambda f: f.create_dataset("d", data=np.zeros(16), chunks=(8,)),  # two chunks
+    lambda f: f.create_dataset("d", data=np.zeros(16), chunks=(16,), compression="gzip"),
+    lambda f: f.create_dataset("d", shape=(16,), chunks=(16,), dtype=np.float64),  # not allocated
+    lambda f: f.create_dataset("d", data=np.zeros((4, 4))),  # 2-D, contiguous
+])
+def test_mapped_chunk_is_none_unless_one_fixed_unfiltered_chunk(tmp_path: Path, make: Any) -> None:
+    with h5py.File(tmp_path / "x.h5", "w") as f:
+        assert fastread.MappedChunk.open(make(f)) is None
+
+
+def test_mapped_chunk_with_a_userblock(tmp_path: Path) -> None:
+    with h5py.File(tmp_path / "u.h5", "w", userblock_size=4096) as f:
+        f.create_dataset("row", data=np.arange(16, dtype=np.int64) + 7, maxshape=(16,), chunks=(16,))
+        f.flush()
+        mapped = fastread.MappedChunk.open(f["row"])
+        assert mapped is not None
+        np.testing.assert_array_equal(mapped.values, np.arange(16) + 7)
+        mapped.close()
