@@ -62,6 +62,8 @@ class ServerConfig:
     # A session with open segments and no request for this long has them aborted.
     session_timeout: float = 300.0
     fsync: bool = False  # fsync every commit: survives power loss, not just a process crash
+    # Seconds opening the file may take (a damaged file keeps HDF5 retrying); SIGTERM stops it too.
+    open_timeout: float = 30.0
     storage_kwargs: dict[str, Any] = field(default_factory=dict)
     metrics_port: int | None = None  # serve Prometheus metrics over HTTP on this port
     metrics_address: str = "127.0.0.1"
@@ -73,7 +75,7 @@ class ServerConfig:
             raise ConfigError(f"num_readers must be >= 0, got {self.num_readers}")
         if self.num_readers and not self.multiprocessing:
             raise ConfigError("reader processes need multiprocessing=True (SWMR); use num_readers=0")
-        for name in ("heartbeat_interval", "heartbeat_timeout", "session_timeout"):
+        for name in ("heartbeat_interval", "heartbeat_timeout", "session_timeout", "open_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         if self.max_in_flight < 1:

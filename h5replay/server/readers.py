@@ -64,7 +64,7 @@ def reader_main(
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     parent = os.getppid()
     limits = config.limits
-    buffer = ReplayBuffer.load_from(config.path, read_only=True, multiprocessing=True)
+    buffer = ReplayBuffer.load_from(config.path, read_only=True, multiprocessing=True, open_timeout=config.open_timeout)
     ctx = zmq.Context()
     auth: RoleAuthenticator | None = None
     if direct:

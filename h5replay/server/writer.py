@@ -58,7 +58,8 @@ def open_buffer(config: ServerConfig) -> ReplayBuffer:
     """
     if os.path.exists(config.path):
         buffer = ReplayBuffer.load_from(
-            config.path, read_only=False, multiprocessing=config.multiprocessing, **config.storage_kwargs
+            config.path, read_only=False, multiprocessing=config.multiprocessing, open_timeout=config.open_timeout,
+            **config.storage_kwargs,
         )
         differences = []
         if config.space is not None and config.space != buffer.space:
@@ -73,7 +74,8 @@ def open_buffer(config: ServerConfig) -> ReplayBuffer:
     if config.space is None:
         raise ConfigError(f"{config.path!r} does not exist; creating it needs a space (--space SPACE.json)")
     return ReplayBuffer.create(
-        config.space, config.capacity, config.path, multiprocessing=config.multiprocessing, **config.storage_kwargs
+        config.space, config.capacity, config.path, multiprocessing=config.multiprocessing,
+        open_timeout=config.open_timeout, **config.storage_kwargs,
     )
 
 
@@ -113,7 +115,7 @@ class Server:
                 signal.signal(sig, lambda *_: self._stop.set())
             # A file-size limit must fail the write (an error reply), not kill the server.
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        created = [path for path in (config.path, config.path + ".lock") if not os.path.exists(path)]
+        created = [config.path] if not os.path.exists(config.path) else []
         buffer: ReplayBuffer | None = None
         ctx = zmq.Context()
         tmpdir = tempfile.mkdtemp(prefix="h5replay-")
@@ -189,7 +191,7 @@ class Server:
                 buffer.close()
             ctx.term()
             shutil.rmtree(tmpdir, ignore_errors=True)
-            if not serving:  # a failed start: remove the file (and lock) it made, still empty
+            if not serving:  # a failed start: remove the file it made, still empty
                 for path in created:
                     with contextlib.suppress(OSError):
                         os.unlink(path)
