@@ -64,6 +64,19 @@ class ServerConfig:
     fsync: bool = False  # fsync every commit: survives power loss, not just a process crash
     # Seconds opening the file may take (a damaged file keeps HDF5 retrying); SIGTERM stops it too.
     open_timeout: float = 30.0
+    # Bytes one client may have in flight towards a server process, and bytes of replies it may
+    # leave unread, before it is disconnected; then the same for all clients together. None:
+    # 4x, 8x, 16x and 16x max_message_bytes (at least 16 MiB each). See server/guard.py.
+    client_bytes_in: int | None = None
+    client_bytes_out: int | None = None
+    total_bytes_in: int | None = None
+    total_bytes_out: int | None = None
+    # Memory all open segments together may buffer before they spill rows to the file's staging
+    # area (each starts with a small block that grows; none is held up front).
+    staging_memory_bytes: int = 128 * 1024 * 1024
+    # A reader process that has not looked at its socket for this long (stopped, or stuck) is
+    # killed and replaced.
+    reader_timeout: float = 10.0
     storage_kwargs: dict[str, Any] = field(default_factory=dict)
     metrics_port: int | None = None  # serve Prometheus metrics over HTTP on this port
     metrics_address: str = "127.0.0.1"
@@ -75,11 +88,17 @@ class ServerConfig:
             raise ConfigError(f"num_readers must be >= 0, got {self.num_readers}")
         if self.num_readers and not self.multiprocessing:
             raise ConfigError("reader processes need multiprocessing=True (SWMR); use num_readers=0")
-        for name in ("heartbeat_interval", "heartbeat_timeout", "session_timeout", "open_timeout"):
+        for name in ("heartbeat_interval", "heartbeat_timeout", "session_timeout", "open_timeout", "reader_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         if self.max_in_flight < 1:
             raise ConfigError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
+        for name in ("client_bytes_in", "client_bytes_out", "total_bytes_in", "total_bytes_out"):
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int or value < 1):
+                raise ConfigError(f"{name} must be an int >= 1 or None, got {value!r}")
+        if type(self.staging_memory_bytes) is not int or self.staging_memory_bytes < 0:
+            raise ConfigError(f"staging_memory_bytes must be an int >= 0, got {self.staging_memory_bytes!r}")
         read_endpoint_for(self.bind)  # validates the endpoint's form
         exposed = not (is_loopback(self.bind) and is_loopback(self.resolved_read_bind))
         if exposed and not self.insecure and self.auth_dir is None:
@@ -89,6 +108,14 @@ class ServerConfig:
             )
         if os.path.isdir(self.path):
             raise ConfigError(f"{self.path!r} is a directory; give the HDF5 file's path")
+
+    def byte_budgets(self) -> tuple[int, int, int, int]:
+        """(client in, client out, total in, total out) bytes: see `client_bytes_in`."""
+        unit = self.limits.max_message_bytes
+        floor = 16 * 1024 * 1024
+        chosen = (self.client_bytes_in, self.client_bytes_out, self.total_bytes_in, self.total_bytes_out)
+        defaults = (4 * unit, 8 * unit, 16 * unit, 16 * unit)
+        return tuple(max(floor, d) if c is None else c for c, d in zip(chosen, defaults))  # type: ignore[return-value]
 
     @property
     def resolved_read_bind(self) -> str:

@@ -217,7 +217,7 @@ class Limits:
     ``max_message_bytes``, so that an oversized message gets an error reply instead.
     """
 
-    max_message_bytes: int = 256 * _MiB
+    max_message_bytes: int = 32 * _MiB
     # The hello reply carries the space's JSON, whose bounds may be per-element lists.
     max_header_bytes: int = 1 * _MiB
     max_frames: int = 1024

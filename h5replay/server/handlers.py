@@ -177,8 +177,10 @@ class Service:
         self._extra_stats = extra_stats
         self._rng = np.random.default_rng()
         # Segment ids are unique for the life of this process, whoever asks: a client that lost its
-        # session (silence, reconnect) can never reach a segment of its new one with an old id.
-        self._next_segment_id = 1
+        # session (silence, reconnect) can never reach a segment of its new one with an old id. They
+        # start at random, so that a request a client queued for the server before a restart (its
+        # socket keeps what it could not send) cannot land in a segment of the new server either.
+        self._next_segment_id = 1 + int.from_bytes(os.urandom(5), "big")
         self._segment_owner: dict[int, bytes] = {}
         self._handlers: dict[type[P.Request], Callable[[Any, Session], P.Reply]] = {
             P.Hello: self.hello,
@@ -321,6 +323,13 @@ class Service:
             raise LimitExceededError(
                 f"the segment would have {len(writer) + num_rows} rows, over the limit max_rows_per_segment="
                 f"{self.limits.max_rows_per_segment}; commit it and start another"
+            )
+        capacity = self.buffer.capacity
+        if capacity is not None and len(writer) + num_rows > capacity:
+            # It could never be committed: refused now, before the rows take disk or memory.
+            raise LimitExceededError(
+                f"the segment would have {len(writer) + num_rows} rows, more than the buffer's capacity of {capacity} "
+                "rows, so it could never be committed; commit episodes of at most the capacity"
             )
         checked = P.check_rows(self.buffer.space, arrays, num_rows)
         writer.extend_stored(checked, num_rows)

@@ -2,8 +2,9 @@
 
 Concurrency comes from ownership, not locks: this one loop is the only code that writes the file
 (h5py serialises HDF5 calls anyway, so threads would buy nothing). Reads are served elsewhere:
-a proxy thread (C code, no GIL) hands the learners' endpoint to reader processes holding SWMR
-views of the file. Control goes by flag: SIGTERM / SIGINT or `stop()` end the loop, which then
+reader processes hold SWMR views of the file (one binds the learners' endpoint; several sit
+behind a front process, see readers.py). Two helper threads never touch the file: the connection guard (guard.py: byte budgets per client, below ZeroMQ) and, under --auth,
+the authenticator. Control goes by flag: SIGTERM / SIGINT or `stop()` end the loop, which then
 aborts open segments, publishes and closes the file, and stops the readers.
 
 Liveness: the ROUTER socket runs ZMTP heartbeats, so libzmq drops a peer that dies or goes
@@ -25,19 +26,20 @@ import signal
 import tempfile
 import threading
 import time
+import typing
 import uuid
 from typing import Any
 
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
 from h5replay import protocol as P
 from h5replay.config import ServerConfig
 from h5replay.errors import ConfigError
 from h5replay.server.auth import RefusalLog, RoleAuthenticator, handshake_failure, server_keys
+from h5replay.server.guard import MONITOR_EVENTS, Budgets, ConnectionGuard
 from h5replay.server.handlers import READ_KINDS, Service
 from h5replay.server.metrics import Metrics
-from h5replay.server.readers import ReaderPool, ReadProxy
+from h5replay.server.readers import ReaderPool
 from h5replay.server.sockets import configure_router
 from h5replay.storage.replay_buffer import ReplayBuffer
 
@@ -51,11 +53,18 @@ _READ_PORT_WAIT = 5.0  # seconds a restart waits for a taken read port (a killed
 
 
 def open_buffer(config: ServerConfig) -> ReplayBuffer:
-    """Reopen the file, or create it when it does not exist (then space and capacity are needed).
+    """Reopen the file, or create it when it does not exist (then space and capacity are needed);
+    its segment writers share `config.staging_memory_bytes` of memory.
 
     Raises:
         ConfigError: the file exists with another space or capacity than the config gives.
     """
+    buffer = _open_buffer(config)
+    buffer.storage.segment_memory_bytes = config.staging_memory_bytes
+    return buffer
+
+
+def _open_buffer(config: ServerConfig) -> ReplayBuffer:
     if os.path.exists(config.path):
         buffer = ReplayBuffer.load_from(
             config.path, read_only=False, multiprocessing=config.multiprocessing, open_timeout=config.open_timeout,
@@ -88,9 +97,9 @@ class Server:
         self._stop = threading.Event()
         self._curve: tuple[bytes, bytes] | None = server_keys(config.auth_dir) if config.auth_dir else None
         self._metrics: Metrics | None = None
-        self._proxy: ReadProxy | None = None
         self._deferred: list[tuple[bytes, P.Reply]] = []  # commit replies waiting for the pass's publish
-        self._proxy_args: tuple[Any, ...] = ()
+        self._guard: ConnectionGuard | None = None
+        self._fds: dict[bytes, int] = {}  # a client's routing id -> its connection (for the guard)
         #: This server process's UUID (hello, info): tells a restarted server from the same one.
         self.instance_id = uuid.uuid4().hex
         # The metrics thread never reads the loop's live structures (a scrape must not iterate
@@ -121,31 +130,30 @@ class Server:
         tmpdir = tempfile.mkdtemp(prefix="h5replay-")
         readers: ReaderPool | None = None
         sock = ctx.socket(zmq.ROUTER)
-        monitor = None
         auth: RoleAuthenticator | None = None
         broken = serving = False
+        refusals = RefusalLog()
+
+        def refused(code: int, endpoint: str) -> None:  # a handshake refused before any key was looked at
+            if auth is not None:
+                kind, message = handshake_failure(code, endpoint, auth.directory)
+                refusals.refused(kind, endpoint, message)
+
+        guard = self._guard = ConnectionGuard(Budgets(*config.byte_budgets()), name="writer", refused=refused)
         try:
             if config.auth_dir is not None:  # before the bind: no connection may skip the key check
                 auth = RoleAuthenticator(ctx, config.auth_dir)
                 auth.start()
             self._configure(sock)
+            guard.watch(sock.get_monitor_socket(MONITOR_EVENTS))  # before the bind: it sees every connection
+            guard.start()
             # The endpoints before the file: a taken port fails at once, with nothing created.
             _bind(sock, config.bind, "the actors' endpoint, --bind")
             if config.num_readers:  # a restart may find a reader of the killed server still on the port
                 _check_free(ctx, config.resolved_read_bind, wait=0.0 if config.path in created else _READ_PORT_WAIT)
-            events = zmq.EVENT_DISCONNECTED
-            if auth is not None:  # handshakes refused before any key was looked at: logged in the loop
-                events |= zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-            monitor = sock.get_monitor_socket(events)
             buffer = open_buffer(config)
-            if config.num_readers == 1:  # the reader binds the learners' endpoint itself: no hop
-                readers = ReaderPool(config, config.resolved_read_bind, direct=True, instance_id=self.instance_id)
-                read_endpoint = config.advertise_read or config.resolved_read_bind
-            elif config.num_readers > 1:  # a proxy thread (C, no GIL) spreads requests over the readers
-                backend = f"ipc://{tmpdir}/readers"
-                self._proxy_args = (ctx, config.resolved_read_bind, backend)
-                self._proxy = self._start_proxy()
-                readers = ReaderPool(config, backend, direct=False, instance_id=self.instance_id)
+            if config.num_readers:  # one binds the learners' endpoint, or a front before several
+                readers = ReaderPool(config, tmpdir, instance_id=self.instance_id)
                 read_endpoint = config.advertise_read or config.resolved_read_bind
             else:
                 read_endpoint = config.bind  # the writer serves reads itself, on its own endpoint
@@ -166,7 +174,7 @@ class Server:
             if ready is not None:
                 ready.set()
             serving = True
-            self._loop(sock, monitor, service, readers, auth)
+            self._loop(sock, service, readers, auth)
             aborted = service.abort_everything()
             broken = service.write_failure is not None
             if broken:
@@ -175,12 +183,8 @@ class Server:
             else:
                 log.info("h5replay stopping: aborted %d open segment(s), flushing %s", aborted, config.path)
         finally:
-            if monitor is not None:
-                sock.disable_monitor()
-                monitor.close(0)
+            guard.stop()
             sock.close(linger=int(1000))
-            if self._proxy is not None:
-                self._proxy.stop()
             if auth is not None:
                 auth.stop()
             if self._metrics is not None:
@@ -209,16 +213,13 @@ class Server:
     def _configure(self, sock: zmq.Socket[Any]) -> None:
         configure_router(sock, self.config, self._curve, mandatory=True)
 
-    def _loop(
-        self, sock: zmq.Socket[Any], monitor: zmq.Socket[Any], service: Service, readers: ReaderPool | None,
-        auth: RoleAuthenticator | None,
-    ) -> None:
+    def _loop(self, sock: zmq.Socket[Any], service: Service, readers: ReaderPool | None,
+              auth: RoleAuthenticator | None) -> None:
         config = self.config
+        guard = typing.cast("ConnectionGuard", self._guard)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
-        poller.register(monitor, zmq.POLLIN)
         next_probe = next_expire = time.monotonic()
-        refusals = RefusalLog()
         while not self._stop.is_set():
             events = dict(poller.poll(_POLL_MS))
             if sock in events:
@@ -230,12 +231,8 @@ class Server:
                     self._serve(sock, service, frames)
                 self._publish(sock, service)
             now = time.monotonic()
-            if monitor in events:
-                while monitor.poll(0):
-                    event = parse_monitor_message(monitor.recv_multipart())
-                    if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and auth is not None:
-                        kind, message = handshake_failure(int(event["value"]), config.bind, auth.directory)
-                        refusals.refused(kind, config.bind, message)
+            if guard.disconnects.is_set():
+                guard.disconnects.clear()
                 next_probe = min(next_probe, now + 0.05)  # let libzmq finish dropping the peer first
             if now >= next_probe:
                 self._probe(sock, service)
@@ -243,11 +240,9 @@ class Server:
             if now >= next_expire:
                 for identity in service.expire(config.session_timeout):
                     log.warning("client %s was silent for %.0f s: its segments were aborted", identity.hex(), config.session_timeout)
+                    self._fds.pop(identity, None)
                 if readers is not None:
                     readers.revive()
-                    if self._proxy is not None and not self._proxy.alive:  # it logged why; learners must not stay cut off
-                        self._proxy.stop()
-                        self._proxy = self._start_proxy()
                 if auth is not None:
                     auth.reload()  # keys dropped into actors/ or learners/ are admitted
                 next_expire = now + 1.0
@@ -274,6 +269,12 @@ class Server:
     def _serve(self, sock: zmq.Socket[Any], service: Service, frames: list[zmq.Frame]) -> None:
         identity = frames[0].bytes
         body = frames[1:]
+        if body and self._guard is not None:
+            fd = self._guard.fd_of(body[0])
+            self._guard.consumed(fd, sum(len(f) for f in body), len(body))
+            if len(self._fds) > 4 * service.limits.max_clients and identity not in self._fds:
+                self._fds.clear()  # ids of clients long gone: forget them all at once
+            self._fds[identity] = fd
         started = time.perf_counter()
         kind = "invalid"
         try:
@@ -304,10 +305,6 @@ class Server:
         taken.wait(1.0)
         return self._figures
 
-    def _start_proxy(self) -> ReadProxy:
-        ctx, front, back = self._proxy_args
-        return ReadProxy(ctx, front, back, self._configure)
-
     def _granted_role(self, body: list[zmq.Frame]) -> str | None:
         """The role authentication gave the sender (the ZAP User-Id), or None without --auth."""
         if self._curve is None or not body:
@@ -315,14 +312,18 @@ class Server:
         return str(body[0].get("User-Id"))
 
     def _send(self, sock: zmq.Socket[Any], service: Service, identity: bytes, reply: P.Reply) -> bool:
+        frames = P.encode(reply)
         try:
-            sock.send_multipart([identity, *P.encode(reply)], flags=zmq.NOBLOCK, copy=False)
+            sock.send_multipart([identity, *frames], flags=zmq.NOBLOCK, copy=False)
+            if self._guard is not None:
+                self._guard.sent(self._fds.get(identity, -1), sum(len(f) for f in frames))
         except zmq.Again:
             return True  # the client is not reading; it stays known, the reply is lost to it
         except zmq.ZMQError as exc:
             if exc.errno != errno.EHOSTUNREACH:
                 raise
             aborted = service.drop_session(identity)
+            self._fds.pop(identity, None)
             if aborted:
                 log.warning("client %s went away: aborted %d open segment(s)", identity.hex(), aborted)
             return False

@@ -136,6 +136,9 @@ class HDF5Storage:
         self._staging: Staging | None = None
         self._writer_lock: WriterLock | None = None
         self.segment_buffer_bytes = self.DEFAULT_SEGMENT_BUFFER_BYTES
+        #: Memory all segment writers of this storage together may buffer (None: no limit); set
+        #: it before the first writer opens.
+        self.segment_memory_bytes: int | None = None
         self._leaves = named_leaves(single_instance_space)
         if root is not None:
             self.filename: str | None = os.fspath(root.file.filename)
@@ -886,7 +889,7 @@ class HDF5Storage:
             with h5_errors("opening the staging area"):
                 group = self.file[STAGING_GROUP]
                 datasets = {path: group[path] for path, _ in self._leaves}
-            self._staging = Staging(datasets, self._leaves, self.segment_buffer_bytes)
+            self._staging = Staging(datasets, self._leaves, self.segment_buffer_bytes, self.segment_memory_bytes)
         writer = SegmentWriter(self, self._staging)
         self._writers.add(writer)
         return writer

@@ -439,7 +439,7 @@ def test_encode_checks_limits_when_given() -> None:
 
 def test_limits_defaults_and_json() -> None:
     limits = P.Limits()
-    assert limits.max_message_bytes == 256 << 20 and limits.max_frames == 1024
+    assert limits.max_message_bytes == 32 << 20 and limits.max_frames == 1024
     assert P.Limits.from_json(limits.to_json()) == limits
     assert P.Limits.from_json({"max_frames": 9, "max_from_the_future": 3}) == P.Limits(max_frames=9)
     with pytest.raises(ConfigError, match="max_frames"):
