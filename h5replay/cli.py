@@ -44,6 +44,20 @@ _positive_int = _int_at_least(1)
 _non_negative_int = _int_at_least(0)
 
 
+def _byte_size(text: str) -> int:
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    number, unit = text.strip().upper().rstrip("B"), ""
+    if number and number[-1] in units:
+        number, unit = number[:-1], number[-1]
+    try:
+        value = int(float(number) * units[unit])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size in bytes (e.g. 500M, 1G)") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
+    return value
+
+
 def _seconds(text: str) -> float:
     try:
         value = float(text)
@@ -90,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="drop a client whose connection is silent this long (default 5)")
     serve.add_argument("--session-timeout", type=_seconds, default=300.0, metavar="S",
                        help="abort the open segments of a client idle this long (default 300)")
+    serve.add_argument("--min-free-bytes", type=_byte_size, metavar="N",
+                       help="free space the disk must keep: below it new rows are refused (DiskFullError), reads go "
+                            "on, writes resume once space is freed (default: 1G or 5%% of the file system, the "
+                            "smaller; suffixes K, M, G)")
     serve.add_argument("--open-timeout", type=_seconds, default=30.0, metavar="S",
                        help="give up opening a file (a damaged one keeps HDF5 retrying) after this long (default 30)")
 
@@ -240,6 +258,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         heartbeat_timeout=args.heartbeat_timeout,
         session_timeout=args.session_timeout,
         open_timeout=args.open_timeout,
+        min_free_bytes=args.min_free_bytes,
     )
     return Server(config).run()
 

@@ -71,6 +71,9 @@ class ServerConfig:
     client_bytes_out: int | None = None
     total_bytes_in: int | None = None
     total_bytes_out: int | None = None
+    # Free bytes the disk must keep: below it, new rows are refused (DiskFullError) and reads go
+    # on; writes resume once space is freed. None: 1 GiB or 5% of the file system, the smaller.
+    min_free_bytes: int | None = None
     # Memory all open segments together may buffer before they spill rows to the file's staging
     # area (each starts with a small block that grows; none is held up front).
     staging_memory_bytes: int = 128 * 1024 * 1024
@@ -97,6 +100,8 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None and (type(value) is not int or value < 1):
                 raise ConfigError(f"{name} must be an int >= 1 or None, got {value!r}")
+        if self.min_free_bytes is not None and (type(self.min_free_bytes) is not int or self.min_free_bytes < 0):
+            raise ConfigError(f"min_free_bytes must be an int >= 0 or None, got {self.min_free_bytes!r}")
         if type(self.staging_memory_bytes) is not int or self.staging_memory_bytes < 0:
             raise ConfigError(f"staging_memory_bytes must be an int >= 0, got {self.staging_memory_bytes!r}")
         read_endpoint_for(self.bind)  # validates the endpoint's form
@@ -108,6 +113,16 @@ class ServerConfig:
             )
         if os.path.isdir(self.path):
             raise ConfigError(f"{self.path!r} is a directory; give the HDF5 file's path")
+
+    def resolved_min_free_bytes(self) -> int:
+        """`min_free_bytes`, or its default for the file system holding `path` (reads the disk)."""
+        if self.min_free_bytes is not None:
+            return self.min_free_bytes
+        try:
+            st = os.statvfs(os.path.dirname(os.path.abspath(self.path)))
+        except OSError:
+            return 1 << 30
+        return min(1 << 30, st.f_blocks * st.f_frsize // 20)
 
     def byte_budgets(self) -> tuple[int, int, int, int]:
         """(client in, client out, total in, total out) bytes: see `client_bytes_in`."""

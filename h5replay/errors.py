@@ -7,7 +7,8 @@ Callers catch one root, or one branch, and never parse messages::
     ├── SpaceMismatchError          (also ValueError)   a value does not fit the space: names key and expectation
     ├── ReadOnlyError                                   a write on a storage opened read-only
     ├── StorageError                                    HDF5 failure or unusable file; the original is __cause__
-    │   └── FormatVersionError                          the file was written by an unknown h5replay format
+    │   ├── FormatVersionError                          the file was written by an unknown h5replay format
+    │   └── DiskFullError                               the disk is below the server's free-space reserve
     ├── SegmentStateError           (also RuntimeError) a segment writer used after commit/abort, or misused
     ├── NotEnoughDataError          (also ValueError)   sampling asks for more than the buffer holds
     ├── EvictedError                (also IndexError)   a row id is no longer held (the ring moved past it)
@@ -30,6 +31,7 @@ __all__ = [
     "ReadOnlyError",
     "StorageError",
     "FormatVersionError",
+    "DiskFullError",
     "SegmentStateError",
     "NotEnoughDataError",
     "EvictedError",
@@ -64,6 +66,12 @@ class StorageError(H5ReplayError):
 
 class FormatVersionError(StorageError):
     """The file records an h5replay format version this code does not know."""
+
+
+class DiskFullError(StorageError):
+    """The disk holding the file has less free space than the server keeps in reserve
+    (`--min-free-bytes`): new rows are refused before anything is written, reads go on, and
+    writes resume by themselves once space is freed. Nothing was written."""
 
 
 class SegmentStateError(H5ReplayError, RuntimeError):

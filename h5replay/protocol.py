@@ -79,6 +79,7 @@ from numpy.typing import NDArray
 from h5replay.errors import (
     ClosedError,
     ConfigError,
+    DiskFullError,
     EvictedError,
     LimitExceededError,
     NotEnoughDataError,
@@ -145,6 +146,7 @@ class ErrorCode(str, Enum):
     UNKNOWN_SEGMENT = "unknown_segment"  # no open segment of that id for this client
     READ_ONLY = "read_only"  # a learner tried to write, or the store is read-only
     STORAGE_ERROR = "storage_error"
+    DISK_FULL = "disk_full"  # below the server's free-space reserve: nothing written; retry once space is freed
     BUSY = "busy"  # try again later
     SHUTTING_DOWN = "shutting_down"
     INTERNAL = "internal"  # a server bug; the message has the exception type
@@ -163,6 +165,7 @@ ERROR_CLASSES: Mapping[str, type[Exception]] = {
     ErrorCode.UNKNOWN_SEGMENT.value: SegmentStateError,
     ErrorCode.READ_ONLY.value: ReadOnlyError,
     ErrorCode.STORAGE_ERROR.value: StorageError,
+    ErrorCode.DISK_FULL.value: DiskFullError,
     ErrorCode.BUSY.value: ServerUnavailableError,
     ErrorCode.SHUTTING_DOWN.value: ServerUnavailableError,
     ErrorCode.INTERNAL.value: RemoteError,
@@ -180,6 +183,7 @@ _CODE_OF_EXCEPTION: tuple[tuple[type[BaseException], ErrorCode], ...] = (
     (NotEnoughDataError, ErrorCode.NOT_ENOUGH_DATA),
     (SegmentStateError, ErrorCode.UNKNOWN_SEGMENT),
     (ReadOnlyError, ErrorCode.READ_ONLY),
+    (DiskFullError, ErrorCode.DISK_FULL),
     (StorageError, ErrorCode.STORAGE_ERROR),
     (ClosedError, ErrorCode.SHUTTING_DOWN),  # the server closed its storage on the way out
     (ServerUnavailableError, ErrorCode.BUSY),

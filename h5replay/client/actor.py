@@ -18,7 +18,7 @@ import numpy as np
 from h5replay import protocol as P
 from h5replay.client._connection import Connection, curve_keys, say_hello
 from h5replay.config import DEFAULT_ENDPOINT, ClientConfig
-from h5replay.errors import ClosedError, SegmentStateError
+from h5replay.errors import ClosedError, DiskFullError, SegmentStateError
 from h5replay.records import Receipt
 from h5replay.storage.spaces import Space, flatten_value, named_leaves, space_from_json
 
@@ -242,9 +242,12 @@ class ActorSegment:
         return self._conclude(lambda rid: P.Commit(rid, segment_id))
 
     def _conclude(self, request: Any) -> Receipt:
-        """Send the request that commits the episode; its reply is the receipt."""
+        """Send the request that commits the episode; its reply is the receipt. Refused for a
+        full disk (DiskFullError), the segment stays open: commit again later, or abort."""
         try:
             reply = self._conn.request(request)
+        except DiskFullError:
+            raise
         except BaseException:
             self._state = "failed"
             raise
@@ -255,13 +258,15 @@ class ActorSegment:
     def _push_whole(self) -> Receipt:
         """Commit an episode that never left the client: one push, one round trip."""
         n, batch = self._buffered_rows, self._batch
-        self._batch, self._buffered_rows = None, 0
         if not n or batch is None:
+            self._batch, self._buffered_rows = None, 0
             self._state = "committed"
             self.receipt = Receipt(-1, -1, 0)
             return self.receipt
         arrays = {path: rows[:n] for path, rows in batch.items()}
-        return self._conclude(lambda rid: P.PushEpisode(rid, n, arrays))
+        receipt = self._conclude(lambda rid: P.PushEpisode(rid, n, arrays))
+        self._batch, self._buffered_rows = None, 0
+        return receipt
 
     def abort(self) -> None:
         """Drop the episode: nothing of it becomes visible. Safe to call twice."""

@@ -20,6 +20,7 @@ import numpy as np
 from h5replay import __version__
 from h5replay import protocol as P
 from h5replay.errors import (
+    DiskFullError,
     LimitExceededError,
     ProtocolError,
     ReadOnlyError,
@@ -162,8 +163,16 @@ class Service:
         fsync: bool = False,
         extra_stats: Callable[[], dict[str, Any]] | None = None,
         instance_id: str = "",
+        min_free_bytes: int = 0,
     ) -> None:
         self.buffer = buffer
+        # New rows are refused (DiskFullError) while the disk has less than this free; nothing is
+        # written then, so no write fails and the server does not go read-only.
+        self.min_free_bytes = min_free_bytes
+        path = buffer.storage.filename
+        self._disk = os.path.dirname(os.path.abspath(path)) if path else None
+        self._free = 0
+        self._free_read = -1.0
         self.instance_id = instance_id
         self.limits = limits
         self.read_endpoint = read_endpoint
@@ -271,6 +280,8 @@ class Service:
             )
         try:
             return handler(request, session)
+        except DiskFullError:
+            raise  # refused before any write: nothing failed
         except StorageError as exc:
             self.write_failure = str(exc)
             log.error("a write to the file failed: %s; refusing writes from now on, serving reads", exc)
@@ -318,6 +329,31 @@ class Service:
         self._segment_owner[segment_id] = session.identity
         return P.OpenSegmentReply(request.request_id, segment_id)
 
+    def room_on_disk(self, incoming: int, what: str) -> None:
+        """Refuse `incoming` bytes of new rows while the disk would be left with less than the
+        reserve. The free space is read again every 50 ms (or when it looks short), so writes
+        resume by themselves once space is freed.
+
+        Raises:
+            DiskFullError: the disk is below the reserve; nothing was written.
+        """
+        if self.min_free_bytes <= 0 or self._disk is None:
+            return
+        now = time.monotonic()
+        if now - self._free_read > 0.05 or self._free - incoming < self.min_free_bytes:
+            try:
+                st = os.statvfs(self._disk)
+            except OSError:
+                return
+            self._free, self._free_read = st.f_bavail * st.f_frsize, now
+        if self._free - incoming < self.min_free_bytes:
+            raise DiskFullError(
+                f"refused to {what}: the disk holding {self.buffer.storage.filename} has {self._free} bytes free and this "
+                f"server keeps {self.min_free_bytes} free (--min-free-bytes); free some space and try again (writes "
+                "resume by themselves), or lower the reserve. Reads go on."
+            )
+        self._free -= incoming
+
     def _add_rows(self, writer: SegmentWriter, num_rows: int, arrays: P.Arrays) -> None:
         if len(writer) + num_rows > self.limits.max_rows_per_segment:
             raise LimitExceededError(
@@ -332,6 +368,7 @@ class Service:
                 "rows, so it could never be committed; commit episodes of at most the capacity"
             )
         checked = P.check_rows(self.buffer.space, arrays, num_rows)
+        self.room_on_disk(num_rows * self.buffer.storage.row_bytes, f"stage {num_rows} rows")
         writer.extend_stored(checked, num_rows)
         self.stats.rows_in += num_rows
         self.stats.bytes_in += sum(a.nbytes for a in checked.values())
@@ -359,6 +396,9 @@ class Service:
         return receipt.episode_id, receipt.first_row_id, receipt.length
 
     def commit(self, request: P.Commit, session: Session) -> P.CommitReply:
+        writer = self._writer(session, request.segment_id)
+        # Before the segment is closed: refused for a full disk, it stays open to commit later.
+        self.room_on_disk(len(writer) * self.buffer.storage.row_bytes, f"commit a segment of {len(writer)} rows")
         writer = self._close_segment(session, request.segment_id)
         return P.CommitReply(request.request_id, *self._commit(writer))
 

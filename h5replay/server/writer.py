@@ -160,6 +160,7 @@ class Server:
             service = Service(
                 buffer, config.limits, read_endpoint, fsync=config.fsync,
                 extra_stats=readers.totals if readers else None, instance_id=self.instance_id,
+                min_free_bytes=config.resolved_min_free_bytes(),
             )
             log.info(
                 "h5replay serving %s (%d rows, capacity %s) on %s; reads on %s by %d reader process(es)%s",
