@@ -104,6 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="drop a client whose connection is silent this long (default 5)")
     serve.add_argument("--session-timeout", type=_seconds, default=300.0, metavar="S",
                        help="abort the open segments of a client idle this long (default 300)")
+    serve.add_argument("--idle-timeout", type=_seconds, default=30.0, metavar="S",
+                       help="forget a client with no open segment idle this long, freeing its slot (default 30)")
+    serve.add_argument("--max-clients-per-key", type=_positive_int, default=64, metavar="N",
+                       help="with --auth: clients one key may have connected at once (default 64)")
+    serve.add_argument("--actor-slots", type=_non_negative_int, metavar="N",
+                       help="with --auth: client slots only actor keys may take (default: a quarter of them)")
     serve.add_argument("--min-free-bytes", type=_byte_size, metavar="N",
                        help="free space the disk must keep: below it new rows are refused (DiskFullError), reads go "
                             "on, writes resume once space is freed (default: 1G or 5%% of the file system, the "
@@ -259,6 +265,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         session_timeout=args.session_timeout,
         open_timeout=args.open_timeout,
         min_free_bytes=args.min_free_bytes,
+        idle_timeout=args.idle_timeout,
+        max_clients_per_key=args.max_clients_per_key,
+        actor_slots=args.actor_slots,
     )
     return Server(config).run()
 

@@ -6,6 +6,7 @@ Pure: no sockets, no files. The CLI builds these from flags; tests build them di
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,7 +17,6 @@ from h5replay.protocol import DEFAULT_LIMITS, Limits
 __all__ = ["ServerConfig", "ClientConfig", "DEFAULT_ENDPOINT", "read_endpoint_for"]
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5555"
-_LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1")
 
 
 def read_endpoint_for(endpoint: str) -> str:
@@ -31,12 +31,26 @@ def read_endpoint_for(endpoint: str) -> str:
     raise ConfigError(f"endpoint {endpoint!r} must start with tcp:// or ipc://")
 
 
+def is_loopback_host(host: str) -> bool:
+    """True for "localhost" and for IP addresses of the loopback network (127.0.0.0/8, ::1),
+    decided by parsing the address: a name like "127.0.0.1.nip.io" resolves anywhere."""
+    host = host.strip()
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def is_loopback(endpoint: str) -> bool:
-    """True for ipc:// and for tcp:// endpoints on a loopback address."""
+    """True for ipc:// and for tcp:// endpoints on a loopback address (see `is_loopback_host`)."""
     if endpoint.startswith("ipc://"):
         return True
     host = endpoint[len("tcp://") :].rpartition(":")[0] if endpoint.startswith("tcp://") else ""
-    return host in _LOOPBACK_HOSTS or host.startswith("127.")
+    return is_loopback_host(host)
 
 
 @dataclass(frozen=True)
@@ -61,6 +75,12 @@ class ServerConfig:
     heartbeat_timeout: float = 5.0
     # A session with open segments and no request for this long has them aborted.
     session_timeout: float = 300.0
+    # A session without an open segment and no request for this long is forgotten (its slot freed).
+    idle_timeout: float = 30.0
+    # With auth_dir: sessions one key may hold at once, and slots of limits.max_clients that only
+    # actor keys may take, so that learners can never lock actors out (None: a quarter).
+    max_clients_per_key: int = 64
+    actor_slots: int | None = None
     fsync: bool = False  # fsync every commit: survives power loss, not just a process crash
     # Seconds opening the file may take (a damaged file keeps HDF5 retrying); SIGTERM stops it too.
     open_timeout: float = 30.0
@@ -91,7 +111,8 @@ class ServerConfig:
             raise ConfigError(f"num_readers must be >= 0, got {self.num_readers}")
         if self.num_readers and not self.multiprocessing:
             raise ConfigError("reader processes need multiprocessing=True (SWMR); use num_readers=0")
-        for name in ("heartbeat_interval", "heartbeat_timeout", "session_timeout", "open_timeout", "reader_timeout"):
+        for name in ("heartbeat_interval", "heartbeat_timeout", "session_timeout", "idle_timeout", "open_timeout",
+                     "reader_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         if self.max_in_flight < 1:
@@ -100,6 +121,11 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None and (type(value) is not int or value < 1):
                 raise ConfigError(f"{name} must be an int >= 1 or None, got {value!r}")
+        if type(self.max_clients_per_key) is not int or self.max_clients_per_key < 1:
+            raise ConfigError(f"max_clients_per_key must be an int >= 1, got {self.max_clients_per_key!r}")
+        if not 0 <= self.resolved_actor_slots < self.limits.max_clients:
+            raise ConfigError(f"actor_slots must be >= 0 and below max_clients={self.limits.max_clients}, got "
+                              f"{self.actor_slots!r}")
         if self.min_free_bytes is not None and (type(self.min_free_bytes) is not int or self.min_free_bytes < 0):
             raise ConfigError(f"min_free_bytes must be an int >= 0 or None, got {self.min_free_bytes!r}")
         if type(self.staging_memory_bytes) is not int or self.staging_memory_bytes < 0:
@@ -111,8 +137,18 @@ class ServerConfig:
                 f"binding {self.bind} exposes the store beyond this machine without authentication; "
                 "pass --auth DIR (see `h5replay keys generate`), bind 127.0.0.1, or pass --insecure"
             )
+        if self.metrics_port is not None and not is_loopback_host(self.metrics_address) and not self.insecure \
+                and self.auth_dir is None:
+            raise ConfigError(
+                f"--metrics-address {self.metrics_address} serves the metrics beyond this machine, over plain HTTP; "
+                "keep it on 127.0.0.1, or pass --insecure (or run with --auth) to mean it"
+            )
         if os.path.isdir(self.path):
             raise ConfigError(f"{self.path!r} is a directory; give the HDF5 file's path")
+
+    @property
+    def resolved_actor_slots(self) -> int:
+        return self.limits.max_clients // 4 if self.actor_slots is None else self.actor_slots
 
     def resolved_min_free_bytes(self) -> int:
         """`min_free_bytes`, or its default for the file system holding `path` (reads the disk)."""

@@ -5,7 +5,8 @@ Callers catch one root, or one branch, and never parse messages::
     H5ReplayError
     ├── ConfigError                 (also ValueError)   a setting or argument is invalid
     ├── SpaceMismatchError          (also ValueError)   a value does not fit the space: names key and expectation
-    ├── ReadOnlyError                                   a write on a storage opened read-only
+    ├── ReadOnlyError                                   a write on a storage opened read-only, or by a learner
+    ├── AccessDeniedError           (also PermissionError) the client's key is no longer admitted, or its routing id is another's
     ├── StorageError                                    HDF5 failure or unusable file; the original is __cause__
     │   ├── FormatVersionError                          the file was written by an unknown h5replay format
     │   └── DiskFullError                               the disk is below the server's free-space reserve
@@ -29,6 +30,7 @@ __all__ = [
     "ConfigError",
     "SpaceMismatchError",
     "ReadOnlyError",
+    "AccessDeniedError",
     "StorageError",
     "FormatVersionError",
     "DiskFullError",
@@ -58,6 +60,11 @@ class SpaceMismatchError(H5ReplayError, ValueError):
 
 class ReadOnlyError(H5ReplayError):
     """A write was attempted on a storage or buffer opened read-only."""
+
+
+class AccessDeniedError(H5ReplayError, PermissionError):
+    """The server refused a request for who sent it: the client's CURVE key was removed from the
+    server's key directories, or its routing id is bound to another key."""
 
 
 class StorageError(H5ReplayError):

@@ -77,6 +77,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from h5replay.errors import (
+    AccessDeniedError,
     ClosedError,
     ConfigError,
     DiskFullError,
@@ -145,6 +146,7 @@ class ErrorCode(str, Enum):
     NOT_ENOUGH_DATA = "not_enough_data"  # sampling before the buffer holds enough; retry later
     UNKNOWN_SEGMENT = "unknown_segment"  # no open segment of that id for this client
     READ_ONLY = "read_only"  # a learner tried to write, or the store is read-only
+    ACCESS_DENIED = "access_denied"  # the client's key was revoked, or its routing id is another key's
     STORAGE_ERROR = "storage_error"
     DISK_FULL = "disk_full"  # below the server's free-space reserve: nothing written; retry once space is freed
     BUSY = "busy"  # try again later
@@ -164,6 +166,7 @@ ERROR_CLASSES: Mapping[str, type[Exception]] = {
     ErrorCode.NOT_ENOUGH_DATA.value: NotEnoughDataError,
     ErrorCode.UNKNOWN_SEGMENT.value: SegmentStateError,
     ErrorCode.READ_ONLY.value: ReadOnlyError,
+    ErrorCode.ACCESS_DENIED.value: AccessDeniedError,
     ErrorCode.STORAGE_ERROR.value: StorageError,
     ErrorCode.DISK_FULL.value: DiskFullError,
     ErrorCode.BUSY.value: ServerUnavailableError,
@@ -183,6 +186,7 @@ _CODE_OF_EXCEPTION: tuple[tuple[type[BaseException], ErrorCode], ...] = (
     (NotEnoughDataError, ErrorCode.NOT_ENOUGH_DATA),
     (SegmentStateError, ErrorCode.UNKNOWN_SEGMENT),
     (ReadOnlyError, ErrorCode.READ_ONLY),
+    (AccessDeniedError, ErrorCode.ACCESS_DENIED),
     (DiskFullError, ErrorCode.DISK_FULL),
     (StorageError, ErrorCode.STORAGE_ERROR),
     (ClosedError, ErrorCode.SHUTTING_DOWN),  # the server closed its storage on the way out

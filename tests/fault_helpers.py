@@ -36,7 +36,7 @@ from h5replay.storage import ReplayBuffer
 
 __all__ = [
     "CrashHistory", "FileState", "Fuzzer", "LimitedServer", "TcpRecorder", "children_of", "cli_command", "cli_server",
-    "crash_actor_main", "crash_learner_main", "drain", "limited_server_main", "ping", "process_figures",
+    "crash_actor_main", "crash_learner_main", "drain", "flood_reads", "limited_server_main", "ping", "process_figures",
     "read_file_state", "segment_table_problems", "soak_actor_main", "soak_learner_main",
 ]
 
@@ -390,6 +390,29 @@ def cli_server(path: Path | str, bind: str, read_bind: str, log_path: Path, *ext
         if proc.poll() is None:
             proc.kill()
         proc.wait(10)
+
+
+def flood_reads(endpoint: str, stop: Any) -> None:
+    """A learner process that never stops: sample(256) requests pipelined 8 deep on `endpoint`,
+    each reply read as it comes, until `stop`."""
+    import zmq
+
+    from h5replay import protocol as P
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.linger = 0
+    sock.connect(endpoint)
+    try:
+        sent = got = 0
+        while not stop.is_set():
+            while sent - got < 8:
+                sent += 1
+                sock.send_multipart([bytes(f) for f in P.encode(P.Sample(sent, 256))])
+            if sock.poll(100):
+                sock.recv_multipart()
+                got += 1
+    finally:
+        sock.close(0)
 
 
 # ------------------------------------------------------------------------------------ fuzzing

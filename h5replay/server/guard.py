@@ -177,6 +177,12 @@ class ConnectionGuard:
         if conn is not None:
             conn.sent += nbytes
 
+    def disconnect(self, fd: int, why: str) -> None:
+        """Close the connection `fd` now (a client whose key was revoked)."""
+        conn = self._connections.get(fd)
+        if conn is not None and not conn.unguarded and conn.peer is not None:
+            self._cut(conn, why)
+
     def start(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name=f"h5replay-guard-{self.name}", daemon=True)
@@ -302,5 +308,4 @@ class ConnectionGuard:
         self._connections.pop(conn.fd, None)
         self.cuts += 1
         peer = conn.peer[0] if isinstance(conn.peer, tuple) else str(conn.peer)
-        self._log.refused(f"cut {why.split(' ')[1]}", str(peer),
-                          f"{self.name}: disconnected the client at {conn.peer}: {why}")
+        self._log.refused(f"cut {why[:24]}", str(peer), f"{self.name}: disconnected the client at {conn.peer}: {why}")

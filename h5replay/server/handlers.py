@@ -20,6 +20,7 @@ import numpy as np
 from h5replay import __version__
 from h5replay import protocol as P
 from h5replay.errors import (
+    AccessDeniedError,
     DiskFullError,
     LimitExceededError,
     ProtocolError,
@@ -38,14 +39,21 @@ log = logging.getLogger("h5replay.server")
 
 @dataclass
 class Session:
-    """One connected client, known by its ZeroMQ routing id."""
+    """One connected client, known by its ZeroMQ routing id (and, under --auth, bound to the key
+    of its first message: no other key may use that routing id while the session lasts)."""
 
     identity: bytes
-    role: str = "actor"
-    granted_role: str | None = None  # set by authentication; a client cannot claim more
+    claimed_role: str = "actor"  # what its hello asked for; a client may ask for less than granted
+    granted_role: str | None = None  # what its key may do now (under --auth), looked up per message
+    key: str | None = None
     name: str = ""
     last_seen: float = field(default_factory=time.monotonic)
     segments: dict[int, SegmentWriter] = field(default_factory=dict)
+
+    @property
+    def role(self) -> str:
+        """'learner' when the key or the hello says so, else 'actor'."""
+        return "learner" if "learner" in (self.claimed_role, self.granted_role) else "actor"
 
 
 @dataclass
@@ -164,8 +172,17 @@ class Service:
         extra_stats: Callable[[], dict[str, Any]] | None = None,
         instance_id: str = "",
         min_free_bytes: int = 0,
+        max_clients_per_key: int | None = None,
+        actor_slots: int = 0,
+        reads_elsewhere: bool = False,
     ) -> None:
         self.buffer = buffer
+        # Quotas (under --auth): sessions one key may hold, and slots of max_clients only actor
+        # keys may take (so learners can never lock actors out).
+        self.max_clients_per_key = max_clients_per_key
+        self.actor_slots = actor_slots
+        # True while reader processes run: reads sent here are refused, naming where to read.
+        self.reads_elsewhere = reads_elsewhere
         # New rows are refused (DiskFullError) while the disk has less than this free; nothing is
         # written then, so no write fails and the server does not go read-only.
         self.min_free_bytes = min_free_bytes
@@ -204,16 +221,43 @@ class Service:
 
     # ------------------------------------------------------------------ sessions
 
-    def session(self, identity: bytes) -> Session:
-        """The session of `identity`, created on its first message (limited to max_clients)."""
+    def session(self, identity: bytes, key: str | None = None, granted_role: str | None = None) -> Session:
+        """The session of `identity`, created on its first message (within max_clients, the
+        per-key quota and the slots kept for actors). Under --auth `key` is the message's key.
+
+        Raises:
+            AccessDeniedError: the routing id is bound to another key.
+            LimitExceededError: a quota is full.
+        """
         session = self.sessions.get(identity)
-        if session is None:
-            if len(self.sessions) >= self.limits.max_clients:
+        if session is not None:
+            if session.key != key:
+                raise AccessDeniedError(
+                    f"routing id {identity.hex()} belongs to a client with another key; a client may not take over "
+                    "another's routing id (leave ZMQ_ROUTING_ID unset, or use one of your own)"
+                )
+        else:
+            limits = self.limits
+            if len(self.sessions) >= limits.max_clients:
                 raise LimitExceededError(
                     f"the server already has {len(self.sessions)} clients, the limit max_clients="
-                    f"{self.limits.max_clients}; close idle clients or raise the limit"
+                    f"{limits.max_clients}; close idle clients or raise the limit"
                 )
-            session = self.sessions[identity] = Session(identity)
+            if granted_role is not None and granted_role != "actor" and \
+                    len(self.sessions) >= limits.max_clients - self.actor_slots:
+                raise LimitExceededError(
+                    f"the server has {len(self.sessions)} clients; its last {self.actor_slots} slots of max_clients="
+                    f"{limits.max_clients} are kept for actor keys"
+                )
+            if key is not None and self.max_clients_per_key is not None:
+                same = sum(1 for other in self.sessions.values() if other.key == key)
+                if same >= self.max_clients_per_key:
+                    raise LimitExceededError(
+                        f"this key already has {same} clients on the server, the limit max_clients_per_key="
+                        f"{self.max_clients_per_key} (--max-clients-per-key); close some, or give each host a key"
+                    )
+            session = self.sessions[identity] = Session(identity, key=key)
+        session.granted_role = granted_role
         session.last_seen = time.monotonic()
         return session
 
@@ -234,13 +278,32 @@ class Service:
         self.stats.aborts += count
         return count
 
-    def expire(self, timeout: float) -> list[bytes]:
-        """Abort the segments of sessions silent for `timeout` seconds; returns their identities."""
+    def expire(self, timeout: float, idle_timeout: float | None = None) -> list[tuple[bytes, int]]:
+        """Drop sessions silent for `timeout` seconds (their open segments are aborted) and, with
+        `idle_timeout`, sessions without an open segment silent that long; returns (id, segments
+        aborted) of each."""
         now = time.monotonic()
-        expired = [s.identity for s in self.sessions.values() if now - s.last_seen > timeout]
-        for identity in expired:
-            self.drop_session(identity)
-        return expired
+        expired = [s.identity for s in self.sessions.values()
+                   if now - s.last_seen > (timeout if s.segments or idle_timeout is None else min(timeout, idle_timeout))]
+        return [(identity, self.drop_session(identity)) for identity in expired]
+
+    def revoke(self, role_of: Callable[[str], str | None]) -> tuple[list[bytes], list[bytes]]:
+        """Apply changed keys to live sessions: a key no longer listed loses its sessions (their
+        open segments are aborted), a key moved to learners its open segments. Returns (ids of the
+        sessions dropped, ids of the sessions demoted)."""
+        dropped, demoted = [], []
+        for identity, session in list(self.sessions.items()):
+            if session.key is None:
+                continue
+            role = role_of(session.key)
+            if role is None:
+                self.drop_session(identity)
+                dropped.append(identity)
+            elif role != "actor" and session.segments:
+                self._abort_all_of(session)
+                session.granted_role = role
+                demoted.append(identity)
+        return dropped, demoted
 
     def abort_everything(self) -> int:
         """Abort every open segment (shutdown)."""
@@ -252,17 +315,22 @@ class Service:
 
     # ------------------------------------------------------------------ dispatch
 
-    def handle(self, identity: bytes, request: P.Request, granted_role: str | None = None) -> P.Reply:
+    def handle(self, identity: bytes, request: P.Request, granted_role: str | None = None,
+               key: str | None = None) -> P.Reply:
         """The reply to one decoded request. Raises on refusal (the caller makes an error reply).
 
-        `granted_role` is what authentication proved ('actor' or 'learner'); without
-        authentication a client's role is what its hello claims.
+        `granted_role` is what authentication says `key` (the message's) may do now ('actor' or
+        'learner'), looked up for this very message; without authentication a client's role is
+        what its hello claims.
         """
         self.stats.requests += 1
-        session = self.session(identity)
-        if granted_role is not None and session.granted_role is None:
-            session.granted_role = session.role = granted_role
+        session = self.session(identity, key, granted_role)
         if isinstance(request, READ_KINDS):
+            if self.reads_elsewhere:
+                raise ProtocolError(
+                    f"{request.KIND.value} is a read: this endpoint takes writes, hello, info and heartbeats; reads go "
+                    f"to the read endpoint, {self.read_endpoint} (its hello names it; LearnerClient reads there)"
+                )
             reply = read_reply(self.buffer, request, self._rng, self.limits)
             self.stats.rows_out += reply_rows(reply)
             return reply
@@ -291,8 +359,7 @@ class Service:
 
     def hello(self, request: P.Hello, session: Session) -> P.HelloReply:
         session.name = request.client_name
-        # A client may ask for less than it was granted, never more.
-        session.role = "learner" if "learner" in (request.role, session.granted_role) else request.role
+        session.claimed_role = request.role  # less than granted, never more: see Session.role
         buffer = self.buffer
         return P.HelloReply(
             request.request_id, buffer.space.to_json(), buffer.capacity, len(buffer), buffer.num_episodes,

@@ -1,9 +1,9 @@
 """Reader processes: serve learners' reads from their own SWMR view of the file.
 
 A single reader binds the learners' endpoint itself. Several sit behind a front process that
-binds the learners' endpoint and forwards each request to the readers (a DEALER: round robin)
-and each reply back. Each reader opens the file as an SWMR reader, so reads never hold up the
-writer's loop; it sees exactly what the writer published.
+binds the learners' endpoint and hands each request to a ready reader (round robin) and each
+reply back. Each reader opens the file as an SWMR reader, so reads never hold up the writer's
+loop; it sees exactly what the writer published.
 
 Why a front process in Python, not pyzmq's proxy device (`zmq.proxy_steerable` in a thread): the
 server must bound what each learner makes it hold (guard.py), which needs to know, message by
@@ -11,10 +11,10 @@ message, which connection a request came from and a reply goes to. The C proxy c
 libzmq drops a message's metadata (its connection's descriptor) when it forwards or captures
 it. The front does that accounting; in its own process it costs the writer nothing.
 
-Behind the front each reader binds an ipc endpoint of its own in the server's private directory
-(mode 0700) and answers on the connection a request came in on (a ROUTER): a process of the same
-user that connects to it can ask for rows (as it could read the file), never slip a reply to a
-learner.
+Behind the front, the readers connect to it (ipc, in the server's private directory) with a
+routing id the front can check: the reader's index and generation, signed with a secret only the
+server's processes know. The front sends requests to, and takes replies from, signed ids only: a
+process of the same user that connects there is ignored, and cannot slip a reply to a learner.
 
 Every process here stamps `beats[index]` (monotonic seconds) every poll; the writer replaces one
 that has not stamped for `reader_timeout` (stopped with SIGSTOP, or stuck).
@@ -23,6 +23,8 @@ that has not stamped for `reader_timeout` (stopped with SIGSTOP, or stuck).
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import logging
 import multiprocessing as mp
 import os
@@ -35,24 +37,40 @@ import zmq
 
 from h5replay import protocol as P
 from h5replay.config import ServerConfig
-from h5replay.errors import ProtocolError
+from h5replay.errors import AccessDeniedError, ProtocolError, ServerUnavailableError
 from h5replay.server.auth import RoleAuthenticator, server_keys
 from h5replay.server.guard import MONITOR_EVENTS, Budgets, ConnectionGuard
 from h5replay.server.handlers import READ_KINDS, read_reply, reply_rows
 from h5replay.server.sockets import configure_router
 from h5replay.storage.replay_buffer import ReplayBuffer
 
-__all__ = ["ReaderPool", "reader_endpoint"]
+__all__ = ["ReaderPool", "front_endpoint", "reader_token"]
 
 log = logging.getLogger("h5replay.server")
 _POLL_MS = 100
 _QUEUED_FOR_FRONT = 4  # replies a reader behind the front may have waiting for it
 _FRONT_WAIT = 2.0  # seconds a reader waits for the front to take a reply
+_READY_EVERY = 1.0  # seconds between a reader's "ready" to the front (a replaced front learns of it)
+_READY = b""  # the frame a reader sends to say it is ready
 
 
-def reader_endpoint(directory: str, index: int) -> str:
-    """The ipc endpoint reader `index` binds behind the proxy, in the server's private directory."""
-    return f"ipc://{directory}/reader-{index}"
+def front_endpoint(directory: str) -> str:
+    """The ipc endpoint the front binds for its readers, in the server's private directory."""
+    return f"ipc://{directory}/front"
+
+
+def reader_token(secret: bytes, index: int, generation: int) -> bytes:
+    """The routing id of reader `index` (its `generation`-th process) behind the front: index,
+    generation and their HMAC under the server's secret."""
+    head = index.to_bytes(2, "big") + generation.to_bytes(4, "big")
+    return head + hmac.new(secret, head, hashlib.sha256).digest()[:16]
+
+
+def token_is_valid(secret: bytes, token: bytes) -> bool:
+    """Whether a routing id is one `reader_token` signed with `secret`."""
+    if len(token) != 22:
+        return False
+    return hmac.compare_digest(hmac.new(secret, token[:6], hashlib.sha256).digest()[:16], token[6:])
 
 
 def answer(buffer: ReplayBuffer, request: P.Request, rng: np.random.Generator, config: ServerConfig,
@@ -88,12 +106,20 @@ class _Learners:
         self.guard.start()
         _bind_when_free(self.sock, config.resolved_read_bind)
         self.sock.linger = 0
-        self._next_reload = time.monotonic() + 1.0
 
-    def reload(self) -> None:
-        if self.auth is not None and time.monotonic() >= self._next_reload:
-            self.auth.reload()  # it keeps the keys it had when a directory is empty or unreadable
-            self._next_reload = time.monotonic() + 1.0
+    def admitted(self, frame: Any, fd: int) -> bool:
+        """Whether the key a message came with is listed now (always, without --auth); a client
+        whose key was removed is disconnected."""
+        if self.auth is None:
+            return True
+        try:
+            key = str(frame.get("User-Id"))
+        except (zmq.ZMQError, AttributeError):
+            return False
+        if self.auth.role_of(key) is not None:
+            return True
+        self.guard.disconnect(fd, "its key was removed from the key directories")
+        return False
 
     def close(self) -> None:
         self.guard.stop()
@@ -111,14 +137,14 @@ def _watchdog(beats: Any, index: int) -> Any:
 
 
 def reader_main(
-    config: ServerConfig, endpoint: str | None, ready: Any, stop: Any, counters: Any, index: int,
+    config: ServerConfig, behind: tuple[str, bytes] | None, ready: Any, stop: Any, counters: Any, index: int,
     instance_id: str = "", beats: Any = None,
 ) -> None:
     """Body of one reader process (spawned). Exits when `stop` is set or its parent dies.
 
-    `endpoint` None: bind the learners' endpoint itself (with its own authenticator under
-    --auth, and a connection guard); otherwise bind `endpoint`, the ipc endpoint the front
-    forwards to.
+    `behind` None: bind the learners' endpoint itself (with its own authenticator under --auth,
+    and a connection guard); else (the front's endpoint, this reader's routing id): connect to
+    the front and serve what it hands over.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the writer coordinates shutdown
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -130,34 +156,38 @@ def reader_main(
     ctx = zmq.Context()
     learners: _Learners | None = None
     guard: ConnectionGuard | None = None
-    if endpoint is None:
+    if behind is None:
         learners = _Learners(ctx, config, f"reader {index}")
         sock, guard = learners.sock, learners.guard
     else:
-        sock = ctx.socket(zmq.ROUTER)
+        sock = ctx.socket(zmq.DEALER)
         sock.linger = 0
+        sock.routing_id = behind[1]
         # Back-pressure towards the front: a few replies may wait for it, then the reader waits
         # (and takes no more requests) rather than piling replies up in its own memory.
         sock.sndhwm = _QUEUED_FOR_FRONT
-        sock.router_mandatory = 1
-        _bind_when_free(sock, endpoint)
-    routing_frames = 1 if endpoint is None else 2  # behind the front: the front's id, then the learner's
+        sock.connect(behind[0])
     rng = np.random.default_rng()
     ready.set()
+    next_ready = 0.0
     try:
         while not stop.is_set() and os.getppid() == parent:
             beat()
-            if learners is not None:
-                learners.reload()
+            if behind is not None and time.monotonic() >= next_ready:
+                with contextlib.suppress(zmq.Again):
+                    sock.send(_READY, zmq.NOBLOCK)
+                next_ready = time.monotonic() + _READY_EVERY
             if not sock.poll(_POLL_MS):
                 continue
             routed = sock.recv_multipart(copy=False)
-            route, frames = routed[:routing_frames], routed[routing_frames:]
+            route, frames = routed[:1], routed[1:]  # the learner's routing id, from its ROUTER or the front's
             fd = -1
             if guard is not None and frames:
                 fd = guard.fd_of(frames[0])
                 guard.consumed(fd, sum(len(f) for f in frames), len(frames))
             try:
+                if learners is not None and frames and not learners.admitted(frames[0], fd):
+                    raise AccessDeniedError("this client's key is no longer listed in the server's key directories")
                 request = P.decode(frames, limits, expect=P.Request)
                 reply = answer(buffer, request, rng, config, instance_id)
                 counters[2 * index + 1] += reply_rows(reply)
@@ -182,61 +212,6 @@ def reader_main(
         buffer.close()
 
 
-def front_main(config: ServerConfig, readers: list[str], ready: Any, stop: Any, counters: Any, index: int,
-               instance_id: str = "", beats: Any = None) -> None:
-    """Body of the front process (spawned) in front of several readers: it binds the learners'
-    endpoint, forwards each request to a reader (round robin) and each reply back, and counts
-    both for its connection guard. Exits when `stop` is set or its parent dies."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    parent = os.getppid()
-    beat = _watchdog(beats, index)
-    beat()
-    ctx = zmq.Context()
-    learners = _Learners(ctx, config, "read front")
-    front, guard = learners.sock, learners.guard
-    back = ctx.socket(zmq.DEALER)
-    back.linger = 0
-    back.sndhwm = back.rcvhwm = 0  # what waits here is bounded by the guard, per learner
-    for endpoint in readers:
-        back.connect(endpoint)
-    fds: dict[bytes, int] = {}  # a learner's routing id -> its connection
-    poller = zmq.Poller()
-    poller.register(front, zmq.POLLIN)
-    poller.register(back, zmq.POLLIN)
-    ready.set()
-    try:
-        while not stop.is_set() and os.getppid() == parent:
-            beat()
-            learners.reload()
-            events = dict(poller.poll(_POLL_MS))
-            for _ in range(256 if front in events else 0):
-                try:
-                    frames = front.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
-                if len(frames) < 2:
-                    continue
-                fd = guard.fd_of(frames[1])
-                guard.consumed(fd, sum(len(f) for f in frames[1:]), len(frames) - 1)
-                if len(fds) > 100_000:
-                    fds.clear()
-                fds[frames[0].bytes] = fd
-                back.send_multipart(frames, copy=False)
-            for _ in range(256 if back in events else 0):
-                try:
-                    frames = back.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
-                with contextlib.suppress(zmq.Again):  # a learner not reading its replies is not answered
-                    front.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-                    guard.sent(fds.get(frames[0].bytes, -1), sum(len(f) for f in frames[1:]))
-    finally:
-        back.close(0)
-        learners.close()
-        ctx.term()
-
-
 def _send_to_front(sock: zmq.Socket[Any], frames: list[Any]) -> None:
     """Send a reply to the front, waiting while the few it may queue are still there (a front
     that does not take them for `_FRONT_WAIT` seconds, or is gone, loses this one)."""
@@ -249,10 +224,98 @@ def _send_to_front(sock: zmq.Socket[Any], frames: list[Any]) -> None:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not sock.poll(int(remaining * 1000) + 1, zmq.POLLOUT):
                 return
-        except zmq.ZMQError as exc:
-            if exc.errno == zmq.EHOSTUNREACH:
-                return  # the front that asked is gone (replaced): nobody waits for this reply
-            raise
+
+
+def front_main(config: ServerConfig, behind: tuple[str, bytes], ready: Any, stop: Any, counters: Any, index: int,
+               instance_id: str = "", beats: Any = None) -> None:
+    """Body of the front process (spawned) before several readers: it binds the learners'
+    endpoint and, behind, `behind[0]` where readers signed with the secret `behind[1]` connect;
+    hands each request to a ready reader (round robin) and each reply back, and counts both for
+    its connection guard. Exits when `stop` is set or its parent dies."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    parent = os.getppid()
+    beat = _watchdog(beats, index)
+    beat()
+    endpoint, secret = behind
+    ctx = zmq.Context()
+    learners = _Learners(ctx, config, "read front")
+    front, guard = learners.sock, learners.guard
+    back = ctx.socket(zmq.ROUTER)
+    back.linger = 0
+    back.router_mandatory = 1  # a reader that is gone raises: it leaves the ring
+    back.rcvhwm = 0  # replies are taken at once; what waits for learners is bounded by the guard
+    _bind_when_free(back, endpoint)
+    ring: list[bytes] = []  # ready readers' ids, in turn
+    turn = 0
+    fds: dict[bytes, int] = {}  # a learner's routing id -> its connection
+    poller = zmq.Poller()
+    poller.register(front, zmq.POLLIN)
+    poller.register(back, zmq.POLLIN)
+    ready.set()
+
+    def hand_over(frames: list[Any]) -> bool:
+        nonlocal turn
+        for _ in range(len(ring)):
+            reader = ring[turn % len(ring)]
+            turn += 1
+            try:
+                back.send_multipart([reader, *frames], flags=zmq.NOBLOCK, copy=False)
+                return True
+            except zmq.Again:
+                continue  # that reader has plenty to do already
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EHOSTUNREACH:
+                    raise
+                ring.remove(reader)  # gone (replaced): its successor says it is ready under a new id
+        return False
+
+    try:
+        while not stop.is_set() and os.getppid() == parent:
+            beat()
+            events = dict(poller.poll(_POLL_MS))
+            for _ in range(256 if back in events else 0):
+                try:
+                    frames = back.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                reader = frames[0].bytes
+                if len(frames) < 2 or not token_is_valid(secret, reader):
+                    continue  # not one of ours: ignored, never forwarded
+                if len(frames) == 2 and len(frames[1]) == 0:  # "ready"
+                    if reader not in ring:
+                        ring.append(reader)
+                    continue
+                with contextlib.suppress(zmq.Again):  # a learner not reading its replies is not answered
+                    front.send_multipart(frames[1:], flags=zmq.NOBLOCK, copy=False)
+                    guard.sent(fds.get(frames[1].bytes, -1), sum(len(f) for f in frames[2:]))
+            for _ in range(256 if front in events else 0):
+                try:
+                    frames = front.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                if len(frames) < 2:
+                    continue
+                fd = guard.fd_of(frames[1])
+                guard.consumed(fd, sum(len(f) for f in frames[1:]), len(frames) - 1)
+                refusal: Exception | None = None
+                if not learners.admitted(frames[1], fd):
+                    refusal = AccessDeniedError("this client's key is no longer listed in the server's key directories")
+                else:
+                    if len(fds) > 100_000:
+                        fds.clear()
+                    fds[frames[0].bytes] = fd
+                    if not hand_over(frames):
+                        refusal = ServerUnavailableError("no reader process is ready (they are starting, or being "
+                                                         "replaced); try again in a moment")
+                if refusal is not None:
+                    reply = P.ErrorReply.from_exception(P.peek_request_id(frames[1:], config.limits), refusal)
+                    with contextlib.suppress(zmq.Again):
+                        front.send_multipart([frames[0], *P.encode(reply)], flags=zmq.NOBLOCK)
+    finally:
+        back.close(0)
+        learners.close()
+        ctx.term()
 
 
 def _not_a_read(request: P.Request, config: ServerConfig) -> str:
@@ -277,23 +340,24 @@ def _bind_when_free(sock: zmq.Socket[Any], endpoint: str, timeout: float = 10.0)
 
 class ReaderPool:
     """K reader processes, and a front process when K > 1; started after the writer holds the
-    file in SWMR mode. `directory`: the server's private directory, for the readers' endpoints."""
+    file in SWMR mode. `directory`: the server's private directory (mode 0700), for the front's
+    endpoint, to which the readers connect."""
 
     def __init__(self, config: ServerConfig, directory: str, instance_id: str = "") -> None:
         self._ctx = mp.get_context("spawn")
         self._config = config
         self._instance_id = instance_id
         k = config.num_readers
-        self._endpoints: list[str | None] = [None] if k == 1 else [reader_endpoint(directory, i) for i in range(k)]
-        if k > 1:
-            self._endpoints.append(None)  # the front, last
-        self.counters = self._ctx.Array("q", 2 * len(self._endpoints), lock=False)
-        self.beats = self._ctx.Array("d", len(self._endpoints), lock=False)
+        self._endpoint = front_endpoint(directory)
+        self._secret = os.urandom(32)  # signs the readers' routing ids; known to the server's processes only
+        self._generations = [0] * (k + (1 if k > 1 else 0))  # the front is last
+        self.counters = self._ctx.Array("q", 2 * len(self._generations), lock=False)
+        self.beats = self._ctx.Array("d", len(self._generations), lock=False)
         self._procs: list[Any] = []
         # Each process's (ready, stop) events, kept as long as the process: a replacement does not
         # wait for its start, and an event the parent let go of is gone before the child loads it.
         self._events: list[tuple[Any, Any]] = []
-        for index in range(len(self._endpoints)):
+        for index in range(len(self._generations) - 1, -1, -1):  # the front first: readers connect to it
             self._spawn(index)
 
     def _name(self, index: int) -> str:
@@ -304,12 +368,19 @@ class ReaderPool:
         does not wait: the writer loop must not stall while a new interpreter imports numpy."""
         ready, stop = self._ctx.Event(), self._ctx.Event()
         self.beats[index] = time.monotonic()
-        front = index == self._config.num_readers
-        target: Any = front_main if front else reader_main
-        first: Any = [e for e in self._endpoints if e is not None] if front else self._endpoints[index]
+        self._generations[index] += 1
+        k = self._config.num_readers
+        front = index == k
+        behind: tuple[str, bytes] | None
+        if front:
+            target: Any = front_main
+            behind = (self._endpoint, self._secret)
+        else:
+            target = reader_main
+            behind = None if k == 1 else (self._endpoint, reader_token(self._secret, index, self._generations[index]))
         proc = self._ctx.Process(
             target=target,
-            args=(self._config, first, ready, stop, self.counters, index, self._instance_id, self.beats),
+            args=(self._config, behind, ready, stop, self.counters, index, self._instance_id, self.beats),
             name="h5replay-read-front" if front else f"h5replay-reader-{index}",
             daemon=True,
         )
@@ -319,11 +390,10 @@ class ReaderPool:
             if not proc.is_alive() or time.monotonic() > deadline:
                 proc.kill()
                 raise RuntimeError(f"{self._name(index)} failed to start (exit code {proc.exitcode})")
-        if index < len(self._procs):
-            self._procs[index], self._events[index] = proc, (ready, stop)
-        else:
-            self._procs.append(proc)
-            self._events.append((ready, stop))
+        while len(self._procs) <= index:
+            self._procs.append(None)
+            self._events.append((None, None))
+        self._procs[index], self._events[index] = proc, (ready, stop)
 
     def revive(self) -> int:
         """Restart processes that died, and replace those that stopped answering (no beat for
@@ -350,9 +420,12 @@ class ReaderPool:
 
     def stop(self, timeout: float = 5.0) -> None:
         for _, stop in self._events:
-            stop.set()
+            if stop is not None:
+                stop.set()
         deadline = time.monotonic() + timeout
         for proc in self._procs:
+            if proc is None:
+                continue
             proc.join(max(0.0, deadline - time.monotonic()))
             if proc.is_alive():
                 proc.kill()

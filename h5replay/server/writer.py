@@ -15,6 +15,7 @@ client's open segments are aborted.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import logging
@@ -34,10 +35,10 @@ import zmq
 
 from h5replay import protocol as P
 from h5replay.config import ServerConfig
-from h5replay.errors import ConfigError
+from h5replay.errors import AccessDeniedError, ConfigError
 from h5replay.server.auth import RefusalLog, RoleAuthenticator, handshake_failure, server_keys
 from h5replay.server.guard import MONITOR_EVENTS, Budgets, ConnectionGuard
-from h5replay.server.handlers import READ_KINDS, Service
+from h5replay.server.handlers import READ_KINDS, WRITE_KINDS, Service
 from h5replay.server.metrics import Metrics
 from h5replay.server.readers import ReaderPool
 from h5replay.server.sockets import configure_router
@@ -49,6 +50,10 @@ log = logging.getLogger("h5replay.server")
 _POLL_MS = 50
 _BATCH = 256  # messages handled per poll before housekeeping gets a turn
 _PROBE = P.HeartbeatReply(0)
+_MAX_WAITING_READS = 256  # reads the writer takes off its socket before it has answered them
+_READ_SHARE = 0.02  # seconds of a pass the writer spends on reads (--readers 0) after its writes
+_WRITE_GRACE_MS = 1  # before a read, the writer waits this long for a write to come first
+_READ_MAX_WAIT = 0.1  # a read that waited this long is served even while writes keep coming
 _READ_PORT_WAIT = 5.0  # seconds a restart waits for a taken read port (a killed server's reader lets go in < 1 s)
 
 
@@ -100,6 +105,10 @@ class Server:
         self._deferred: list[tuple[bytes, P.Reply]] = []  # commit replies waiting for the pass's publish
         self._guard: ConnectionGuard | None = None
         self._fds: dict[bytes, int] = {}  # a client's routing id -> its connection (for the guard)
+        # Reads waiting for the writes (--readers 0): (id, frames, request, role, key, since).
+        self._last_read = self._last_write = 0.0
+        self._reads: collections.deque[tuple[bytes, list[zmq.Frame], Any, str | None, str | None, float]] = \
+            collections.deque()
         #: This server process's UUID (hello, info): tells a restarted server from the same one.
         self.instance_id = uuid.uuid4().hex
         # The metrics thread never reads the loop's live structures (a scrape must not iterate
@@ -161,6 +170,9 @@ class Server:
                 buffer, config.limits, read_endpoint, fsync=config.fsync,
                 extra_stats=readers.totals if readers else None, instance_id=self.instance_id,
                 min_free_bytes=config.resolved_min_free_bytes(),
+                max_clients_per_key=config.max_clients_per_key if auth is not None else None,
+                actor_slots=config.resolved_actor_slots if auth is not None else 0,
+                reads_elsewhere=readers is not None,
             )
             log.info(
                 "h5replay serving %s (%d rows, capacity %s) on %s; reads on %s by %d reader process(es)%s",
@@ -221,17 +233,27 @@ class Server:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         next_probe = next_expire = time.monotonic()
+        keys_seen = auth.generation if auth is not None else 0
         while not self._stop.is_set():
-            events = dict(poller.poll(_POLL_MS))
+            events = dict(poller.poll(0 if self._reads else _POLL_MS))
             if sock in events:
+                # Writes first: reads (only with --readers 0) wait for the end of the pass, and get
+                # a bounded share of it, so that reads cannot starve ingest.
                 for _ in range(_BATCH):
+                    if len(self._reads) >= _MAX_WAITING_READS:
+                        break  # the rest waits in the socket, where the guard counts it
                     try:
                         frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
-                    self._serve(sock, service, frames)
+                    self._serve(sock, service, frames, auth)
                 self._publish(sock, service)
+            if self._reads:
+                self._serve_reads(sock, service)
             now = time.monotonic()
+            if auth is not None and auth.generation != keys_seen:
+                keys_seen = auth.generation
+                self._revoke(service, auth)
             if guard.disconnects.is_set():
                 guard.disconnects.clear()
                 next_probe = min(next_probe, now + 0.05)  # let libzmq finish dropping the peer first
@@ -239,18 +261,30 @@ class Server:
                 self._probe(sock, service)
                 next_probe = now + config.heartbeat_interval
             if now >= next_expire:
-                for identity in service.expire(config.session_timeout):
-                    log.warning("client %s was silent for %.0f s: its segments were aborted", identity.hex(), config.session_timeout)
+                for identity, aborted in service.expire(config.session_timeout, config.idle_timeout):
                     self._fds.pop(identity, None)
+                    if aborted:
+                        log.warning("client %s was silent for %.0f s: its %d open segment(s) were aborted",
+                                    identity.hex(), config.session_timeout, aborted)
                 if readers is not None:
                     readers.revive()
-                if auth is not None:
-                    auth.reload()  # keys dropped into actors/ or learners/ are admitted
                 next_expire = now + 1.0
             if not self._figure_requests.empty():
                 self._figures = service.snapshot()
                 while not self._figure_requests.empty():
                     self._figure_requests.get_nowait().set()
+
+    def _revoke(self, service: Service, auth: RoleAuthenticator) -> None:
+        """Keys changed: close the sessions (and connections) of removed keys, abort the open
+        segments of keys moved to learners/."""
+        dropped, demoted = service.revoke(auth.role_of)
+        guard = typing.cast("ConnectionGuard", self._guard)
+        for identity in dropped:
+            guard.disconnect(self._fds.pop(identity, -1), "its key was removed from the key directories")
+            log.warning("client %s: its key was removed; its session is closed and its open segments aborted",
+                        identity.hex())
+        for identity in demoted:
+            log.warning("client %s: its key was moved to learners; its open segments were aborted", identity.hex())
 
     def _publish(self, sock: zmq.Socket[Any], service: Service) -> None:
         """Publish the commits of this pass, then send their replies: a commit is acknowledged only
@@ -267,7 +301,8 @@ class Server:
         for identity, reply in deferred:
             self._send(sock, service, identity, reply)
 
-    def _serve(self, sock: zmq.Socket[Any], service: Service, frames: list[zmq.Frame]) -> None:
+    def _serve(self, sock: zmq.Socket[Any], service: Service, frames: list[zmq.Frame],
+               auth: RoleAuthenticator | None = None) -> None:
         identity = frames[0].bytes
         body = frames[1:]
         if body and self._guard is not None:
@@ -281,22 +316,70 @@ class Server:
         try:
             request = P.decode(body, service.limits, expect=P.Request)
             kind = request.KIND.value
-            if service.unpublished and isinstance(request, READ_KINDS):
-                self._publish(sock, service)  # a read must not see a commit before it is acknowledged
-            reply = service.handle(identity, request, self._granted_role(body))
+            key = self._key(body)
+            role = auth.role_of(key) if auth is not None else None
+            if auth is not None and role is None:  # listed at its handshake, removed since
+                self._guard_disconnect(identity, "its key was removed from the key directories")
+                raise AccessDeniedError("this client's key is no longer listed in the server's key directories")
+            if isinstance(request, READ_KINDS) and not service.reads_elsewhere:
+                self._reads.append((identity, body, request, role, key, time.monotonic()))  # after the writes
+                return
+            if isinstance(request, WRITE_KINDS):
+                self._last_write = time.monotonic()
+            reply = service.handle(identity, request, role, key)
         except Exception as exc:  # the boundary: every refusal becomes an error reply
-            service.stats.errors += 1
-            reply = P.ErrorReply.from_exception(P.peek_request_id(body, service.limits), exc)
-            if reply.code == P.ErrorCode.INTERNAL.value:
-                log.exception("internal error while serving a request")
+            reply = self._refusal(service, body, exc)
+        self._reply(sock, service, identity, reply)
+        if self._metrics is not None:
+            self._metrics.observe(kind, time.perf_counter() - started)
+
+    def _serve_reads(self, sock: zmq.Socket[Any], service: Service) -> None:
+        """Answer waiting reads (the writer serves reads only with --readers 0), in the gaps
+        between writes: before each read the writer waits a moment (`_WRITE_GRACE_MS`, while writes
+        come) for a write, and goes back to its socket if one comes. When no read was served for `_READ_MAX_WAIT`, one
+        is served anyway, so that reads are slowed, never starved; and reads take at most
+        `_READ_SHARE` seconds of a pass."""
+        deadline = time.perf_counter() + _READ_SHARE
+        while self._reads and time.perf_counter() < deadline:
+            identity, body, request, role, key, since = self._reads[0]
+            now = time.monotonic()
+            # The grace only while writes come (an actor's next write follows its reply closely);
+            # a server that only serves reads serves them without a wait.
+            grace = _WRITE_GRACE_MS if now - self._last_write < _READ_MAX_WAIT else 0
+            if now - max(since, self._last_read) < _READ_MAX_WAIT and sock.poll(grace):
+                return  # writes first
+            self._reads.popleft()
+            self._last_read = time.monotonic()
+            started = time.perf_counter()
+            if service.unpublished:
+                self._publish(sock, service)  # a read must not see a commit before it is acknowledged
+            try:
+                reply = service.handle(identity, request, role, key)
+            except Exception as exc:
+                reply = self._refusal(service, body, exc)
+            self._reply(sock, service, identity, reply)
+            if self._metrics is not None:
+                self._metrics.observe(request.KIND.value, time.perf_counter() - started)
+
+    @staticmethod
+    def _refusal(service: Service, body: list[zmq.Frame], exc: Exception) -> P.ErrorReply:
+        service.stats.errors += 1
+        reply = P.ErrorReply.from_exception(P.peek_request_id(body, service.limits), exc)
+        if reply.code == P.ErrorCode.INTERNAL.value:
+            log.exception("internal error while serving a request")
+        return reply
+
+    def _reply(self, sock: zmq.Socket[Any], service: Service, identity: bytes, reply: P.Reply) -> None:
         # Commit replies wait for the pass's publish; a client's later replies queue behind its
         # commit's, so every client still gets its replies in the order it asked.
         if isinstance(reply, (P.CommitReply, P.PushEpisodeReply)) or any(i == identity for i, _ in self._deferred):
             self._deferred.append((identity, reply))
         else:
             self._send(sock, service, identity, reply)
-        if self._metrics is not None:
-            self._metrics.observe(kind, time.perf_counter() - started)
+
+    def _guard_disconnect(self, identity: bytes, why: str) -> None:
+        if self._guard is not None:
+            self._guard.disconnect(self._fds.get(identity, -1), why)
 
     def _ask_figures(self) -> dict[str, Any]:
         """The service's figures, taken by the loop between two passes (called by the metrics
@@ -306,8 +389,8 @@ class Server:
         taken.wait(1.0)
         return self._figures
 
-    def _granted_role(self, body: list[zmq.Frame]) -> str | None:
-        """The role authentication gave the sender (the ZAP User-Id), or None without --auth."""
+    def _key(self, body: list[zmq.Frame]) -> str | None:
+        """The CURVE key the message came with (its ZAP User-Id), or None without --auth."""
         if self._curve is None or not body:
             return None
         return str(body[0].get("User-Id"))

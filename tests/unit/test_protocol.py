@@ -11,8 +11,10 @@ import pytest
 
 from h5replay import protocol as P
 from h5replay.errors import (
+    AccessDeniedError,
     ClosedError,
     ConfigError,
+    DiskFullError,
     EvictedError,
     LimitExceededError,
     NotEnoughDataError,
@@ -462,7 +464,7 @@ CLASS_OF_CODE = {
     "bad_request": ProtocolError, "unsupported_version": UnsupportedVersionError,
     "limit_exceeded": LimitExceededError, "space_mismatch": SpaceMismatchError,
     "index_out_of_range": IndexError, "evicted": EvictedError, "not_enough_data": NotEnoughDataError, "unknown_segment": SegmentStateError, "read_only": ReadOnlyError,
-    "storage_error": StorageError, "busy": ServerUnavailableError, "shutting_down": ServerUnavailableError,
+    "access_denied": AccessDeniedError, "storage_error": StorageError, "disk_full": DiskFullError, "busy": ServerUnavailableError, "shutting_down": ServerUnavailableError,
     "internal": RemoteError,
 }
 
