@@ -1,6 +1,6 @@
 # Two commands: `make demo` and `make test`. Each creates .venv when missing and installs
-# everything it needs into it from the package registries. CI (.ci/run) also runs test-torch and
-# compose-test.
+# everything it needs into it from the package registries. CI (.ci/run) also runs test-torch,
+# test-ray and compose-test.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 TORCH_INDEX ?=
 
-.PHONY: demo test lint test-torch compose-test bench clean venv
+.PHONY: demo check test lint test-torch test-ray compose-test bench clean venv
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,7 +26,12 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m h5replay demo
 
-# Lint and types first: they take seconds, the suite minutes.
+# The quick lane, for every change: lint, types, then the unit and property tests (no server
+# process, no sockets; under 2 minutes on 2 cores).
+check: lint
+	$(BIN)/python -m pytest tests/unit tests/property
+
+# Everything: lint and types first (seconds), then the whole suite (minutes).
 test: lint
 	$(BIN)/python -m pytest
 
@@ -38,6 +43,13 @@ lint: $(STAMP)
 test-torch: $(STAMP)
 	$(BIN)/python -m pip install --quiet $(TORCH_INDEX) 'torch==$(TORCH_VERSION)'
 	$(BIN)/python -m pytest tests/unit/test_torch_integration.py
+
+# Ray for h5replay.integrations.ray and its tests (tests/ray_cluster, which `make test` skips while Ray
+# is not installed; not "tests/ray": tests/ is on sys.path and that folder would shadow the ray
+# package): a local cluster of 3 simulated nodes, 1 CPU each, small object stores, no dashboard.
+test-ray: $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[ray]' --config-settings editable_mode=compat
+	RAY_USAGE_STATS_ENABLED=0 $(BIN)/python -m pytest tests/ray_cluster
 
 # The image and docker/compose.yaml (then with compose.auth.yaml) run for real: see docker/compose_test.py.
 # Sets up the Docker Engine when missing (as root, with apt-get); says why and exits 0 when it cannot.

@@ -100,6 +100,21 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--metrics-address", default="127.0.0.1", help="address of the metrics port (default 127.0.0.1)")
     serve.add_argument("--auth", metavar="DIR", help="accept only CURVE keys listed in DIR/actors and DIR/learners")
     serve.add_argument("--insecure", action="store_true", help="allow binding beyond loopback without --auth")
+    sampling = serve.add_argument_group("sampling (a new file; an existing one keeps its own)")
+    sampling.add_argument("--sampler", choices=("uniform", "prioritized", "fifo", "lifo"),
+                          help="how rows are drawn (default uniform)")
+    sampling.add_argument("--priority-exponent", type=float, metavar="A",
+                          help="prioritized: probability ~ priority ** A (default 0.6)")
+    sampling.add_argument("--initial-priority", type=float, metavar="P",
+                          help="prioritized: the priority of a row given none (default: the largest so far)")
+    sampling.add_argument("--min-size-to-sample", type=_positive_int, metavar="N",
+                          help="samples wait until N rows are held (Reverb's MinSize)")
+    sampling.add_argument("--samples-per-insert", type=float, metavar="R",
+                          help="keep rows sampled / rows inserted near R (Reverb's SampleToInsertRatio)")
+    sampling.add_argument("--error-buffer", type=float, metavar="E",
+                          help="how far sampling may run ahead of or behind R (with --samples-per-insert)")
+    sampling.add_argument("--max-times-sampled", type=_non_negative_int, metavar="K",
+                          help="a row sampled K times is removed (fifo and 1: a queue; default 0: never)")
     serve.add_argument("--heartbeat-timeout", type=_seconds, default=5.0, metavar="S",
                        help="drop a client whose connection is silent this long (default 5)")
     serve.add_argument("--session-timeout", type=_seconds, default=300.0, metavar="S",
@@ -149,7 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--timeout", type=_seconds, default=30.0, help="seconds to wait for the server")
 
     actor = sub.add_parser("actor", parents=[common], help="example actor: a gymnasium environment with a random policy")
-    actor.add_argument("endpoint", metavar="ENDPOINT")
+    actor.add_argument("endpoint", metavar="ENDPOINT", nargs="+",
+                       help="the server's endpoint; several: shards, the actor writes to one and fails over")
     actor.add_argument("--env", default="CartPole-v1", help="gymnasium environment id (default CartPole-v1)")
     actor.add_argument("--episodes", type=_non_negative_int, default=0, help="episodes to send (0: until SIGTERM)")
     actor.add_argument("--seed", type=int, default=None)
@@ -159,7 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     client_keys(actor)
 
     learner = sub.add_parser("learner", parents=[common], help="example learner: samples and prints what it learns of the data")
-    learner.add_argument("endpoint", metavar="ENDPOINT")
+    learner.add_argument("endpoint", metavar="ENDPOINT", nargs="+",
+                         help="the server's endpoint; several: shards, the learner samples all of them")
     learner.add_argument("--batch-size", type=_positive_int, default=256)
     learner.add_argument("--seconds", type=float, default=0.0, help="how long to run (0: until SIGTERM)")
     learner.add_argument("--report-every", type=_seconds, default=5.0)
@@ -194,6 +211,32 @@ def build_parser() -> argparse.ArgumentParser:
     compact.add_argument("path", metavar="FILE")
     layout_flags(compact)
 
+    ray = sub.add_parser("ray", parents=[common], help="h5replay shards on a running Ray cluster (needs h5replay[ray])")
+    ray_sub = ray.add_subparsers(dest="ray_command", metavar="ACTION")
+    ray_sub.required = True
+    ray_start = ray_sub.add_parser("start", parents=[common], help="start one server per node (detached); print the endpoints")
+    ray_start.add_argument("--shards", type=_positive_int, required=True, metavar="N", help="how many servers")
+    ray_start.add_argument("--directory", required=True, metavar="DIR",
+                           help="a folder on each node's local disk; shard k serves DIR/shard-k.h5")
+    ray_start.add_argument("--space", metavar="SPACE.json", help="space of new files (`h5replay space`)")
+    ray_size = ray_start.add_mutually_exclusive_group()
+    ray_size.add_argument("--capacity", type=_positive_int, metavar="N", help="rows each new file holds, a ring")
+    ray_size.add_argument("--unbounded", action="store_true", help="new files grow without limit")
+    ray_start.add_argument("--spread", action="store_true",
+                           help="allow several shards per node (round the nodes); default: one per node")
+    ray_start.add_argument("--host", help="address to bind (default: each node's IP as Ray knows it)")
+    ray_start.add_argument("--readers", type=_non_negative_int, default=1, metavar="K",
+                           help="reader processes per shard (default 1)")
+    ray_start.add_argument("--fsync", action="store_true", help="fsync every commit")
+    ray_start.add_argument("--auth", metavar="DIR", help="CURVE keys, in DIR on every node (see `serve --auth`)")
+    ray_start.add_argument("--insecure", action="store_true",
+                           help="bind the nodes' IPs without --auth (Ray's own network is trusted anyway)")
+    ray_start.add_argument("--json", action="store_true", help="print the shards' details as JSON")
+    for p in (ray_start, ray_sub.add_parser("endpoints", parents=[common], help="print the endpoints of running shards"),
+              ray_sub.add_parser("stop", parents=[common], help="stop the shards (each flushes and closes its file)")):
+        p.add_argument("--address", default="auto", help="the Ray cluster (default auto: the one this node belongs to)")
+        p.add_argument("--name", default="h5replay", help="name of the shards' Ray actors (default h5replay)")
+
     demo = sub.add_parser("demo", parents=[common], help="start a server, actors and a learner on an embedded default")
     demo.add_argument("--actors", type=_positive_int, default=4)
     demo.add_argument("--episodes", type=_positive_int, default=40, help="episodes per actor")
@@ -202,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load_space(path: str) -> Any:
-    from h5replay.storage.spaces import space_from_json
+    from h5replay.spaces import space_from_json
 
     try:
         with open(path, encoding="utf-8") as fh:
@@ -244,6 +287,27 @@ def _check_serve_args(args: argparse.Namespace) -> None:
                           "--unbounded (it is for a new file) or give a new path")
 
 
+def _sampling_config(args: argparse.Namespace) -> Any:
+    """The sampling settings the flags give, or None when none was given."""
+    from h5replay.sampling import Fifo, Lifo, Prioritized, RateLimit, SamplingConfig, Uniform
+
+    flags = ("sampler", "priority_exponent", "initial_priority", "min_size_to_sample", "samples_per_insert",
+             "error_buffer", "max_times_sampled")
+    if all(getattr(args, name) is None for name in flags):
+        return None
+    kind = args.sampler or ("prioritized" if args.priority_exponent is not None or args.initial_priority is not None
+                            else "uniform")
+    if kind != "prioritized" and (args.priority_exponent is not None or args.initial_priority is not None):
+        raise UsageError("--priority-exponent and --initial-priority go with --sampler prioritized")
+    if kind == "prioritized":
+        sampler: Any = Prioritized(0.6 if args.priority_exponent is None else args.priority_exponent,
+                                   args.initial_priority)
+    else:
+        sampler = {"uniform": Uniform, "fifo": Fifo, "lifo": Lifo}[kind]()
+    limit = RateLimit(args.min_size_to_sample or 1, args.samples_per_insert, args.error_buffer)
+    return SamplingConfig(sampler, limit, args.max_times_sampled or 0)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from h5replay.server import Server
 
@@ -268,6 +332,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         idle_timeout=args.idle_timeout,
         max_clients_per_key=args.max_clients_per_key,
         actor_slots=args.actor_slots,
+        sampling=_sampling_config(args),
     )
     return Server(config).run()
 
@@ -366,6 +431,37 @@ def cmd_learner(args: argparse.Namespace) -> int:
                        secret_key=args.secret_key, server_key=args.server_key)
 
 
+def cmd_ray(args: argparse.Namespace) -> int:
+    try:
+        import ray
+
+        from h5replay.integrations.ray import ShardSet, start_shards
+    except ImportError as exc:
+        raise ConfigError(f"{exc}") from exc
+    if not ray.is_initialized():
+        ray.init(address=args.address, logging_level=logging.WARNING)
+    if args.ray_command == "stop":
+        ShardSet.connect(args.name).stop()
+        print(f"stopped the shards {args.name}-*", file=sys.stderr)
+        return 0
+    if args.ray_command == "endpoints":
+        print(" ".join(ShardSet.connect(args.name).endpoints))
+        return 0
+    options: dict[str, Any] = {"num_readers": args.readers, "fsync": args.fsync, "insecure": args.insecure}
+    if args.auth:
+        options["auth_dir"] = args.auth
+    if not args.space and not args.capacity and not args.unbounded:
+        log.info("no --space / --capacity: each shard's file must exist already")
+    shards = start_shards(args.shards, _load_space(args.space) if args.space else None,
+                          None if args.unbounded else args.capacity, args.directory, per_node=not args.spread,
+                          host=args.host, name=args.name, **options)
+    if args.json:
+        print(json.dumps(shards.stats(), indent=2, default=str))
+    else:
+        print(" ".join(shards.endpoints))
+    return 0
+
+
 def cmd_space(args: argparse.Namespace) -> int:
     if args.space_command == "python":
         print(json.dumps(_python_space(args.target).to_json(), indent=2))
@@ -382,7 +478,8 @@ def _python_space(target: str) -> Any:
     import importlib
     import inspect
 
-    from h5replay.storage.spaces import Space, space_from_gymnasium
+    from h5replay.integrations.gym import space_from_gymnasium
+    from h5replay.spaces import Space
 
     module_name, _, attr = target.partition(":")
     if not module_name or not attr:
@@ -478,6 +575,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 COMMANDS = {
     "serve": cmd_serve, "ping": cmd_ping, "stats": cmd_stats, "info": cmd_info, "keys": cmd_keys, "demo": cmd_demo,
     "actor": cmd_actor, "learner": cmd_learner, "space": cmd_space, "export": cmd_export, "compact": cmd_compact,
+    "ray": cmd_ray,
 }
 
 

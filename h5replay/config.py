@@ -13,6 +13,7 @@ from typing import Any
 
 from h5replay.errors import ConfigError
 from h5replay.protocol import DEFAULT_LIMITS, Limits
+from h5replay.sampling import SamplingConfig
 
 __all__ = ["ServerConfig", "ClientConfig", "DEFAULT_ENDPOINT", "read_endpoint_for"]
 
@@ -20,14 +21,15 @@ DEFAULT_ENDPOINT = "tcp://127.0.0.1:5555"
 
 
 def read_endpoint_for(endpoint: str) -> str:
-    """The learners' endpoint next to a writer endpoint: the next TCP port, or `<path>.read` for ipc."""
+    """The learners' endpoint next to a writer endpoint: the next TCP port (port 0, any free port,
+    stays 0), or `<path>.read` for ipc."""
     if endpoint.startswith("ipc://"):
         return endpoint + ".read"
     if endpoint.startswith("tcp://"):
         host, _, port = endpoint[len("tcp://") :].rpartition(":")
         if not port.isdigit():
-            raise ConfigError(f"endpoint {endpoint!r} needs an explicit port, e.g. tcp://127.0.0.1:5555")
-        return f"tcp://{host}:{int(port) + 1}"
+            raise ConfigError(f"endpoint {endpoint!r} needs an explicit port (0: any free one), e.g. tcp://127.0.0.1:5555")
+        return f"tcp://{host}:{int(port) + 1 if int(port) else 0}"
     raise ConfigError(f"endpoint {endpoint!r} must start with tcp:// or ipc://")
 
 
@@ -105,6 +107,9 @@ class ServerConfig:
     metrics_address: str = "127.0.0.1"
     auth_dir: str | None = None  # CURVE keys (h5replay keys generate): only listed clients connect
     insecure: bool = False  # allow a non-loopback bind without authentication
+    # Sampler, rate limit and max_times_sampled of a new file (None: uniform, no limit); for an
+    # existing file, when given, they must be the file's own.
+    sampling: SamplingConfig | None = None
 
     def __post_init__(self) -> None:
         if self.num_readers < 0:
@@ -190,10 +195,20 @@ class ClientConfig:
     # one message within this time travels as a single push: one round trip.
     batch_seconds: float = 1.0
     heartbeat_interval: float = 1.0
+    # How long the server may hold a commit or a sample back for its rate limit (Reverb's
+    # rate_limiter_timeout) before refusing it with RateLimitedError.
+    rate_limit_timeout: float = 60.0
+    # Over several servers (endpoints=[...]): a shard that did not answer is probed again (in the
+    # background) this often, and used again once it answers.
+    shard_retry_interval: float = 2.0
 
     def __post_init__(self) -> None:
         if self.timeout <= 0:
             raise ConfigError(f"timeout must be > 0 seconds, got {self.timeout}")
+        if not 0 <= self.rate_limit_timeout <= 86_400:
+            raise ConfigError(f"rate_limit_timeout must be in [0, 86400] seconds, got {self.rate_limit_timeout}")
+        if self.shard_retry_interval <= 0:
+            raise ConfigError(f"shard_retry_interval must be > 0 seconds, got {self.shard_retry_interval}")
         if self.max_in_flight < 1 or self.batch_rows < 1 or self.batch_bytes < 1:
             raise ConfigError("max_in_flight, batch_rows and batch_bytes must be >= 1")
         if not self.endpoint.startswith(("tcp://", "ipc://")):

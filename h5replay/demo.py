@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from h5replay.storage.spaces import BinarySpace, BoxSpace, DictSpace, TextSpace
+from h5replay.spaces import BinarySpace, BoxSpace, DictSpace, TextSpace
 
 __all__ = ["DEMO_SPACE", "run_demo"]
 

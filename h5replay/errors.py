@@ -13,6 +13,7 @@ Callers catch one root, or one branch, and never parse messages::
     ├── SegmentStateError           (also RuntimeError) a segment writer used after commit/abort, or misused
     ├── NotEnoughDataError          (also ValueError)   sampling asks for more than the buffer holds
     ├── EvictedError                (also IndexError)   a row id is no longer held (the ring moved past it)
+    ├── RateLimitedError            (also TimeoutError) the rate limit held a sample or an insert back too long
     ├── ProtocolError                                   malformed message, unknown kind, version mismatch
     │   ├── UnsupportedVersionError                     the peer speaks another protocol version
     │   └── LimitExceededError                          a request is over a limit; the message names it
@@ -37,6 +38,7 @@ __all__ = [
     "SegmentStateError",
     "NotEnoughDataError",
     "EvictedError",
+    "RateLimitedError",
     "ProtocolError",
     "UnsupportedVersionError",
     "LimitExceededError",
@@ -91,6 +93,11 @@ class NotEnoughDataError(H5ReplayError, ValueError):
 
 class EvictedError(H5ReplayError, IndexError):
     """A row id asked for is no longer held: the ring overwrote it, or `clear()` dropped it."""
+
+
+class RateLimitedError(H5ReplayError, TimeoutError):
+    """The rate limit kept a sample or an insert waiting past its timeout; the message says which
+    side is ahead, and by how much."""
 
 
 class ProtocolError(H5ReplayError):

@@ -32,20 +32,26 @@ kind               sent by      request fields                       reply field
 hello              any client   client_name, role                    space (JSON), capacity (int|None),
                                 ('actor' | 'learner')                length, num_episodes, server_version,
                                                                      protocol_version, limits, read_endpoint,
-                                                                     replay_id, instance_id
+                                                                     replay_id, instance_id, sampling
+                                                                     ({name: scalar}: sampler, writer_samples)
 open_segment       actor        -                                    segment_id
-append             actor        segment_id, num_rows, leaf arrays    segment_length
-commit             actor        segment_id                           episode_id, first_row_id (nil when
+append             actor        segment_id, num_rows, priorities:    segment_length
+                                float64 (0 or num_rows; NaN: the
+                                default), leaf arrays
+commit             actor        segment_id, timeout (s)              episode_id, first_row_id (nil when
                                                                      empty), length
 abort              actor        segment_id                           -
-push_episode       actor        num_rows, leaf arrays                episode_id, first_row_id, length
+push_episode       actor        num_rows, timeout, priorities, leaf  episode_id, first_row_id, length
+                                arrays
+update_priorities  any client   row_ids: int64 (n,), priorities:     ignored (ids no longer held), seq
+                                float64 (n,)
 get                learner      min_seq, indices: int64 (n,)         view, row_ids (n,), leaf arrays (n, ...)
                                 (logical: 0 is the oldest row held)
 get_rows           learner      min_seq, row_ids: int64 (n,)         view, leaf arrays (n, ...)
 sample             learner      batch_size, seed (int|None),         view, row_ids (b,), episode_ids (b,),
-                                min_seq                              probabilities (b,), leaf arrays (b, ...)
+                                min_seq, timeout                     probabilities (b,), leaf arrays (b, ...)
 sample_sequences   learner      batch_size, length, seed, min_seq,   view, row_ids, episode_ids, probabilities
-                                with_rows (bool)                     (of each window's first row), leaf
+                                with_rows (bool), timeout            (of each window's first row), leaf
                                                                      arrays (b, length, ...) when with_rows
 episodes           learner      min_seq                              view, episodes: int64 (n, 3) of
                                                                      (episode_id, first_row_id, length)
@@ -55,6 +61,11 @@ reply              server       answers any request                  on error: c
 =================  ===========  ===================================  =======================================
 
 "view" is the four fields seq, generation, begin, end.
+
+``timeout`` (seconds, >= 0): how long the server may hold a commit, push_episode or sample back for
+the rate limit before refusing it with ``rate_limited`` (0: refuse at once). When the hello's
+``sampling.writer_samples`` is true (a rate limit, or rows removed as they are sampled), learners
+send sample and sample_sequences to the writer's endpoint: only the writer may count them.
 
 Every request gets exactly one reply with the same ``request_id``. A changed message bumps
 PROTOCOL_VERSION and extends tests/property/test_protocol_roundtrip.py.
@@ -66,11 +77,11 @@ import math
 import re
 import reprlib
 import threading
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, TypeVar, overload
+from typing import Any, Callable, ClassVar, TypeVar, overload
 
 import msgpack
 import numpy as np
@@ -85,6 +96,7 @@ from h5replay.errors import (
     LimitExceededError,
     NotEnoughDataError,
     ProtocolError,
+    RateLimitedError,
     ReadOnlyError,
     RemoteError,
     SegmentStateError,
@@ -94,21 +106,18 @@ from h5replay.errors import (
     UnsupportedVersionError,
 )
 
-if TYPE_CHECKING:
-    from h5replay.storage.spaces import LeafSpace, Space
-
 __all__ = [
     "PROTOCOL_VERSION", "ROWS_MESSAGE_OVERHEAD", "ID_BYTES", "SAMPLE_INFO_BYTES", "ROLES", "Kind", "ErrorCode", "ERROR_CLASSES", "Limits", "DEFAULT_LIMITS",
     "Message", "Request", "Reply", "Hello", "OpenSegment", "Append", "Commit", "Abort", "PushEpisode",
-    "Get", "GetRows", "Sample", "SampleSequences", "Episodes", "Info", "Heartbeat", "HelloReply",
-    "OpenSegmentReply", "AppendReply", "CommitReply", "AbortReply", "PushEpisodeReply", "GetReply",
+    "UpdatePriorities", "Get", "GetRows", "Sample", "SampleSequences", "Episodes", "Info", "Heartbeat", "HelloReply",
+    "OpenSegmentReply", "AppendReply", "CommitReply", "AbortReply", "PushEpisodeReply", "UpdatePrioritiesReply",
+    "GetReply",
     "GetRowsReply", "SampleReply", "SampleSequencesReply", "EpisodesReply", "InfoReply", "HeartbeatReply",
     "ErrorReply", "ReadReply",
-    "encode", "decode", "peek_request_id", "error_to_exception", "exception_to_error", "check_rows",
-    "wire_leaves",
+    "encode", "decode", "peek_request_id", "error_to_exception", "exception_to_error",
 ]
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 ROLES = ("actor", "learner")
 
 Array = NDArray[Any]
@@ -124,6 +133,7 @@ class Kind(str, Enum):
     COMMIT = "commit"
     ABORT = "abort"
     PUSH_EPISODE = "push_episode"
+    UPDATE_PRIORITIES = "update_priorities"
     GET = "get"
     GET_ROWS = "get_rows"
     SAMPLE = "sample"
@@ -144,6 +154,7 @@ class ErrorCode(str, Enum):
     INDEX_OUT_OF_RANGE = "index_out_of_range"
     EVICTED = "evicted"  # a row id is no longer held
     NOT_ENOUGH_DATA = "not_enough_data"  # sampling before the buffer holds enough; retry later
+    RATE_LIMITED = "rate_limited"  # the rate limit held the request back for its whole timeout
     UNKNOWN_SEGMENT = "unknown_segment"  # no open segment of that id for this client
     READ_ONLY = "read_only"  # a learner tried to write, or the store is read-only
     ACCESS_DENIED = "access_denied"  # the client's key was revoked, or its routing id is another key's
@@ -164,6 +175,7 @@ ERROR_CLASSES: Mapping[str, type[Exception]] = {
     ErrorCode.INDEX_OUT_OF_RANGE.value: IndexError,
     ErrorCode.EVICTED.value: EvictedError,
     ErrorCode.NOT_ENOUGH_DATA.value: NotEnoughDataError,
+    ErrorCode.RATE_LIMITED.value: RateLimitedError,
     ErrorCode.UNKNOWN_SEGMENT.value: SegmentStateError,
     ErrorCode.READ_ONLY.value: ReadOnlyError,
     ErrorCode.ACCESS_DENIED.value: AccessDeniedError,
@@ -184,6 +196,7 @@ _CODE_OF_EXCEPTION: tuple[tuple[type[BaseException], ErrorCode], ...] = (
     (EvictedError, ErrorCode.EVICTED),
     (IndexError, ErrorCode.INDEX_OUT_OF_RANGE),
     (NotEnoughDataError, ErrorCode.NOT_ENOUGH_DATA),
+    (RateLimitedError, ErrorCode.RATE_LIMITED),
     (SegmentStateError, ErrorCode.UNKNOWN_SEGMENT),
     (ReadOnlyError, ErrorCode.READ_ONLY),
     (AccessDeniedError, ErrorCode.ACCESS_DENIED),
@@ -276,77 +289,111 @@ SAMPLE_INFO_BYTES = 24
 # ---------------------------------------------------------------------------------------- messages
 
 
-@dataclass(frozen=True)
+# Messages are frozen dataclasses without generated __eq__ / __repr__: equality of array fields is
+# ambiguous anyway, and each generated method costs an exec at import (clients import this module).
+@dataclass(frozen=True, eq=False, repr=False)
 class Message:
     """Base of every message. `request_id` is chosen by the client and echoed in the reply."""
 
     request_id: int | None
     KIND: ClassVar[Kind]
 
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{f.name}={_brief(getattr(self, f.name))}" for f in fields(self))
+        return f"{type(self).__name__}({shown})"
+
     def _validate(self, limits: Limits) -> None:
         """Checks across fields, after each field has been checked on its own."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class Request(Message):
     """A message a client sends; the server answers it with exactly one Reply."""
 
     request_id: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class Reply(Message):
     """A message the server sends back. KIND is the kind of request it answers."""
 
     ok: ClassVar[bool] = True
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class Hello(Request):
     KIND = Kind.HELLO
     client_name: str
     role: str  # one of ROLES
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class OpenSegment(Request):
     KIND = Kind.OPEN_SEGMENT
 
 
-@dataclass(frozen=True)
+_NO_PRIORITIES: Array = np.zeros(0, dtype=np.float64)
+_NO_PRIORITIES.flags.writeable = False
+
+
+def _check_priorities(priorities: Array, num_rows: int) -> None:
+    if len(priorities) not in (0, num_rows):
+        raise ProtocolError(f"priorities must be empty (none given) or one per row ({num_rows}), got {len(priorities)}")
+
+
+@dataclass(frozen=True, eq=False, repr=False)
 class Append(Request):
     KIND = Kind.APPEND
     segment_id: int
     num_rows: int
     arrays: Arrays
+    priorities: Array = field(default_factory=lambda: _NO_PRIORITIES)  # one per row (NaN: the default), or none
 
     def _validate(self, limits: Limits) -> None:
         _check_leading(self.arrays, self.num_rows)
+        _check_priorities(self.priorities, self.num_rows)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class Commit(Request):
     KIND = Kind.COMMIT
     segment_id: int
+    timeout: float = 0.0  # seconds the rate limit may hold the commit back
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class Abort(Request):
     KIND = Kind.ABORT
     segment_id: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class PushEpisode(Request):
     KIND = Kind.PUSH_EPISODE
     num_rows: int
     arrays: Arrays
+    timeout: float = 0.0
+    priorities: Array = field(default_factory=lambda: _NO_PRIORITIES)
 
     def _validate(self, limits: Limits) -> None:
         _check_leading(self.arrays, self.num_rows)
+        _check_priorities(self.priorities, self.num_rows)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
+class UpdatePriorities(Request):
+    KIND = Kind.UPDATE_PRIORITIES
+    row_ids: Array
+    priorities: Array
+
+    def _validate(self, limits: Limits) -> None:
+        _check_rows_limit(len(self.row_ids), "row_ids", limits)
+        if len(self.priorities) != len(self.row_ids):
+            raise ProtocolError(f"update_priorities needs one priority per row id, got {len(self.priorities)} for "
+                                f"{len(self.row_ids)}")
+
+
+@dataclass(frozen=True, eq=False, repr=False)
 class Get(Request):
     KIND = Kind.GET
     min_seq: int
@@ -356,7 +403,7 @@ class Get(Request):
         _check_rows_limit(len(self.indices), "indices", limits)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class GetRows(Request):
     KIND = Kind.GET_ROWS
     min_seq: int
@@ -368,15 +415,16 @@ class GetRows(Request):
             raise ProtocolError(f"row ids must be >= 0, got {int(np.min(self.row_ids))}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class Sample(Request):
     KIND = Kind.SAMPLE
     batch_size: int
     seed: int | None = None
     min_seq: int = 0
+    timeout: float = 0.0  # seconds the rate limit may hold the sample back (writer-side sampling)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class SampleSequences(Request):
     KIND = Kind.SAMPLE_SEQUENCES
     batch_size: int
@@ -384,6 +432,7 @@ class SampleSequences(Request):
     seed: int | None = None
     min_seq: int = 0
     with_rows: bool = True  # False: only the windows' ids (the learner then fetches rows by id)
+    timeout: float = 0.0
 
     def _validate(self, limits: Limits) -> None:
         if self.length < 1:
@@ -395,23 +444,23 @@ class SampleSequences(Request):
             _check_rows_limit(self.batch_size * self.length, "batch_size * length", limits)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class Episodes(Request):
     KIND = Kind.EPISODES
     min_seq: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class Info(Request):
     KIND = Kind.INFO
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class Heartbeat(Request):
     KIND = Kind.HEARTBEAT
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class HelloReply(Reply):
     KIND = Kind.HELLO
     space: dict[str, Any]  # Space.to_json(); rebuild with space_from_json
@@ -424,21 +473,23 @@ class HelloReply(Reply):
     read_endpoint: str  # where learners send their reads (reader processes)
     replay_id: str  # the file's UUID: tells this replay from any other
     instance_id: str  # this server process's UUID: tells a restarted server from the same one
+    # {name: scalar}: sampler, writer_samples (learners send samples to the writer), ...
+    sampling: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class OpenSegmentReply(Reply):
     KIND = Kind.OPEN_SEGMENT
     segment_id: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class AppendReply(Reply):
     KIND = Kind.APPEND
     segment_length: int  # rows in the segment so far
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class CommitReply(Reply):
     KIND = Kind.COMMIT
     episode_id: int | None  # None: the segment was empty, nothing was recorded
@@ -446,12 +497,12 @@ class CommitReply(Reply):
     length: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class AbortReply(Reply):
     KIND = Kind.ABORT
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class PushEpisodeReply(Reply):
     KIND = Kind.PUSH_EPISODE
     episode_id: int | None
@@ -459,7 +510,14 @@ class PushEpisodeReply(Reply):
     length: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
+class UpdatePrioritiesReply(Reply):
+    KIND = Kind.UPDATE_PRIORITIES
+    ignored: int  # ids no longer held (evicted, cleared or removed): ignored, as Reverb does
+    seq: int  # the publish that made the new priorities durable
+
+
+@dataclass(frozen=True, eq=False, repr=False)
 class ReadReply(Reply):
     """Base of the replies to reads: the published state ("view") that answered."""
 
@@ -469,7 +527,7 @@ class ReadReply(Reply):
     end: int  # id the next committed row gets
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class GetReply(ReadReply):
     KIND = Kind.GET
     row_ids: Array
@@ -480,7 +538,7 @@ class GetReply(ReadReply):
         _check_leading(self.arrays, len(self.row_ids))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class GetRowsReply(ReadReply):
     KIND = Kind.GET_ROWS
     num_rows: int
@@ -490,7 +548,7 @@ class GetRowsReply(ReadReply):
         _check_leading(self.arrays, self.num_rows)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class SampleReply(ReadReply):
     KIND = Kind.SAMPLE
     row_ids: Array
@@ -504,7 +562,7 @@ class SampleReply(ReadReply):
         _check_leading(self.arrays, len(self.row_ids))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class SampleSequencesReply(ReadReply):
     KIND = Kind.SAMPLE_SEQUENCES
     row_ids: Array  # of each window's first row
@@ -522,13 +580,13 @@ class SampleSequencesReply(ReadReply):
         _check_rows_limit(len(self.row_ids) * max(lengths, default=0), "batch_size * length", limits)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class EpisodesReply(ReadReply):
     KIND = Kind.EPISODES
     episodes: Array  # int64 (n, 3): (episode_id, first_row_id, length) per complete episode, oldest first
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class InfoReply(Reply):
     KIND = Kind.INFO
     # Scalars by name: length, capacity, num_episodes, open_segments, clients, rows_in, rows_out,
@@ -536,12 +594,12 @@ class InfoReply(Reply):
     stats: dict[str, int | float | str | bool | None]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class HeartbeatReply(Reply):
     KIND = Kind.HEARTBEAT
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class ErrorReply(Reply):
     """The server refused the request; `code` is an ErrorCode value (or a newer server's code)."""
 
@@ -562,13 +620,13 @@ class ErrorReply(Reply):
 
 _REQUEST_CLASSES: dict[str, type[Request]] = {
     c.KIND.value: c
-    for c in (Hello, OpenSegment, Append, Commit, Abort, PushEpisode, Get, GetRows, Sample, SampleSequences,
-              Episodes, Info, Heartbeat)
+    for c in (Hello, OpenSegment, Append, Commit, Abort, PushEpisode, UpdatePriorities, Get, GetRows, Sample,
+              SampleSequences, Episodes, Info, Heartbeat)
 }
 _REPLY_CLASSES: dict[str, type[Reply]] = {
     c.KIND.value: c
     for c in (HelloReply, OpenSegmentReply, AppendReply, CommitReply, AbortReply, PushEpisodeReply,
-              GetReply, GetRowsReply, SampleReply, SampleSequencesReply, EpisodesReply, InfoReply, HeartbeatReply)
+              UpdatePrioritiesReply, GetReply, GetRowsReply, SampleReply, SampleSequencesReply, EpisodesReply, InfoReply, HeartbeatReply)
 }
 
 # --------------------------------------------------------------------------------- field checks
@@ -577,6 +635,14 @@ _REPLY_CLASSES: dict[str, type[Reply]] = {
 _U64_MAX = (1 << 64) - 1
 _MAX_NAME_CHARS = 256
 _MAX_NDIM = 32
+
+
+def _brief(value: Any) -> str:
+    if isinstance(value, np.ndarray):
+        return f"array({value.dtype}, {value.shape})"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k!r}: {_brief(v)}" for k, v in value.items()) + "}"
+    return reprlib.repr(value)
 
 
 def _show(value: Any) -> str:
@@ -656,6 +722,15 @@ def _stats(value: Any, name: str, limits: Limits) -> dict[str, Any]:
     return value
 
 
+_MAX_TIMEOUT = 86_400.0  # a day: longer is a mistake, not a wait
+
+
+def _seconds(value: Any, name: str, limits: Limits) -> float:
+    if type(value) not in (int, float) or not 0 <= value <= _MAX_TIMEOUT:  # NaN fails both comparisons
+        raise ProtocolError(f"field {name!r} must be seconds in [0, {_MAX_TIMEOUT:g}], got {_show(value)}")
+    return float(value)
+
+
 def _limits(value: Any, name: str, limits: Limits) -> Limits:
     return Limits.from_json(value)
 
@@ -673,7 +748,7 @@ _SCALAR_CHECKS: dict[str, Callable[[Any, str, Limits], Any]] = {
     "server_version": _text, "protocol_version": _uint, "space": _json_map, "limits": _limits,
     "stats": _stats, "code": _text, "message": _text, "read_endpoint": _text, "replay_id": _text,
     "instance_id": _text, "min_seq": _uint, "seq": _uint, "generation": _uint, "begin": _uint, "end": _uint,
-    "with_rows": _bool,
+    "with_rows": _bool, "timeout": _seconds, "ignored": _uint, "sampling": _stats,
 }
 
 
@@ -682,6 +757,7 @@ class _ArrayField:
     dtype: np.dtype[Any]
     ndim: int
     columns: int | None = None  # the second axis of a 2-d field
+    optional: bool = False  # left out of the message when empty (and then decoded as empty)
 
 
 # A message's own arrays: one dtype and shape each, whatever message carries them.
@@ -690,6 +766,7 @@ _ARRAY_FIELDS: dict[str, _ArrayField] = {
     "row_ids": _ArrayField(np.dtype("<i8"), 1),
     "episode_ids": _ArrayField(np.dtype("<u8"), 1),
     "probabilities": _ArrayField(np.dtype("<f8"), 1),
+    "priorities": _ArrayField(np.dtype("<f8"), 1, optional=True),
     "episodes": _ArrayField(np.dtype("<i8"), 2, 3),
 }
 
@@ -825,6 +902,7 @@ def encode(msg: Message, limits: Limits | None = None) -> list[bytes | memoryvie
     """
     layout = _LAYOUTS[type(msg)]
     arrays = [(name, _own_array(getattr(msg, name), name)) for name in layout.array_fields]
+    arrays = [(name, a) for name, a in arrays if a.size or not _ARRAY_FIELDS[name].optional]
     if layout.has_leaves:
         arrays += [(name, _leaf_array(a, name)) for name, a in getattr(msg, "arrays").items()]  # noqa: B009
     header: dict[str, Any] = {"version": PROTOCOL_VERSION, "kind": msg.KIND.value, "id": msg.request_id}
@@ -985,10 +1063,15 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS, *, expect: ty
         declared = len(entries) if type(entries) is list else _show(entries)
         raise ProtocolError(f"header declares {declared} arrays but the message has {len(views) - 1} array frames")
     arrays = [_decode_array(entry, view, limits) for entry, view in zip(entries, views[1:])]
-    num_fixed = len(layout.array_fields)
-    if [name for name, _ in arrays[:num_fixed]] != list(layout.array_fields):
-        raise ProtocolError(f"{cls.__name__} starts with arrays {list(layout.array_fields)}, "
-                            f"got {[name for name, _ in arrays[:num_fixed]]}")
+    present = [name for name in layout.array_fields
+               if not _ARRAY_FIELDS[name].optional or any(entry == name for entry, _ in arrays[: len(layout.array_fields)])]
+    num_fixed = len(present)
+    if [name for name, _ in arrays[:num_fixed]] != present:
+        raise ProtocolError(f"{cls.__name__} starts with arrays {list(layout.array_fields)} (those marked optional "
+                            f"may be left out), got {[name for name, _ in arrays[:num_fixed]]}")
+    for name in layout.array_fields:
+        if name not in present:
+            values[name] = _NO_PRIORITIES  # the one optional own array (read-only, like every decoded one)
     for name, arr in arrays[:num_fixed]:
         spec = _ARRAY_FIELDS[name]
         if arr.dtype.newbyteorder("<") != spec.dtype or arr.ndim != spec.ndim or (
@@ -1019,30 +1102,3 @@ def peek_request_id(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> i
     except Exception:  # best effort on a message already known to be broken
         return None
     return request_id if type(request_id) is int and 0 <= request_id <= _U64_MAX else None
-
-
-# ------------------------------------------------------------------------------ arrays vs. space
-
-
-def wire_leaves(space: Space) -> Iterator[tuple[str, LeafSpace]]:
-    """(wire name, leaf) for every leaf: the leaf path ('obs/image'), or 'data' for a single leaf."""
-    for path, leaf in space.leaves():
-        yield path or "data", leaf
-
-
-def check_rows(space: Space, arrays: Arrays, num_rows: int | None) -> dict[str, Array]:
-    """Check decoded leaf arrays against the space; return them in the space's leaf order.
-
-    Raises:
-        SpaceMismatchError: a leaf is missing or unexpected, or an array has the wrong dtype, shape,
-            row count, or values its leaf does not allow (text too long or not UTF-8, bool bytes > 1).
-    """
-    leaves = dict(wire_leaves(space))
-    missing = [path for path in leaves if path not in arrays]
-    extra = sorted(set(arrays) - leaves.keys())
-    if missing or extra:
-        raise SpaceMismatchError(
-            f"arrays do not match the space: missing {missing}, unexpected {extra}; "
-            f"the space's leaves are {list(leaves)}; check the actor's spaces"
-        )
-    return {path: leaf.validate_stored(arrays[path], num_rows, key=path) for path, leaf in leaves.items()}

@@ -1,8 +1,8 @@
 """Helpers for the fault, auth and soak tests: spawn targets, retrying workers, checks of a file.
 
-Imported as a plain module, like tests/service_helpers.py (which these build on, read-only): the
-conftests put tests/ on sys.path and spawned children inherit it, so worker functions defined
-here at module level can be process targets under the "spawn" start method.
+Imported as a plain module, like tests/service_helpers.py (which these build on, read-only): pytest's
+`pythonpath` setting puts tests/ on sys.path and spawned children inherit it, so worker functions
+defined here at module level can be process targets under the "spawn" start method.
 
 Nothing here may hang: workers stop on an event or a deadline, every client has a timeout, and
 every receive is bounded.

@@ -1,7 +1,7 @@
 """Helpers for tests that run a real server: ports, server startup, raw sockets, worker bodies.
 
-Imported as a plain module (tests/ has no __init__.py): the integration and faults conftests put
-this folder on sys.path. Worker functions live here, at module level, because processes start
+Imported as a plain module (tests/ has no __init__.py): pytest's `pythonpath` setting puts this
+folder on sys.path. Worker functions live here, at module level, because processes start
 with the "spawn" method and find their target by module name (a spawned child gets the parent's
 sys.path, so `service_helpers` imports there too).
 
@@ -59,10 +59,11 @@ def endpoint() -> str:
 
 
 def server_config(path: Path | str, space: Any = EPISODE_SPACE, capacity: int | None = 10_000, **changes: Any) -> ServerConfig:
-    """A config on two fresh loopback ports, with liveness settings short enough for tests."""
+    """A config on loopback port 0 (the server binds free ports and ServerProcess says which:
+    `server.endpoint`, `server.read_endpoint`), with liveness settings short enough for tests."""
     settings: dict[str, Any] = {
-        "bind": endpoint(),
-        "read_bind": endpoint(),
+        "bind": "tcp://127.0.0.1:0",
+        "read_bind": "tcp://127.0.0.1:0",
         "heartbeat_interval": 0.2,
         "heartbeat_timeout": 1.0,
         "session_timeout": 30.0,

@@ -1,9 +1,13 @@
-"""Clients of an h5replay server: actors write episodes, learners read and sample."""
+"""Clients of an h5replay server (or of several: `endpoints=[...]`): actors write episodes, learners read and sample."""
 
 from __future__ import annotations
 
+from h5replay.client._shards import InDoubt
 from h5replay.client.actor import ActorClient, ActorSegment
 from h5replay.client.learner import LearnerClient, View
-from h5replay.records import Episode, Receipt, SampleInfo
+from h5replay.records import Episode, Receipt, SampleInfo, pack_ids, unpack_ids
 
-__all__ = ["ActorClient", "ActorSegment", "Episode", "LearnerClient", "Receipt", "SampleInfo", "View"]
+__all__ = [
+    "ActorClient", "ActorSegment", "Episode", "InDoubt", "LearnerClient", "Receipt", "SampleInfo", "View",
+    "pack_ids", "unpack_ids",
+]

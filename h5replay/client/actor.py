@@ -11,18 +11,29 @@ from __future__ import annotations
 import collections
 import os
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from h5replay import protocol as P
 from h5replay.client._connection import Connection, curve_keys, say_hello
+from h5replay.client._shards import InDoubt, ShardedActor, ShardedSegment
 from h5replay.config import DEFAULT_ENDPOINT, ClientConfig
-from h5replay.errors import ClosedError, DiskFullError, SegmentStateError
+from h5replay.errors import ClosedError, DiskFullError, RateLimitedError, SegmentStateError
 from h5replay.records import Receipt
-from h5replay.storage.spaces import Space, flatten_value, named_leaves, space_from_json
+from h5replay.sampling import check_priorities
+from h5replay.spaces import Schema, Space, space_from_json
 
 __all__ = ["ActorClient", "ActorSegment", "Receipt"]
+
+
+_NO_PRIORITIES = np.zeros(0, dtype=np.float64)
+
+
+def _check_priorities(priorities: Any, n: int) -> np.ndarray:
+    """Priorities for n steps as sent (empty: none given), checked here before anything leaves."""
+    return _NO_PRIORITIES if priorities is None else check_priorities(priorities, n)
 
 
 def _receipt(reply: Any) -> Receipt:
@@ -38,12 +49,17 @@ class ActorClient:
     Args:
         endpoint: the server's endpoint, e.g. "tcp://127.0.0.1:5555".
         timeout: seconds to wait for any reply before raising ServerUnavailableError.
-        name: shown in the server's logs.
+        name: shown in the server's logs; over several servers it picks the home shard.
         config: full client settings (overrides endpoint and timeout).
         secret_key, server_key: CURVE certificate files (`h5replay keys generate`).
+        endpoints: several servers ("shards", the same list in the same order for every client),
+            instead of `endpoint`: the actor writes to its home shard (crc32 of its name) and moves
+            to the next live shard when that one stops answering, the episode in flight pushed
+            again whole (see h5replay.client._shards).
 
     Raises:
-        ServerUnavailableError: the server did not answer the hello within `timeout`.
+        ServerUnavailableError: the server (every shard) did not answer the hello within `timeout`.
+        ConfigError: the shards hold different spaces, or two endpoints reach the same file.
     """
 
     def __init__(
@@ -55,8 +71,15 @@ class ActorClient:
         config: ClientConfig | None = None,
         secret_key: str | os.PathLike[str] | None = None,
         server_key: str | os.PathLike[str] | None = None,
+        endpoints: Sequence[str] | None = None,
     ) -> None:
         self.config = config or ClientConfig(endpoint=endpoint, timeout=timeout, name=name or f"actor-{os.getpid()}")
+        #: Over several servers: the routing (h5replay.client._shards), which every call goes through.
+        self._router: ShardedActor | None = None
+        if endpoints is not None:
+            self._router = ShardedActor(endpoints, self.config, secret_key, server_key)
+            self._adopt(self._router.codec)
+            return
         self._conn, hello = say_hello(self.config, "actor", curve_keys(secret_key, server_key))
         self.limits = hello.limits
         self.space: Space = space_from_json(hello.space)
@@ -64,8 +87,12 @@ class ActorClient:
         self.server_version = hello.server_version
         self.replay_id: str = hello.replay_id
         self.instance_id: str = hello.instance_id
-        self._leaves = named_leaves(self.space)
-        self._row_bytes = sum(leaf.row_bytes for _, leaf in self._leaves)
+        #: How long the server may hold a commit back: `rate_limit_timeout` when it has a rate
+        #: limit, else 0 (then a commit's reply is waited for `timeout` only, so a dead server is
+        #: noticed as soon as without one).
+        self.commit_hold = self.config.rate_limit_timeout if hello.sampling.get("writer_samples") else 0.0
+        self.schema = Schema(self.space)
+        self._row_bytes = self.schema.row_bytes
         # Rows per message: the client's batching settings, within the server's message limits
         # (leaving room for the header).
         room = max(1, self.limits.max_message_bytes - P.ROWS_MESSAGE_OVERHEAD)
@@ -76,46 +103,80 @@ class ActorClient:
             room // max(1, self._row_bytes),
         ))
 
-    def segment(self) -> ActorSegment:
+    def _adopt(self, shard: ActorClient) -> None:
+        """Take the figures of a shard's client as this client's (all shards hold the same space)."""
+        self._conn = shard.connection
+        self.limits, self.space, self.capacity = shard.limits, shard.space, shard.capacity
+        self.server_version, self.replay_id, self.instance_id = shard.server_version, shard.replay_id, shard.instance_id
+        self.schema, self._row_bytes, self.rows_per_message = shard.schema, shard._row_bytes, shard.rows_per_message
+
+    @property
+    def shard(self) -> int:
+        """The index (in `endpoints`) of the shard this actor writes to now; 0 for a single server."""
+        return self._router.current if self._router is not None else 0
+
+    @property
+    def in_doubt(self) -> list[InDoubt]:
+        """Over several servers: episodes whose commit reply was lost with a shard and that were
+        pushed again on another (they may be held twice until idempotency keys settle them)."""
+        return list(self._router.in_doubt) if self._router is not None else []
+
+    def segment(self) -> ActorSegment | ShardedSegment:
         """Open a segment (one episode). As a context manager it commits on normal exit and
-        aborts on an exception."""
+        aborts on an exception. Over several servers the episode moves whole to the next live
+        shard when its shard stops answering."""
+        if self._router is not None:
+            return self._router.segment()
         return ActorSegment(self)
 
-    def push_episode(self, batch: Any) -> Receipt:
-        """Send one whole episode (a leading axis on every leaf) and wait for its commit. Returns
-        the global ids the server gave it; an empty episode records nothing: Receipt(-1, -1, 0)."""
+    def push_episode(self, batch: Any, priorities: Any = None) -> Receipt:
+        """Send one whole episode (a leading axis on every leaf), with one priority per step if
+        given (a prioritized server), and wait for its commit. Returns the global ids the server
+        gave it; an empty episode records nothing: Receipt(-1, -1, 0).
+
+        Raises:
+            RateLimitedError: the server's rate limit held the commit back for `rate_limit_timeout`.
+        """
+        if self._router is not None:
+            return self._router.push_episode(batch, priorities)
         encoded, n = self.encode_batch(batch)
+        given = _check_priorities(priorities, n)
         if n == 0:
             return Receipt(-1, -1, 0)
         if n <= self.rows_per_message:
-            return _receipt(self._conn.request(lambda rid: P.PushEpisode(rid, n, encoded)))
+            limit = self.commit_hold
+            return _receipt(self._conn.request(
+                lambda rid: P.PushEpisode(rid, n, encoded, limit, given), timeout=self.config.timeout + limit))
         with self.segment() as seg:
-            seg.extend_encoded(encoded, n)
+            seg.extend_encoded(encoded, n, given)
         return seg.receipt  # type: ignore[return-value]
 
     def info(self) -> dict[str, Any]:
-        """The server's figures (length, episodes, clients, rows in, ...)."""
+        """The server's figures (length, episodes, clients, rows in, ...); over several servers,
+        the current shard's, with "shard": its index."""
+        if self._router is not None:
+            return self._router.info()
         return dict(self._conn.request(lambda rid: P.Info(rid)).stats)  # type: ignore[attr-defined]
 
     def encode_one(self, step: Any) -> dict[str, np.ndarray]:
-        flat = flatten_value(self.space, step)
-        return {path: leaf.encode_one(flat[path], key=path) for path, leaf in self._leaves}
+        """One step checked against the server's space, in storage form (a batch of one row)."""
+        return self.schema.encode_one(step)
 
     def encode_batch(self, batch: Any) -> tuple[dict[str, np.ndarray], int]:
-        flat = flatten_value(self.space, batch)
-        encoded: dict[str, np.ndarray] = {}
-        n: int | None = None
-        for path, leaf in self._leaves:
-            encoded[path] = leaf.encode_batch(flat[path], n, key=path)
-            n = encoded[path].shape[0]
-        return encoded, int(n or 0)
+        """A batch checked against the server's space, in storage form; and its number of rows."""
+        return self.schema.encode_batch(batch)
 
     @property
     def connection(self) -> Connection:
+        if self._router is not None:
+            return self._router.writer()[1].connection
         return self._conn
 
     def close(self) -> None:
         """Close the socket (after every commit was acknowledged). Safe to call twice."""
+        if self._router is not None:
+            self._router.close()
+            return
         self._conn.close()
 
     def __enter__(self) -> ActorClient:
@@ -141,6 +202,7 @@ class ActorSegment:
         # Rows wait in one preallocated batch per leaf; a full batch leaves as one message.
         self._batch_capacity = client.rows_per_message
         self._batch: dict[str, np.ndarray] | None = None
+        self._priorities: np.ndarray | None = None  # per buffered row (NaN: none given), once one is
         self._buffered_rows = 0
         self._buffered_since = 0.0
         self.length = 0
@@ -154,35 +216,42 @@ class ActorSegment:
         if self._state != "open":
             raise SegmentStateError(f"cannot {what} a segment that was {self._state}")
 
-    def append(self, step: Any) -> None:
-        """Add one step; checked against the space now, sent in a batch soon."""
+    def append(self, step: Any, priority: float | None = None) -> None:
+        """Add one step (with its priority, for a prioritized server); checked against the space
+        now, sent in a batch soon."""
         self._require_open("append to")
-        self._add(self._client.encode_one(step), 1)
+        given = _check_priorities(None if priority is None else [priority], 1)
+        self._add(self._client.encode_one(step), 1, given)
 
-    def extend(self, batch: Any) -> None:
-        """Add a batch of steps (a leading axis on every leaf)."""
+    def extend(self, batch: Any, priorities: Any = None) -> None:
+        """Add a batch of steps (a leading axis on every leaf), with one priority per step if given."""
         self._require_open("extend")
         encoded, n = self._client.encode_batch(batch)
-        self.extend_encoded(encoded, n)
+        self.extend_encoded(encoded, n, _check_priorities(priorities, n))
 
-    def extend_encoded(self, encoded: dict[str, np.ndarray], n: int) -> None:
-        """Add rows already checked and in storage form (from `ActorClient.encode_batch`)."""
+    def extend_encoded(self, encoded: dict[str, np.ndarray], n: int, priorities: np.ndarray | None = None) -> None:
+        """Add rows already checked and in storage form (from `ActorClient.encode_batch`), with
+        priorities already checked (empty or None: none given)."""
         self._require_open("extend")
-        self._add(encoded, n)
+        self._add(encoded, n, priorities if priorities is not None else _NO_PRIORITIES)
 
-    def _add(self, encoded: dict[str, np.ndarray], n: int) -> None:
+    def _add(self, encoded: dict[str, np.ndarray], n: int, priorities: np.ndarray) -> None:
         offset = 0
         while offset < n:
             if self._batch is None:
                 self._batch = {
                     path: np.empty((self._batch_capacity, *leaf.shape), leaf.storage_dtype)
-                    for path, leaf in self._client._leaves
+                    for path, leaf in self._client.schema.leaves
                 }
                 self._buffered_since = time.monotonic()
             take = min(n - offset, self._batch_capacity - self._buffered_rows)
             first = self._buffered_rows
             for path, arr in encoded.items():  # a copy: the caller may reuse its arrays at once
                 self._batch[path][first : first + take] = arr[offset : offset + take]
+            if len(priorities) or self._priorities is not None:
+                if self._priorities is None:
+                    self._priorities = np.full(self._batch_capacity, np.nan)
+                self._priorities[first : first + take] = priorities[offset : offset + take] if len(priorities) else np.nan
             self._buffered_rows += take
             self.length += take
             offset += take
@@ -200,12 +269,13 @@ class ActorSegment:
             self.segment_id = int(reply.segment_id)  # type: ignore[attr-defined]
         n = self._buffered_rows
         arrays = {path: batch[:n] for path, batch in self._batch.items()}
+        priorities = self._priorities[:n] if self._priorities is not None else _NO_PRIORITIES
         # The message owns these arrays until it is sent (frames leave without a copy).
-        self._batch, self._buffered_rows = None, 0
+        self._batch, self._priorities, self._buffered_rows = None, None, 0
         while len(self._pending) >= self._config.max_in_flight:
             self._settle_oldest()
         segment_id = self.segment_id
-        self._pending.append(self._conn.send(lambda rid: P.Append(rid, segment_id, n, arrays)))
+        self._pending.append(self._conn.send(lambda rid: P.Append(rid, segment_id, n, arrays, priorities)))
 
     def _settle_oldest(self) -> None:
         request_id = self._pending.popleft()
@@ -231,23 +301,28 @@ class ActorSegment:
 
     def commit(self) -> Receipt:
         """Send what is buffered, wait for every append, then commit. Returns after the server has
-        the episode in the file, flushed. Raises and aborts if any part was refused."""
+        the episode in the file, flushed. Raises and aborts if any part was refused.
+
+        Raises:
+            RateLimitedError: the server's rate limit held the commit back for the client's
+                `rate_limit_timeout`; the segment stays open on the server: call commit again.
+        """
         self._require_open("commit")
         if self.segment_id is None:
             return self._push_whole()
         self._send_buffered()
         while self._pending:
             self._settle_oldest()
-        segment_id = self.segment_id
-        return self._conclude(lambda rid: P.Commit(rid, segment_id))
+        segment_id, limit = self.segment_id, self._client.commit_hold
+        return self._conclude(lambda rid: P.Commit(rid, segment_id, limit))
 
     def _conclude(self, request: Any) -> Receipt:
         """Send the request that commits the episode; its reply is the receipt. Refused for a
         full disk (DiskFullError), the segment stays open: commit again later, or abort."""
         try:
-            reply = self._conn.request(request)
-        except DiskFullError:
-            raise
+            reply = self._conn.request(request, timeout=self._config.timeout + self._client.commit_hold)
+        except (DiskFullError, RateLimitedError):
+            raise  # still open: the server keeps the segment (a push's rows stay here); commit again
         except BaseException:
             self._state = "failed"
             raise
@@ -259,13 +334,15 @@ class ActorSegment:
         """Commit an episode that never left the client: one push, one round trip."""
         n, batch = self._buffered_rows, self._batch
         if not n or batch is None:
-            self._batch, self._buffered_rows = None, 0
+            self._batch, self._priorities, self._buffered_rows = None, None, 0
             self._state = "committed"
             self.receipt = Receipt(-1, -1, 0)
             return self.receipt
         arrays = {path: rows[:n] for path, rows in batch.items()}
-        receipt = self._conclude(lambda rid: P.PushEpisode(rid, n, arrays))
-        self._batch, self._buffered_rows = None, 0
+        priorities = self._priorities[:n] if self._priorities is not None else _NO_PRIORITIES
+        limit = self._client.commit_hold
+        receipt = self._conclude(lambda rid: P.PushEpisode(rid, n, arrays, limit, priorities))
+        self._batch, self._priorities, self._buffered_rows = None, None, 0
         return receipt
 
     def abort(self) -> None:

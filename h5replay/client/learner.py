@@ -25,10 +25,12 @@ import numpy as np
 
 from h5replay import protocol as P
 from h5replay.client._connection import Connection, curve_keys, say_hello
+from h5replay.client._shards import ShardedLearner
 from h5replay.config import DEFAULT_ENDPOINT, ClientConfig
 from h5replay.errors import ConfigError, ProtocolError
 from h5replay.records import Episode, SampleInfo
-from h5replay.storage.spaces import Space, named_leaves, space_from_json, unflatten_value
+from h5replay.sampling import check_priorities
+from h5replay.spaces import Schema, Space, space_from_json
 
 __all__ = ["LearnerClient", "View"]
 
@@ -101,9 +103,13 @@ class LearnerClient:
         timeout: seconds to wait for any reply before raising ServerUnavailableError.
         config: full client settings (overrides endpoint and timeout).
         secret_key, server_key: CURVE certificate files (`h5replay keys generate`).
+        endpoints: several servers ("shards", the same list in the same order for every client),
+            instead of `endpoint`: reads go to every live shard and are put together; a shard that
+            does not answer is skipped with a warning (see h5replay.client._shards).
 
     Raises:
-        ServerUnavailableError: the server did not answer the hello within `timeout`.
+        ServerUnavailableError: the server (every shard) did not answer the hello within `timeout`.
+        ConfigError: the shards hold different spaces, or two endpoints reach the same file.
     """
 
     def __init__(
@@ -115,11 +121,23 @@ class LearnerClient:
         config: ClientConfig | None = None,
         secret_key: str | os.PathLike[str] | None = None,
         server_key: str | os.PathLike[str] | None = None,
+        endpoints: Sequence[str] | None = None,
     ) -> None:
         self.config = config or ClientConfig(endpoint=endpoint, timeout=timeout, name=name or f"learner-{os.getpid()}")
+        #: Over several servers: the routing (h5replay.client._shards), which every call goes through.
+        self._router: ShardedLearner | None = None
+        self._view: View | None = None
+        self._reads: Connection | None = None
+        if endpoints is not None:
+            self._router = ShardedLearner(endpoints, self.config, secret_key, server_key)
+            self.space: Space = self._router.codec_space
+            self.limits, self.capacity = self._router.limits, self._router.capacity
+            self.endpoints = self._router.endpoints
+            # Per shard: learner.shards.shard(i).replay_id, ...
+            self.read_endpoint, self.server_version, self.replay_id, self.instance_id = "", "", "", ""
+            return
         curve = curve_keys(secret_key, server_key)
         self._conn, hello = say_hello(self.config, "learner", curve)
-        self._reads: Connection | None = None
         try:
             read_endpoint = _reachable(hello.read_endpoint, self.config.endpoint)
             if read_endpoint == self.config.endpoint:
@@ -131,32 +149,48 @@ class LearnerClient:
             self.close()
             raise
         self.limits = hello.limits
-        self.space: Space = space_from_json(hello.space)
-        self.capacity: int | None = hello.capacity
+        self.space = space_from_json(hello.space)
+        self.capacity = hello.capacity
         self.read_endpoint = read_endpoint
         self.server_version = hello.server_version
-        self.replay_id: str = hello.replay_id
-        self.instance_id: str = hello.instance_id
-        self._leaves = named_leaves(self.space)
-        row_bytes = sum(leaf.row_bytes for _, leaf in self._leaves)
+        self.replay_id = hello.replay_id
+        self.instance_id = hello.instance_id
+        #: The server's sampling settings (sampler, rate limit, ...) as its hello gave them.
+        self.sampling: dict[str, Any] = dict(hello.sampling)
+        # Samples that change the buffer (a rate limit, removals) are drawn by the writer.
+        self._samples: Connection = self._conn if hello.sampling.get("writer_samples") else self._reads
+        self._seen_seq = 0  # the newest publish this client's own writes (priority updates) made
+        self.schema = Schema(self.space)
+        row_bytes = self.schema.row_bytes
         room = self.limits.max_message_bytes - P.ROWS_MESSAGE_OVERHEAD
         #: Rows one reply may carry, with their ids and probabilities: a bigger read is split (a
         #: single row bigger than a message is refused).
         self.rows_per_message = max(1, min(self.limits.max_rows_per_message, room // (row_bytes + P.SAMPLE_INFO_BYTES)))
         # A request naming rows carries their ids: it must fit a message too.
         self._ids_per_message = max(1, min(self.rows_per_message, room // P.ID_BYTES))
-        self._view: View | None = None
 
     # ------------------------------------------------------------------ the view
 
     @property
     def view(self) -> View | None:
-        """The newest published state a reply of this client came from (None before any read)."""
+        """The newest published state a reply of this client came from (None before any read, and
+        over several servers: see `views`)."""
         return self._view
 
     @property
+    def views(self) -> tuple[View | None, ...]:
+        """Each shard's view (one entry for a single server)."""
+        return self._router.views if self._router is not None else (self._view,)
+
+    @property
+    def shards(self) -> ShardedLearner | None:
+        """Over several servers, the routing: `live_shards`, `num_skipped`, `shard(i)` (the client of
+        one shard); None for a single server."""
+        return self._router
+
+    @property
     def _min_seq(self) -> int:
-        return self._view.seq if self._view is not None else 0
+        return max(self._view.seq if self._view is not None else 0, self._seen_seq)
 
     def _observe(self, reply: P.ReadReply) -> View:
         view = View(reply.seq, reply.generation, reply.begin, reply.end)
@@ -179,7 +213,10 @@ class LearnerClient:
 
     def info(self) -> dict[str, Any]:
         """The server's figures (clients, rows in and out, commits, ...), with the buffer's own
-        (length, num_episodes, seq, ...) as this client's view of the file shows them."""
+        (length, num_episodes, seq, ...) as this client's view of the file shows them. Over several
+        servers: the shards' figures added up, each shard's under "shards"."""
+        if self._router is not None:
+            return self._router.info()
         writer = dict(self._conn.request(lambda rid: P.Info(rid)).stats)  # type: ignore[attr-defined]
         if self._reads is self._conn:
             self._observe_stats(writer)
@@ -187,44 +224,51 @@ class LearnerClient:
         return {**writer, **self._reader_stats()}
 
     def __len__(self) -> int:
+        if self._router is not None:
+            return len(self._router)
         return int(self._reader_stats()["length"])
 
     # ------------------------------------------------------------------ plumbing
 
     def _decode(self, arrays: Mapping[str, np.ndarray]) -> Any:
-        return unflatten_value(self.space, {path: leaf.decode_batch(arrays[path]) for path, leaf in self._leaves})
+        return self.schema.decode(arrays)
 
     def _read(self, factory: Callable[[int], P.Request]) -> Any:
         if self._reads is None:
             raise ProtocolError("this learner has no read connection")
         return self._reads.request(factory)
 
-    def _read_many(self, factories: Sequence[Callable[[int], P.Request]]) -> list[Any]:
-        """Replies to several reads, keeping up to `max_in_flight` of them travelling at once."""
-        if self._reads is None:
+    def _read_many(
+        self, factories: Sequence[Callable[[int], P.Request]], conn: Connection | None = None, timeout: float | None = None,
+    ) -> list[Any]:
+        """Replies to several reads (on the read connection, or `conn`), keeping up to
+        `max_in_flight` of them travelling at once."""
+        conn = conn if conn is not None else self._reads
+        if conn is None:
             raise ProtocolError("this learner has no read connection")
-        conn, window = self._reads, self.config.max_in_flight
+        window = self.config.max_in_flight
         replies: list[Any] = []
         pending: list[int] = []
         try:
             for factory in factories:
                 if len(pending) >= window:
-                    replies.append(conn.wait(pending.pop(0)))
+                    replies.append(conn.wait(pending.pop(0), timeout))
                 pending.append(conn.send(factory))
             while pending:
-                replies.append(conn.wait(pending.pop(0)))
+                replies.append(conn.wait(pending.pop(0), timeout))
         except BaseException:
             for request_id in pending:
                 conn.forget(request_id)
             raise
         for reply in replies:
-            self._observe(reply)
+            if isinstance(reply, P.ReadReply):
+                self._observe(reply)
         return replies
 
     def _joined(self, parts: list[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
         if len(parts) == 1:
             return dict(parts[0])
-        return {path: np.concatenate([p[path] for p in parts]) for path, _ in self._leaves}
+        return {name: np.concatenate([p[name] for p in parts]) for name in self.schema.names}
 
     # ------------------------------------------------------------------ reads
 
@@ -237,7 +281,10 @@ class LearnerClient:
             TypeError: the indices are not integers (a boolean mask is refused: pass its
                 np.flatnonzero; the buffer moves between the mask and the read).
             EvictedError: a request split over several messages met rows the ring dropped meanwhile.
+            NotImplementedError: over several servers (shards have no common order: use get_rows).
         """
+        if self._router is not None:
+            return self._router.get(indices)
         idx = _integer_array(indices, "indices")
         per = self._ids_per_message
         first = self._read_many([_request(P.Get, self._min_seq, idx[:per])])[0]
@@ -254,13 +301,18 @@ class LearnerClient:
         return self._decode(self._joined(parts))
 
     def get_rows(self, row_ids: Any) -> Any:
-        """Rows by global row id (any order, duplicates kept); returned flat (n, ...).
+        """Rows by global row id (any order, duplicates kept); returned flat (n, ...). Over several
+        servers, ids qualified by shard: packed ids (`h5replay.records.pack_ids`,
+        `SampleInfo.packed_row_ids`, the ids of `episodes()`) or an (n, 2) array of (shard, row_id).
 
         Raises:
             EvictedError: an id is no longer held (the message names the first such id).
             IndexError: an id was never committed, or is negative.
             TypeError: the ids are not integers.
+            ServerUnavailableError: over several servers, a shard named does not answer.
         """
+        if self._router is not None:
+            return self._router.get_rows(row_ids)
         ids = _integer_array(row_ids, "row ids")
         if ids.size and int(ids.min()) < 0:
             raise IndexError(f"row id {int(ids.min())} is negative; row ids count from 0")
@@ -272,14 +324,33 @@ class LearnerClient:
         replies = self._read_many([_request(P.GetRows, min_seq, ids[lo:hi]) for lo, hi in parts])
         return self._joined([r.arrays for r in replies])
 
+    def _sample_many(self, factories: Sequence[Callable[[int], P.Request]]) -> list[Any]:
+        """Sample requests go to whoever draws them: readers, or the writer when samples change the
+        buffer (then each may wait up to `rate_limit_timeout` for the rate limit)."""
+        if self._samples is self._reads:
+            return self._read_many(factories)
+        return self._read_many(factories, self._samples, self.config.timeout + self.config.rate_limit_timeout)
+
     def sample(self, batch_size: int, seed: int | None = None, *, with_info: bool = False) -> Any:
-        """`batch_size` rows drawn uniformly with replacement from all rows held. With
-        `with_info=True` returns (batch, SampleInfo): row ids, episode ids, draw probabilities.
-        A batch bigger than one message is drawn in parts (seed, seed + 1, ...)."""
+        """`batch_size` rows drawn by the server's sampler: uniformly or by priority, with
+        replacement; fifo / lifo or when rows are removed, without. With `with_info=True` returns
+        (batch, SampleInfo): row ids, episode ids, draw probabilities (for importance weights:
+        `SampleInfo.importance_weights(beta)`). A batch bigger than one message is drawn in parts
+        (seed, seed + 1, ...). Over several servers, from every live shard in proportion to the
+        rows it holds (one request per shard, all at once); `SampleInfo.shard_ids` says where
+        each row came from.
+
+        Raises:
+            NotEnoughDataError: nothing to sample yet (without a rate limit; with one, the sample waits).
+            RateLimitedError: the server's rate limit held the sample back for `rate_limit_timeout`.
+        """
+        if self._router is not None:
+            return self._router.sample(batch_size, seed, with_info=with_info)
         size = _positive(batch_size, "batch_size")
         parts = _chunks(size, self.rows_per_message)
-        replies = self._read_many([
-            _request(P.Sample, hi - lo, _seed(seed, k), self._min_seq) for k, (lo, hi) in enumerate(parts)
+        limit = self.config.rate_limit_timeout
+        replies = self._sample_many([
+            _request(P.Sample, hi - lo, _seed(seed, k), self._min_seq, limit) for k, (lo, hi) in enumerate(parts)
         ])
         batch = self._decode(self._joined([r.arrays for r in replies]))
         return (batch, self._info(replies)) if with_info else batch
@@ -287,25 +358,28 @@ class LearnerClient:
     def sample_sequences(self, batch_size: int, length: int, seed: int | None = None, *, with_info: bool = False) -> Any:
         """`batch_size` windows of `length` consecutive steps, each inside one complete episode;
         leaves come back shaped (batch_size, length, ...). With `with_info=True` returns
-        (batch, SampleInfo) of each window's first row."""
+        (batch, SampleInfo) of each window's first row. Over several servers, as `sample`."""
+        if self._router is not None:
+            return self._router.sample_sequences(batch_size, length, seed, with_info=with_info)
         size, steps = _positive(batch_size, "batch_size"), _positive(length, "length")
         windows = self.rows_per_message // steps
+        limit = self.config.rate_limit_timeout
         if windows >= 1:
-            replies = self._read_many([
-                _request(P.SampleSequences, hi - lo, steps, _seed(seed, k), self._min_seq, True)
+            replies = self._sample_many([
+                _request(P.SampleSequences, hi - lo, steps, _seed(seed, k), self._min_seq, True, limit)
                 for k, (lo, hi) in enumerate(_chunks(size, windows))
             ])
             batch = self._decode(self._joined([r.arrays for r in replies]))
             return (batch, self._info(replies)) if with_info else batch
         # One window is bigger than a message: draw the windows, then read each one by row ids.
-        replies = self._read_many([
-            _request(P.SampleSequences, hi - lo, steps, _seed(seed, k), self._min_seq, False)
+        replies = self._sample_many([
+            _request(P.SampleSequences, hi - lo, steps, _seed(seed, k), self._min_seq, False, limit)
             for k, (lo, hi) in enumerate(_chunks(size, self.limits.max_rows_per_message))
         ])
         info = self._info(replies)
         ids = (info.row_ids.astype(np.int64)[:, None] + np.arange(steps, dtype=np.int64)[None, :]).reshape(-1)
         rows = self._rows_by_id(ids, self._min_seq)
-        batch = self._decode({path: rows[path].reshape(size, steps, *rows[path].shape[1:]) for path, _ in self._leaves})
+        batch = self._decode({name: rows[name].reshape(size, steps, *rows[name].shape[1:]) for name in self.schema.names})
         return (batch, info) if with_info else batch
 
     @staticmethod
@@ -316,13 +390,43 @@ class LearnerClient:
             info = info.concatenate(more)
         return info
 
+    def update_priorities(self, row_ids: Any, priorities: Any) -> int:
+        """Set the priorities of rows by id (a prioritized server), e.g. to |TD error| after a
+        learning step. Ids no longer held are ignored (and counted by the server). Returns when
+        the server has published them (durable; every later sample of this client sees them).
+
+        Returns:
+            How many ids were ignored.
+
+        Raises:
+            ConfigError: the server's sampler keeps no priorities, or a priority is negative, NaN
+                or infinite, or the counts differ (nothing is changed).
+            IndexError: an id was never committed (nothing of that message is changed).
+        """
+        if self._router is not None:
+            return self._router.update_priorities(row_ids, priorities)
+        ids = _integer_array(row_ids, "row ids")
+        values = check_priorities(priorities, ids.shape[0])
+        if ids.size and int(ids.min()) < 0:
+            raise IndexError(f"row id {int(ids.min())} is negative; row ids count from 0")
+        parts = _chunks(ids.shape[0], self._ids_per_message // 2) or [(0, 0)]
+        replies = self._read_many([_request(P.UpdatePriorities, ids[lo:hi], values[lo:hi]) for lo, hi in parts],
+                                  self._conn)
+        self._seen_seq = max(self._seen_seq, *(int(r.seq) for r in replies))
+        return sum(int(r.ignored) for r in replies)
+
     def episodes(self) -> list[Episode]:
-        """Every complete episode held, oldest first: Episode(episode_id, first_row_id, length)."""
+        """Every complete episode held, oldest first: Episode(episode_id, first_row_id, length).
+        Over several servers, shard by shard, with packed ids (`h5replay.records.pack_ids`)."""
+        if self._router is not None:
+            return self._router.episodes()
         reply = self._read_many([_request(P.Episodes, self._min_seq)])[0]
         return [Episode(*row) for row in reply.episodes.tolist()]
 
     def get_segments(self) -> list[tuple[int, int]]:
-        """(logical start, length) of every complete episode held, oldest first."""
+        """(logical start, length) of every complete episode held, oldest first (one server only)."""
+        if self._router is not None:
+            return self._router.get_segments()
         reply = self._read_many([_request(P.Episodes, self._min_seq)])[0]
         return [(first - reply.begin, n) for _, first, n in reply.episodes.tolist()]
 
@@ -330,6 +434,9 @@ class LearnerClient:
 
     def close(self) -> None:
         """Close both sockets. Safe to call twice."""
+        if self._router is not None:
+            self._router.close()
+            return
         if self._reads is not None and self._reads is not self._conn:
             self._reads.close()
         self._conn.close()

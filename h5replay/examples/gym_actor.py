@@ -20,20 +20,14 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
 from h5replay.errors import ConfigError, SpaceMismatchError
-from h5replay.storage.spaces import (
-    BinarySpace,
-    BoxSpace,
-    DictSpace,
-    Space,
-    named_leaves,
-    space_from_gymnasium,
-)
+from h5replay.integrations.gym import space_from_gymnasium
+from h5replay.spaces import BinarySpace, BoxSpace, DictSpace, Space, named_leaves
 
 __all__ = ["gym_row_space", "make_env", "run_actor", "space_json", "stop_on_signals", "PIXELS_SHAPE"]
 
@@ -223,7 +217,7 @@ def _stream_episode(env: Any, client: Any, stop: threading.Event, seed: int | No
 
 
 def run_actor(
-    endpoint: str,
+    endpoint: str | Sequence[str],
     env_id: str = "CartPole-v1",
     episodes: int = 0,
     seed: int | None = None,
@@ -235,6 +229,7 @@ def run_actor(
     log_every: int = 100,
 ) -> int:
     """Stream `episodes` episodes (0: until SIGTERM / SIGINT) of a random policy in `env_id`.
+    `endpoint` may be a list of several servers (shards): the actor writes to one, failing over.
 
     Blocks for the whole run. The hello waits up to `timeout` for the server to come up; every
     later request also gets `timeout`. Empty key paths mean no key (compose passes `--secret-key=`).
@@ -259,10 +254,13 @@ def run_actor(
         local = gym_row_space(env)
         if seed is not None:
             env.action_space.seed(seed)
+        where: dict[str, Any] = ({"endpoint": endpoint} if isinstance(endpoint, str) else
+                                 {"endpoint": endpoint[0]} if len(endpoint) == 1 else {"endpoints": list(endpoint)})
         with stop_on_signals() as stop, ActorClient(
-            endpoint, timeout=timeout, name=f"{env_id}-actor-{os.getpid()}",
-            secret_key=secret_key or None, server_key=server_key or None,
+            timeout=timeout, name=f"{env_id}-actor-{os.getpid()}",
+            secret_key=secret_key or None, server_key=server_key or None, **where,
         ) as client:
+            endpoint = " ".join(where.get("endpoints", [where.get("endpoint", "")]))
             _check_space(client.space, local, endpoint, env_id, pixels)
             log.info("streaming %s episodes%s to %s", env_id, " (pixels)" if pixels else "", endpoint)
             while not stop.is_set() and (episodes == 0 or tally.episodes < episodes):

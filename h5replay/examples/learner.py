@@ -20,13 +20,13 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, TextIO
 
 import numpy as np
 
-from h5replay.errors import ConfigError, NotEnoughDataError, ServerUnavailableError
-from h5replay.storage.spaces import BinarySpace, BoxSpace, LeafSpace, named_leaves
+from h5replay.errors import ConfigError, EvictedError, NotEnoughDataError, ServerUnavailableError
+from h5replay.spaces import BinarySpace, BoxSpace, LeafSpace, named_leaves
 
 __all__ = ["run_learner", "LeafStats"]
 
@@ -122,9 +122,10 @@ def _leaf_value(batch: Any, path: str) -> np.ndarray:
 
 def _episode_summary(client: Any) -> str:
     """Mean length of every episode held and, with a 'reward' field, the mean return of the most
-    recent ones. Read with two requests while actors write, so episodes whose rows moved in
-    between (the ring evicting at capacity) are recognised by their done flags and left out."""
-    segments = client.get_segments()
+    recent ones. Read by row id with two requests while actors write: when the ring evicted some
+    of those rows in between, the returns are left out of this report. Works over several shards
+    too (the ids are then packed ids)."""
+    segments = [(ep.first_row_id, ep.length) for ep in client.episodes()]
     if not segments:
         return "none complete yet"
     lengths = np.array([n for _, n in segments])
@@ -141,7 +142,10 @@ def _episode_summary(client: Any) -> str:
         recent.append((start, length))
     if not recent or sum(n for _, n in recent) > budget:
         return text
-    rows = client.get(np.concatenate([np.arange(s, s + n) for s, n in recent]))
+    try:
+        rows = client.get_rows(np.concatenate([np.arange(s, s + n) for s, n in recent]))
+    except EvictedError:
+        return text
     rewards = _leaf_value(rows, "reward")
     done = np.zeros(len(rewards), bool)
     for flag in ("terminated", "truncated", "done"):
@@ -186,7 +190,15 @@ def _stop_at_once_on_signals() -> Iterator[threading.Event]:
             signal.signal(sig, old)
 
 
-def _connect(endpoint: str, timeout: float, deadline: float, stop: Any, keys: dict[str, Any]) -> Any:
+def _where(endpoint: str | Sequence[str]) -> dict[str, Any]:
+    """The client argument for one server, or for several (shards)."""
+    if isinstance(endpoint, str):
+        return {"endpoint": endpoint}
+    endpoints = list(endpoint)
+    return {"endpoint": endpoints[0]} if len(endpoints) == 1 else {"endpoints": endpoints}
+
+
+def _connect(endpoint: str | Sequence[str], timeout: float, deadline: float, stop: Any, keys: dict[str, Any]) -> Any:
     """A LearnerClient, retrying until the server answers, the deadline passes or a signal comes."""
     from h5replay.client import LearnerClient
 
@@ -196,7 +208,7 @@ def _connect(endpoint: str, timeout: float, deadline: float, stop: Any, keys: di
         if remaining <= 0:
             return None
         try:
-            return LearnerClient(endpoint, timeout=min(timeout, remaining), **keys)
+            return LearnerClient(timeout=min(timeout, remaining), **_where(endpoint), **keys)
         except ServerUnavailableError:
             if not waiting:
                 log.info("waiting for the server at %s", endpoint)
@@ -205,7 +217,7 @@ def _connect(endpoint: str, timeout: float, deadline: float, stop: Any, keys: di
 
 
 def run_learner(
-    endpoint: str,
+    endpoint: str | Sequence[str],
     batch_size: int = 256,
     seconds: float = 0.0,
     report_every: float = 5.0,
@@ -217,6 +229,8 @@ def run_learner(
 ) -> int:
     """Sample `batch_size` rows at a time for `seconds` (0: until SIGTERM / SIGINT), printing a report
     every `report_every` seconds and a last one at the end.
+
+    `endpoint` may be a list of several servers (shards): the learner samples all of them.
 
     Blocks for the whole run. Each connection attempt and each request waits up to `timeout`;
     while the server is down the learner keeps trying (until `seconds` pass). Empty key paths
@@ -263,7 +277,10 @@ def run_learner(
 
 def _sample(client: Any, batch_size: int, report_every: float, deadline: float, stop: Any, report: _Report) -> None:
     leaves = named_leaves(client.space)
-    log.info("sampling batches of %d from %s (reads on %s)", batch_size, client.config.endpoint, client.read_endpoint)
+    if client.shards is not None:
+        log.info("sampling batches of %d from %d shards: %s", batch_size, len(client.endpoints), " ".join(client.endpoints))
+    else:
+        log.info("sampling batches of %d from %s (reads on %s)", batch_size, client.config.endpoint, client.read_endpoint)
     next_report = time.monotonic() + report_every
     empty = False
     while not stop.is_set() and time.monotonic() < deadline:

@@ -8,6 +8,7 @@ Every method either returns a reply or raises; the caller turns exceptions into 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -24,11 +25,13 @@ from h5replay.errors import (
     DiskFullError,
     LimitExceededError,
     ProtocolError,
+    RateLimitedError,
     ReadOnlyError,
     SegmentStateError,
     ServerUnavailableError,
     StorageError,
 )
+from h5replay.server.waiting import Side, WaitingRoom
 from h5replay.storage.replay_buffer import ReplayBuffer
 from h5replay.storage.segment import SegmentWriter
 
@@ -157,6 +160,12 @@ def read_reply(buffer: ReplayBuffer, request: P.Request, rng: np.random.Generato
 
 READ_KINDS = (P.Get, P.GetRows, P.Sample, P.SampleSequences, P.Episodes)
 WRITE_KINDS = (P.OpenSegment, P.Append, P.Commit, P.Abort, P.PushEpisode)
+SAMPLE_KINDS = (P.Sample, P.SampleSequences)
+_WAITING_PER_CLIENT = 4  # requests one client may have waiting for the rate limit, on average
+_WAITING_BYTES = 256 << 20  # rows of waiting push_episode requests held in memory, at most
+
+#: (identity, request, granted role, key): a request waiting for the rate limit.
+Parked = tuple[bytes, P.Request, str | None, str | None]
 
 
 class Service:
@@ -183,6 +192,8 @@ class Service:
         self.actor_slots = actor_slots
         # True while reader processes run: reads sent here are refused, naming where to read.
         self.reads_elsewhere = reads_elsewhere
+        #: Under --auth, a key's role now (set by `revoke`): requests that waited are checked again.
+        self.role_of: Callable[[str], str | None] | None = None
         # New rows are refused (DiskFullError) while the disk has less than this free; nothing is
         # written then, so no write fails and the server does not go read-only.
         self.min_free_bytes = min_free_bytes
@@ -215,11 +226,104 @@ class Service:
             P.Commit: self.commit,
             P.Abort: self.abort,
             P.PushEpisode: self.push_episode,
+            P.UpdatePriorities: self.update_priorities,
             P.Info: self.info,
             P.Heartbeat: self.heartbeat,
         }
+        sampling = buffer.sampling
+        #: Whether samples change the buffer (a rate limit, or removals): only this service draws them.
+        self.writer_samples = sampling.writer_only is not None
+        self._limited = sampling.rate_limit.active or sampling.removes
+        #: Samples and commits the rate limit holds back (see waiting.py).
+        self.waiting: WaitingRoom[Parked] = WaitingRoom(
+            lambda side, rows: buffer.rate_limit_blocker(rows, sampling=side == "sample"),
+            max_waiting=limits.max_clients * _WAITING_PER_CLIENT,
+        )
+        self._waiting_bytes = 0
 
     # ------------------------------------------------------------------ sessions
+
+    # ------------------------------------------------------------------ the rate limit
+
+    def _gate(self, identity: bytes, request: P.Request) -> tuple[Side, int] | None:
+        """(side, rows) of a request the rate limit governs; None for any other."""
+        if not self._limited:
+            return None
+        if isinstance(request, P.Commit):
+            session = self.sessions.get(identity)
+            writer = session.segments.get(request.segment_id) if session is not None else None
+            return ("insert", len(writer)) if writer is not None and len(writer) else None
+        if isinstance(request, P.PushEpisode):
+            return ("insert", request.num_rows) if request.num_rows else None
+        if isinstance(request, P.Sample) and self.writer_samples:
+            return "sample", request.batch_size
+        if isinstance(request, P.SampleSequences) and self.writer_samples:
+            return "sample", request.batch_size * request.length
+        return None
+
+    def submit(self, identity: bytes, request: P.Request, granted_role: str | None = None,
+               key: str | None = None) -> P.Reply | None:
+        """`handle`, through the rate limit: a sample or commit it holds back waits (None is
+        returned; `released` gives its reply later), first come first served, at most the
+        request's `timeout`; one that could never go ahead, or may not wait, is refused.
+
+        Raises:
+            RateLimitedError: refused by the rate limit (the message says which side is ahead).
+        """
+        gate = self._gate(identity, request)
+        if gate is None:
+            return self.handle(identity, request, granted_role, key)
+        side, rows = gate
+        nbytes = sum(a.nbytes for a in request.arrays.values()) if isinstance(request, P.PushEpisode) else 0
+        if nbytes and self._waiting_bytes + nbytes > _WAITING_BYTES and self.waiting.queues["insert"]:
+            raise RateLimitedError(f"the rate limit holds inserts back and {self._waiting_bytes} bytes of episodes "
+                                   "already wait in this server's memory; stream long episodes through segments")
+        timeout = float(getattr(request, "timeout", 0.0))
+        self.session(identity, key, granted_role)  # a client refused a session waits for nothing
+        status, why = self.waiting.admit(side, rows, timeout, (identity, request, granted_role, key))
+        if status == "go":
+            return self.handle(identity, request, granted_role, key)
+        if status == "refused":
+            raise RateLimitedError(f"{why} (the request's timeout: {timeout:g} s)")
+        self._waiting_bytes += nbytes
+        return None
+
+    def released(self) -> list[tuple[bytes, P.Reply]]:
+        """Replies to waiting requests that may go now (served now, oldest first), and refusals of
+        those whose timeout ended."""
+        out: list[tuple[bytes, P.Reply]] = []
+        while (ready := self.waiting.next_ready()) is not None:
+            identity, request, role, key = ready.payload
+            self._forget_bytes(request)
+            try:
+                if key is not None and self.role_of is not None:  # the key's role now, not when it came
+                    role = self.role_of(key)
+                    if role is None:
+                        raise AccessDeniedError("this client's key is no longer listed in the server's key directories")
+                reply: P.Reply = self.handle(identity, request, role, key)
+            except Exception as exc:  # the request's own refusal, as if it had not waited
+                self.stats.errors += 1
+                reply = P.ErrorReply.from_exception(request.request_id, exc)
+            out.append((identity, reply))
+        for late in self.waiting.expire():
+            identity, request, _, _ = late.payload
+            self._forget_bytes(request)
+            self.stats.errors += 1
+            waited = late.deadline - late.since
+            refusal = RateLimitedError(f"{late.reason} (waited the request's whole timeout, {waited:g} s)")
+            out.append((identity, P.ErrorReply.from_exception(request.request_id, refusal)))
+        return out
+
+    def _forget_bytes(self, request: P.Request) -> None:
+        if isinstance(request, P.PushEpisode):
+            self._waiting_bytes -= sum(a.nbytes for a in request.arrays.values())
+
+    def needs_publish(self, reply: P.Reply) -> bool:
+        """Whether a reply may leave only after the pass's publish: commits, priority updates, and
+        samples that changed the buffer (counted, or rows removed)."""
+        if isinstance(reply, (P.CommitReply, P.PushEpisodeReply, P.UpdatePrioritiesReply)):
+            return True
+        return self.writer_samples and isinstance(reply, (P.SampleReply, P.SampleSequencesReply))
 
     def session(self, identity: bytes, key: str | None = None, granted_role: str | None = None) -> Session:
         """The session of `identity`, created on its first message (within max_clients, the
@@ -280,17 +384,20 @@ class Service:
 
     def expire(self, timeout: float, idle_timeout: float | None = None) -> list[tuple[bytes, int]]:
         """Drop sessions silent for `timeout` seconds (their open segments are aborted) and, with
-        `idle_timeout`, sessions without an open segment silent that long; returns (id, segments
-        aborted) of each."""
+        `idle_timeout`, sessions without an open segment silent that long (a client waiting for the
+        rate limit is not silent); returns (id, segments aborted) of each."""
         now = time.monotonic()
-        expired = [s.identity for s in self.sessions.values()
-                   if now - s.last_seen > (timeout if s.segments or idle_timeout is None else min(timeout, idle_timeout))]
+        waiting = {w.payload[0] for queue in self.waiting.queues.values() for w in queue}
+        expired = [s.identity for s in self.sessions.values() if s.identity not in waiting
+                   and now - s.last_seen > (timeout if s.segments or idle_timeout is None else min(timeout, idle_timeout))]
         return [(identity, self.drop_session(identity)) for identity in expired]
 
     def revoke(self, role_of: Callable[[str], str | None]) -> tuple[list[bytes], list[bytes]]:
         """Apply changed keys to live sessions: a key no longer listed loses its sessions (their
         open segments are aborted), a key moved to learners its open segments. Returns (ids of the
-        sessions dropped, ids of the sessions demoted)."""
+        sessions dropped, ids of the sessions demoted). Requests waiting for the rate limit are
+        checked again against `role_of` when they are let go (see `released`)."""
+        self.role_of = role_of
         dropped, demoted = [], []
         for identity, session in list(self.sessions.items()):
             if session.key is None:
@@ -326,9 +433,14 @@ class Service:
         self.stats.requests += 1
         session = self.session(identity, key, granted_role)
         if isinstance(request, READ_KINDS):
-            if self.reads_elsewhere:
+            if isinstance(request, SAMPLE_KINDS) and self.writer_samples:  # they change the buffer: drawn here
+                if self.write_failure is not None:
+                    raise StorageError(f"this server stopped writing after a failed write ({self.write_failure}); "
+                                       "samples change the buffer here (a rate limit, or removals), so none is served")
+                self.unpublished += 1  # the counters (and removals) are published before the reply leaves
+            elif self.reads_elsewhere:
                 raise ProtocolError(
-                    f"{request.KIND.value} is a read: this endpoint takes writes, hello, info and heartbeats; reads go "
+                    f"{request.KIND.value} is a read: this endpoint takes writes, hello, info, heartbeats and priority updates; reads go "
                     f"to the read endpoint, {self.read_endpoint} (its hello names it; LearnerClient reads there)"
                 )
             reply = read_reply(self.buffer, request, self._rng, self.limits)
@@ -361,9 +473,11 @@ class Service:
         session.name = request.client_name
         session.claimed_role = request.role  # less than granted, never more: see Session.role
         buffer = self.buffer
+        sampling = {**buffer.sampling.describe(), "writer_samples": self.writer_samples}
         return P.HelloReply(
             request.request_id, buffer.space.to_json(), buffer.capacity, len(buffer), buffer.num_episodes,
             __version__, P.PROTOCOL_VERSION, self.limits, self.read_endpoint, buffer.replay_id, self.instance_id,
+            sampling,
         )
 
     def _writer(self, session: Session, segment_id: int) -> SegmentWriter:
@@ -421,7 +535,7 @@ class Service:
             )
         self._free -= incoming
 
-    def _add_rows(self, writer: SegmentWriter, num_rows: int, arrays: P.Arrays) -> None:
+    def _add_rows(self, writer: SegmentWriter, num_rows: int, arrays: P.Arrays, priorities: np.ndarray) -> None:
         if len(writer) + num_rows > self.limits.max_rows_per_segment:
             raise LimitExceededError(
                 f"the segment would have {len(writer) + num_rows} rows, over the limit max_rows_per_segment="
@@ -434,16 +548,16 @@ class Service:
                 f"the segment would have {len(writer) + num_rows} rows, more than the buffer's capacity of {capacity} "
                 "rows, so it could never be committed; commit episodes of at most the capacity"
             )
-        checked = P.check_rows(self.buffer.space, arrays, num_rows)
+        checked = self.buffer.schema.validate_stored(arrays, num_rows)
         self.room_on_disk(num_rows * self.buffer.storage.row_bytes, f"stage {num_rows} rows")
-        writer.extend_stored(checked, num_rows)
+        writer.extend_stored(checked, num_rows, priorities if len(priorities) else None)
         self.stats.rows_in += num_rows
         self.stats.bytes_in += sum(a.nbytes for a in checked.values())
 
     def append(self, request: P.Append, session: Session) -> P.AppendReply:
         writer = self._writer(session, request.segment_id)
         try:
-            self._add_rows(writer, request.num_rows, request.arrays)
+            self._add_rows(writer, request.num_rows, request.arrays, request.priorities)
         except BaseException:
             if writer.state != "open":  # the file refused the rows: the segment is gone
                 session.segments.pop(request.segment_id, None)
@@ -478,11 +592,27 @@ class Service:
     def push_episode(self, request: P.PushEpisode, session: Session) -> P.PushEpisodeReply:
         writer = self.buffer.open_segment_writer()
         try:
-            self._add_rows(writer, request.num_rows, request.arrays)
+            self._add_rows(writer, request.num_rows, request.arrays, request.priorities)
             return P.PushEpisodeReply(request.request_id, *self._commit(writer))
         finally:
             if writer.state == "open":
                 writer.abort()
+
+    def update_priorities(self, request: P.UpdatePriorities, session: Session) -> P.UpdatePrioritiesReply:
+        """Set priorities (any client: an actor's own, a learner's TD errors). Published before the
+        reply leaves; its `seq` is filled in then (`after_publish`)."""
+        if self.write_failure is not None:
+            raise StorageError(f"this server stopped writing after a failed write ({self.write_failure}); it serves "
+                               "reads until it is restarted")
+        ignored = self.buffer.update_priorities(request.row_ids, request.priorities)
+        self.unpublished += 1
+        return P.UpdatePrioritiesReply(request.request_id, ignored, 0)
+
+    def after_publish(self, reply: P.Reply) -> P.Reply:
+        """A deferred reply as it leaves: priority updates name the publish that made them durable."""
+        if isinstance(reply, P.UpdatePrioritiesReply):
+            return dataclasses.replace(reply, seq=self.buffer.published.seq)
+        return reply
 
     def publish(self) -> None:
         """Publish the commits placed since the last call (flushed; with fsync, on disk).
@@ -534,6 +664,11 @@ class Service:
             "file_bytes": os.path.getsize(path) if path and os.path.exists(path) else 0,
             "uptime": round(uptime, 3),
             "server_version": __version__,
+            "sample_wait_s": round(self.waiting.waited_now("sample"), 6),
+            "insert_wait_s": round(self.waiting.waited_now("insert"), 6),
+            "waiting_samples": len(self.waiting.queues["sample"]),
+            "waiting_inserts": len(self.waiting.queues["insert"]),
+            "writer_samples": self.writer_samples,
         }
         if self._extra_stats is not None:
             for key, value in self._extra_stats().items():

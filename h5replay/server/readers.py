@@ -41,7 +41,7 @@ from h5replay.errors import AccessDeniedError, ProtocolError, ServerUnavailableE
 from h5replay.server.auth import RoleAuthenticator, server_keys
 from h5replay.server.guard import MONITOR_EVENTS, Budgets, ConnectionGuard
 from h5replay.server.handlers import READ_KINDS, read_reply, reply_rows
-from h5replay.server.sockets import configure_router
+from h5replay.server.sockets import Started, bound_endpoint, configure_router
 from h5replay.storage.replay_buffer import ReplayBuffer
 
 __all__ = ["ReaderPool", "front_endpoint", "reader_token"]
@@ -74,7 +74,7 @@ def token_is_valid(secret: bytes, token: bytes) -> bool:
 
 
 def answer(buffer: ReplayBuffer, request: P.Request, rng: np.random.Generator, config: ServerConfig,
-           instance_id: str) -> P.Reply:
+           instance_id: str, served: str) -> P.Reply:
     """A reader's reply: reads, and `info` / `heartbeat` from its own view of the file (so that
     everything a learner asks is answered by the same kind of view).
 
@@ -87,7 +87,7 @@ def answer(buffer: ReplayBuffer, request: P.Request, rng: np.random.Generator, c
         return P.InfoReply(request.request_id, {**buffer.info(), "instance_id": instance_id})
     if isinstance(request, P.Heartbeat):
         return P.HeartbeatReply(request.request_id)
-    raise ProtocolError(_not_a_read(request, config))  # e.g. a client given this endpoint instead of the server's
+    raise ProtocolError(_not_a_read(request, config, served))  # e.g. a client given this endpoint, not the server's
 
 
 class _Learners:
@@ -105,6 +105,8 @@ class _Learners:
         self.guard.watch(self.sock.get_monitor_socket(MONITOR_EVENTS))  # before the bind: every connection
         self.guard.start()
         _bind_when_free(self.sock, config.resolved_read_bind)
+        #: The learners' endpoint as bound (port 0 becomes a free port).
+        self.endpoint = bound_endpoint(self.sock)
         self.sock.linger = 0
 
     def admitted(self, frame: Any, fd: int) -> bool:
@@ -168,7 +170,10 @@ def reader_main(
         sock.sndhwm = _QUEUED_FOR_FRONT
         sock.connect(behind[0])
     rng = np.random.default_rng()
-    ready.set()
+    # Where learners reach this reader: the endpoint it bound (a free port for port 0), or the
+    # front's (the pool hands readers behind it a config naming the front's bound endpoint).
+    served = learners.endpoint if learners is not None else config.advertise_read or config.resolved_read_bind
+    ready.set((served,) if learners is not None else None)
     next_ready = 0.0
     try:
         while not stop.is_set() and os.getppid() == parent:
@@ -189,7 +194,7 @@ def reader_main(
                 if learners is not None and frames and not learners.admitted(frames[0], fd):
                     raise AccessDeniedError("this client's key is no longer listed in the server's key directories")
                 request = P.decode(frames, limits, expect=P.Request)
-                reply = answer(buffer, request, rng, config, instance_id)
+                reply = answer(buffer, request, rng, config, instance_id, served)
                 counters[2 * index + 1] += reply_rows(reply)
             except Exception as exc:  # every refusal becomes an error reply; the reader keeps serving
                 reply = P.ErrorReply.from_exception(P.peek_request_id(frames, limits), exc)
@@ -252,7 +257,7 @@ def front_main(config: ServerConfig, behind: tuple[str, bytes], ready: Any, stop
     poller = zmq.Poller()
     poller.register(front, zmq.POLLIN)
     poller.register(back, zmq.POLLIN)
-    ready.set()
+    ready.set((learners.endpoint,))
 
     def hand_over(frames: list[Any]) -> bool:
         nonlocal turn
@@ -318,8 +323,9 @@ def front_main(config: ServerConfig, behind: tuple[str, bytes], ready: Any, stop
         ctx.term()
 
 
-def _not_a_read(request: P.Request, config: ServerConfig) -> str:
-    return (f"{request.KIND.value} is not a read request: {config.resolved_read_bind} is the learners' read endpoint "
+def _not_a_read(request: P.Request, config: ServerConfig, served: str) -> str:
+    """`config.bind` is the writer's endpoint as bound (the writer hands readers its bound form)."""
+    return (f"{request.KIND.value} is not a read request: {served} is the learners' read endpoint "
             f"(reads, info, heartbeats); connect clients to the server's endpoint ({config.bind}), whose hello tells "
             "learners where to read")
 
@@ -346,6 +352,9 @@ class ReaderPool:
     def __init__(self, config: ServerConfig, directory: str, instance_id: str = "") -> None:
         self._ctx = mp.get_context("spawn")
         self._config = config
+        #: The learners' endpoint as bound by the front (or the single reader) once it started:
+        #: replacements bind the same port, even when the configured one was 0.
+        self.endpoint = config.resolved_read_bind
         self._instance_id = instance_id
         k = config.num_readers
         self._endpoint = front_endpoint(directory)
@@ -366,7 +375,7 @@ class ReaderPool:
     def _spawn(self, index: int, wait: bool = True) -> None:
         """Start process `index`; with `wait`, until it is ready (at server start). A replacement
         does not wait: the writer loop must not stall while a new interpreter imports numpy."""
-        ready, stop = self._ctx.Event(), self._ctx.Event()
+        ready, stop = Started(self._ctx), self._ctx.Event()
         self.beats[index] = time.monotonic()
         self._generations[index] += 1
         k = self._config.num_readers
@@ -390,6 +399,9 @@ class ReaderPool:
             if not proc.is_alive() or time.monotonic() > deadline:
                 proc.kill()
                 raise RuntimeError(f"{self._name(index)} failed to start (exit code {proc.exitcode})")
+        if wait and index == (k if k > 1 else 0):  # the process that binds the learners' endpoint
+            (self.endpoint,) = ready.endpoints(timeout=10)
+            self._config = self._config.replace(read_bind=self.endpoint)
         while len(self._procs) <= index:
             self._procs.append(None)
             self._events.append((None, None))

@@ -1,5 +1,5 @@
-"""How the server's listening sockets are set up: one place for the writer, the readers and the
-read front.
+"""How the server's listening sockets are set up, and how a process says which endpoints it bound:
+one place for the writer, the readers and the read front.
 
 Every ROUTER facing clients reads its peers without pause (RCVHWM 0): a high-water mark that
 stops reading a peer is the state in which libzmq 4.3.5 aborts the process when the peer then
@@ -16,7 +16,7 @@ import zmq
 
 from h5replay.config import ServerConfig
 
-__all__ = ["configure_router", "router_options"]
+__all__ = ["configure_router", "router_options", "bound_endpoint", "Started"]
 
 
 def router_options(config: ServerConfig, curve: tuple[bytes, bytes] | None, *, mandatory: bool) -> list[tuple[int, Any]]:
@@ -48,3 +48,33 @@ def configure_router(sock: zmq.Socket[Any], config: ServerConfig, curve: tuple[b
     """Limits, heartbeats and (with `curve`) encryption on a client-facing ROUTER."""
     for option, value in router_options(config, curve, mandatory=mandatory):
         sock.setsockopt(option, value)
+
+
+def bound_endpoint(sock: zmq.Socket[Any]) -> str:
+    """The endpoint `sock` last bound, as libzmq resolved it (port 0 becomes the port it took)."""
+    return str(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+
+
+class Started:
+    """How a process tells its parent that it serves, and on which endpoints (one bound on port 0
+    gets a free port: this is how the parent learns which). Picklable, for spawned processes."""
+
+    def __init__(self, ctx: Any) -> None:
+        self._event = ctx.Event()
+        self._endpoints = ctx.Queue(1)
+
+    def set(self, endpoints: tuple[str, ...] | None = None) -> None:
+        if endpoints is not None:
+            self._endpoints.put(endpoints)
+        self._event.set()
+
+    def wait(self, timeout: float) -> bool:
+        return bool(self._event.wait(timeout))
+
+    def endpoints(self, timeout: float) -> tuple[str, ...]:
+        """The endpoints the process bound, in the order it reports them.
+
+        Raises:
+            queue.Empty: none came within `timeout` (a process that reports none).
+        """
+        return tuple(self._endpoints.get(timeout=timeout))

@@ -3,8 +3,10 @@
 Concurrency comes from ownership, not locks: this one loop is the only code that writes the file
 (h5py serialises HDF5 calls anyway, so threads would buy nothing). Reads are served elsewhere:
 reader processes hold SWMR views of the file (one binds the learners' endpoint; several sit
-behind a front process, see readers.py). Two helper threads never touch the file: the connection guard (guard.py: byte budgets per client, below ZeroMQ) and, under --auth,
-the authenticator. Control goes by flag: SIGTERM / SIGINT or `stop()` end the loop, which then
+behind a front process, see readers.py); with no reader process (`--readers 0`) this loop serves
+reads too, after the writes of each pass. Two helper threads never touch the file: the
+connection guard (guard.py: byte budgets per client, below ZeroMQ) and, under --auth, the
+authenticator. Control goes by flag: SIGTERM / SIGINT or `stop()` end the loop, which then
 aborts open segments, publishes and closes the file, and stops the readers.
 
 Liveness: the ROUTER socket runs ZMTP heartbeats, so libzmq drops a peer that dies or goes
@@ -36,15 +38,16 @@ import zmq
 from h5replay import protocol as P
 from h5replay.config import ServerConfig
 from h5replay.errors import AccessDeniedError, ConfigError
+from h5replay.sampling import SamplingConfig
 from h5replay.server.auth import RefusalLog, RoleAuthenticator, handshake_failure, server_keys
 from h5replay.server.guard import MONITOR_EVENTS, Budgets, ConnectionGuard
 from h5replay.server.handlers import READ_KINDS, WRITE_KINDS, Service
 from h5replay.server.metrics import Metrics
 from h5replay.server.readers import ReaderPool
-from h5replay.server.sockets import configure_router
+from h5replay.server.sockets import Started, bound_endpoint, configure_router
 from h5replay.storage.replay_buffer import ReplayBuffer
 
-__all__ = ["Server", "ServerProcess"]
+__all__ = ["Server", "ServerProcess", "Started"]
 
 log = logging.getLogger("h5replay.server")
 _POLL_MS = 50
@@ -76,26 +79,32 @@ def _open_buffer(config: ServerConfig) -> ReplayBuffer:
             **config.storage_kwargs,
         )
         differences = []
+        if config.sampling is not None and config.sampling != buffer.sampling:
+            differences.append(f"sampling {buffer.sampling.describe()}, not the {config.sampling.describe()} asked for")
         if config.space is not None and config.space != buffer.space:
             differences.append(f"space {buffer.space!r}, not the {config.space!r} asked for")
         if config.capacity is not None and config.capacity != buffer.capacity:
             differences.append(f"capacity {buffer.capacity or 'unbounded'}, not the {config.capacity} asked for")
         if differences:
             buffer.close()
-            raise ConfigError(f"{config.path!r} exists with {'; and '.join(differences)}; a space and a capacity "
-                              "are only for a new file: leave them out to serve this one, or give a new path")
+            raise ConfigError(f"{config.path!r} exists with {'; and '.join(differences)}; a space, a capacity and "
+                              "sampling settings are only for a new file: leave them out to serve this one, or give "
+                              "a new path")
         return buffer
     if config.space is None:
         raise ConfigError(f"{config.path!r} does not exist; creating it needs a space (--space SPACE.json)")
+    sampling = config.sampling or SamplingConfig()
     return ReplayBuffer.create(
         config.space, config.capacity, config.path, multiprocessing=config.multiprocessing,
-        open_timeout=config.open_timeout, **config.storage_kwargs,
+        open_timeout=config.open_timeout, sampler=sampling.sampler, rate_limit=sampling.rate_limit,
+        max_times_sampled=sampling.max_times_sampled, **config.storage_kwargs,
     )
 
 
 class Server:
     """An h5replay service over one file. `run()` blocks until stopped; see `ServerProcess` for a
-    background process (tests, notebooks)."""
+    background process (tests, notebooks). An endpoint on port 0 is bound to any free port:
+    `endpoints` says which, once `run` has set its `ready`."""
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
@@ -115,13 +124,16 @@ class Server:
         # what the loop is changing): it asks, and the loop takes the figures between two passes.
         self._figures: dict[str, Any] = {}
         self._figure_requests: queue.SimpleQueue[threading.Event] = queue.SimpleQueue()
+        #: (actors' endpoint, learners' read endpoint) as bound, once serving.
+        self.endpoints: tuple[str, str] | None = None
 
     def stop(self) -> None:
         """Ask the loop to finish (thread- and signal-safe)."""
         self._stop.set()
 
     def run(self, ready: Any = None) -> int:
-        """Serve until stopped. Returns the process exit code (0 after a clean shutdown).
+        """Serve until stopped. Returns the process exit code (0 after a clean shutdown). `ready`
+        (an Event, or a Started that is also told the endpoints) is set once the server serves.
 
         Raises:
             ConfigError: an endpoint cannot be bound (its port is taken, say), or the file exists with
@@ -158,14 +170,19 @@ class Server:
             guard.start()
             # The endpoints before the file: a taken port fails at once, with nothing created.
             _bind(sock, config.bind, "the actors' endpoint, --bind")
-            if config.num_readers:  # a restart may find a reader of the killed server still on the port
+            bind = bound_endpoint(sock)
+            if config.num_readers and not _any_port(config.resolved_read_bind):  # a restart may find a reader
+                # of the killed server still on the port
                 _check_free(ctx, config.resolved_read_bind, wait=0.0 if config.path in created else _READ_PORT_WAIT)
             buffer = open_buffer(config)
+            bound_config = config.replace(bind=bind)  # what readers name when a client comes to the wrong door
             if config.num_readers:  # one binds the learners' endpoint, or a front before several
-                readers = ReaderPool(config, tmpdir, instance_id=self.instance_id)
-                read_endpoint = config.advertise_read or config.resolved_read_bind
+                readers = ReaderPool(bound_config, tmpdir, instance_id=self.instance_id)
+                read_bound = readers.endpoint
             else:
-                read_endpoint = config.bind  # the writer serves reads itself, on its own endpoint
+                read_bound = bind  # the writer serves reads itself, on its own endpoint
+            self.endpoints = (bind, read_bound)
+            read_endpoint = config.advertise_read if config.num_readers and config.advertise_read else read_bound
             service = Service(
                 buffer, config.limits, read_endpoint, fsync=config.fsync,
                 extra_stats=readers.totals if readers else None, instance_id=self.instance_id,
@@ -176,7 +193,7 @@ class Server:
             )
             log.info(
                 "h5replay serving %s (%d rows, capacity %s) on %s; reads on %s by %d reader process(es)%s",
-                config.path, len(buffer), buffer.capacity, config.bind, read_endpoint, config.num_readers,
+                config.path, len(buffer), buffer.capacity, bind, read_endpoint, config.num_readers,
                 " with CURVE authentication" if auth else
                 " (INSECURE: no authentication)" if config.insecure else " (no authentication: loopback only)",
             )
@@ -184,7 +201,9 @@ class Server:
                 self._figures = service.snapshot()
                 self._metrics = Metrics(self._ask_figures, config.metrics_port, config.metrics_address)
                 log.info("metrics on http://%s:%d/metrics", config.metrics_address, config.metrics_port)
-            if ready is not None:
+            if isinstance(ready, Started):
+                ready.set(self.endpoints)
+            elif ready is not None:
                 ready.set()
             serving = True
             self._loop(sock, service, readers, auth)
@@ -247,6 +266,10 @@ class Server:
                     except zmq.Again:
                         break
                     self._serve(sock, service, frames, auth)
+                self._release(sock, service)
+                self._publish(sock, service)
+            elif service.waiting:
+                self._release(sock, service)  # timeouts end while nothing arrives
                 self._publish(sock, service)
             if self._reads:
                 self._serve_reads(sock, service)
@@ -288,17 +311,31 @@ class Server:
 
     def _publish(self, sock: zmq.Socket[Any], service: Service) -> None:
         """Publish the commits of this pass, then send their replies: a commit is acknowledged only
-        once it is in the file and flushed. One publish serves every commit of the pass."""
+        once it is in the file and flushed. One publish serves every commit of the pass (and every
+        priority update, and every sample that counted against the rate limit)."""
         deferred, self._deferred = self._deferred, []
         try:
             service.publish()
         except Exception as exc:  # the file refused them: the commits it did not take failed
             deferred = [
                 (identity, P.ErrorReply.from_exception(reply.request_id, exc)
-                 if isinstance(reply, (P.CommitReply, P.PushEpisodeReply)) and not service.is_durable(reply) else reply)
+                 if service.needs_publish(reply) and not service.is_durable(reply) else reply)
                 for identity, reply in deferred
             ]
         for identity, reply in deferred:
+            self._send(sock, service, identity, service.after_publish(reply))
+
+    def _release(self, sock: zmq.Socket[Any], service: Service) -> None:
+        """Serve the requests the rate limit let go since (and refuse those whose timeout ended)."""
+        for identity, reply in service.released():
+            self._reply(sock, service, identity, reply)
+
+    def _reply(self, sock: zmq.Socket[Any], service: Service, identity: bytes, reply: P.Reply) -> None:
+        # Replies that need the pass's publish wait for it; a client's later replies queue behind
+        # them, so every client still gets its replies in the order it asked.
+        if service.needs_publish(reply) or any(i == identity for i, _ in self._deferred):
+            self._deferred.append((identity, reply))
+        else:
             self._send(sock, service, identity, reply)
 
     def _serve(self, sock: zmq.Socket[Any], service: Service, frames: list[zmq.Frame],
@@ -326,19 +363,29 @@ class Server:
                 return
             if isinstance(request, WRITE_KINDS):
                 self._last_write = time.monotonic()
-            reply = service.handle(identity, request, role, key)
+            if service.unpublished and isinstance(request, READ_KINDS):
+                self._publish(sock, service)  # a read must not see a commit before it is acknowledged
+            answer = service.submit(identity, request, role, key)
         except Exception as exc:  # the boundary: every refusal becomes an error reply
-            reply = self._refusal(service, body, exc)
-        self._reply(sock, service, identity, reply)
+            answer = self._refusal(service, body, exc)
+        self._answer(sock, service, identity, answer)
         if self._metrics is not None:
             self._metrics.observe(kind, time.perf_counter() - started)
+
+    def _answer(self, sock: zmq.Socket[Any], service: Service, identity: bytes, answer: P.Reply | None) -> None:
+        if answer is None:
+            return  # it waits for the rate limit (see _release)
+        self._reply(sock, service, identity, answer)
+        if service.waiting and isinstance(answer, (P.CommitReply, P.PushEpisodeReply, P.SampleReply,
+                                                   P.SampleSequencesReply)):
+            self._release(sock, service)  # the counters moved: a waiting request may go now
 
     def _serve_reads(self, sock: zmq.Socket[Any], service: Service) -> None:
         """Answer waiting reads (the writer serves reads only with --readers 0), in the gaps
         between writes: before each read the writer waits a moment (`_WRITE_GRACE_MS`, while writes
-        come) for a write, and goes back to its socket if one comes. When no read was served for `_READ_MAX_WAIT`, one
-        is served anyway, so that reads are slowed, never starved; and reads take at most
-        `_READ_SHARE` seconds of a pass."""
+        come) for a write, and goes back to its socket if one comes. When no read was served for
+        `_READ_MAX_WAIT`, one is served anyway, so that reads are slowed, never starved; and reads
+        take at most `_READ_SHARE` seconds of a pass."""
         deadline = time.perf_counter() + _READ_SHARE
         while self._reads and time.perf_counter() < deadline:
             identity, body, request, role, key, since = self._reads[0]
@@ -353,11 +400,12 @@ class Server:
             started = time.perf_counter()
             if service.unpublished:
                 self._publish(sock, service)  # a read must not see a commit before it is acknowledged
+            answer: P.Reply | None
             try:
-                reply = service.handle(identity, request, role, key)
+                answer = service.submit(identity, request, role, key)
             except Exception as exc:
-                reply = self._refusal(service, body, exc)
-            self._reply(sock, service, identity, reply)
+                answer = self._refusal(service, body, exc)
+            self._answer(sock, service, identity, answer)
             if self._metrics is not None:
                 self._metrics.observe(request.KIND.value, time.perf_counter() - started)
 
@@ -368,14 +416,6 @@ class Server:
         if reply.code == P.ErrorCode.INTERNAL.value:
             log.exception("internal error while serving a request")
         return reply
-
-    def _reply(self, sock: zmq.Socket[Any], service: Service, identity: bytes, reply: P.Reply) -> None:
-        # Commit replies wait for the pass's publish; a client's later replies queue behind its
-        # commit's, so every client still gets its replies in the order it asked.
-        if isinstance(reply, (P.CommitReply, P.PushEpisodeReply)) or any(i == identity for i, _ in self._deferred):
-            self._deferred.append((identity, reply))
-        else:
-            self._send(sock, service, identity, reply)
 
     def _guard_disconnect(self, identity: bytes, why: str) -> None:
         if self._guard is not None:
@@ -429,6 +469,11 @@ def _bind(sock: zmq.Socket[Any], endpoint: str, flag: str) -> None:
         raise ConfigError(f"cannot bind {endpoint} ({flag}): {exc.strerror}") from exc
 
 
+def _any_port(endpoint: str) -> bool:
+    """True for a tcp endpoint on port 0 (bound to whatever port is free)."""
+    return endpoint.startswith("tcp://") and endpoint.rpartition(":")[2] == "0"
+
+
 def _check_free(ctx: zmq.Context[Any], endpoint: str, wait: float) -> None:
     """Raise ConfigError unless the learners' endpoint can be bound (its reader binds it later),
     waiting up to `wait` seconds for a taken port: a reader of a server killed a moment ago holds
@@ -468,7 +513,7 @@ class ServerProcess:
     ) -> None:
         self.config = config
         ctx = mp.get_context("spawn")
-        ready = ctx.Event()
+        ready = Started(ctx)
         self.process = ctx.Process(
             target=type(self).child_main, args=(config, ready, log_level, *child_args), name="h5replay-server"
         )
@@ -478,10 +523,20 @@ class ServerProcess:
             if not self.process.is_alive() or time.monotonic() > deadline:
                 self.kill()
                 raise RuntimeError(f"the server process did not start (exit code {self.process.exitcode})")
+        try:
+            self.endpoints = ready.endpoints(timeout=max(1.0, deadline - time.monotonic()))
+        except queue.Empty:  # a child_main that sets `ready` without the endpoints: as configured
+            self.endpoints = (config.bind, config.resolved_read_bind)
 
     @property
     def endpoint(self) -> str:
-        return self.config.bind
+        """The actors' (and learners' hello) endpoint, as bound (a port 0 became a free port)."""
+        return self.endpoints[0]
+
+    @property
+    def read_endpoint(self) -> str:
+        """The learners' read endpoint, as bound."""
+        return self.endpoints[1]
 
     @property
     def pid(self) -> int:

@@ -33,6 +33,7 @@ from typing import Any
 import h5py
 
 from h5replay.errors import ConfigError, FormatVersionError, StorageError
+from h5replay.spaces import LeafSpace, Space, TextSpace, space_from_json
 from h5replay.storage import _layout
 from h5replay.storage.recovery import (
     WriterLock,
@@ -41,7 +42,6 @@ from h5replay.storage.recovery import (
     status_flags,
     superblock_end,
 )
-from h5replay.storage.spaces import LeafSpace, Space, TextSpace, space_from_json
 
 __all__ = [
     "FORMAT_VERSION", "ATTR_FORMAT", "ATTR_SPACE", "ATTR_CAPACITY", "ATTR_REPLAY_ID", "INTERNAL_GROUP",

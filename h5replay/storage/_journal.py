@@ -27,13 +27,15 @@ import dataclasses
 import time
 import zlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import h5py
 import numpy as np
 
-from h5replay.errors import StorageError
+from h5replay.errors import ConfigError, StorageError
 from h5replay.records import NO_EPISODE
+from h5replay.sampling import SamplingConfig
+from h5replay.spaces import named_leaves
 from h5replay.storage._h5file import (
     INTERNAL_GROUP,
     Prepare,
@@ -41,16 +43,17 @@ from h5replay.storage._h5file import (
     h5_errors,
     published_beyond,
     read_header,
+    replay_id,
     upgrade_header,
     verify_all_within,
 )
 from h5replay.storage._rowio import read_slice, write_rows
-from h5replay.storage.spaces import named_leaves
+from h5replay.storage._sampling_file import SamplingFile
 
 if TYPE_CHECKING:
     from h5replay.storage.hdf5 import HDF5Storage
 
-__all__ = ["REPLAY_GROUP", "State", "Journal", "EpisodeTable"]
+__all__ = ["REPLAY_GROUP", "State", "Journal", "JournalStore", "EpisodeTable"]
 
 REPLAY_GROUP = f"{INTERNAL_GROUP}/replay"
 _JOURNAL = "journal"
@@ -59,7 +62,8 @@ _LEGACY_STATE = "state"  # format 1: mark, begin, end, ep_begin, ep_end, open_st
 _MARK = 0x5245504C  # "REPL": tells a state row from zero fill
 _LAYOUT = 2
 _ROW = 16
-_FIELDS = ("seq", "generation", "begin", "end", "ep_begin", "ep_end", "open_start", "origin", "ep_origin")
+_FIELDS = ("seq", "generation", "begin", "end", "ep_begin", "ep_end", "open_start", "origin", "ep_origin",
+           "inserted", "sampled", "plog", "pckpt")
 _EPISODE_CHUNK_ROWS = 4096
 _TORN_RETRIES = 100  # a reader re-reads a torn state row this often (about 0.1 s) before calling it damaged
 
@@ -74,6 +78,9 @@ class State:
     below `begin` when the ring has overwritten its head, and then it is never recorded).
     `origin` / `ep_origin` (unbounded buffers) are the ids at physical row / table slot 0.
     `seq` counts publishes; `generation` counts `clear()`s.
+    The rate limiter's counters: rows `inserted` and rows `sampled` since creation or `clear()`.
+    The priority log (`_sampling_file.py`): `plog` updates published, the first `pckpt` of them
+    already in the priorities dataset.
     """
 
     seq: int = 0
@@ -85,6 +92,10 @@ class State:
     open_start: int = 0
     origin: int = 0
     ep_origin: int = 0
+    inserted: int = 0
+    sampled: int = 0
+    plog: int = 0
+    pckpt: int = 0
 
     def replace(self, **changes: int) -> State:
         return dataclasses.replace(self, **changes)
@@ -124,6 +135,7 @@ class State:
             and 0 <= self.ep_origin <= self.ep_begin <= self.ep_end
             and self.ep_end - self.ep_begin <= self.end - self.begin
             and (capacity is None or self.end - self.begin <= capacity)
+            and self.inserted >= 0 and self.sampled >= 0 and 0 <= self.pckpt <= self.plog
         )
         if not ok:
             raise StorageError(f"{where} has an inconsistent replay state: {self}")
@@ -259,32 +271,60 @@ def _pieces(first: int, count: int, capacity: int | None) -> list[tuple[int, int
     return [(start, capacity), (0, start + count - capacity)]
 
 
+class JournalStore(Protocol):
+    """Where a ReplayBuffer keeps its state and episode records (the file's journal, or a test's
+    memory): read and publish the state, write one episode record, fill a table."""
+
+    replay_id: str
+    #: The file's sampling datasets (None: the buffer keeps its sampling state in memory only).
+    sampling: SamplingFile | None
+
+    def read(self) -> State: ...
+    def publish(self, state: State, fsync: bool = False) -> None: ...
+    def record(self, episode_id: int, slot: int, start: int, length: int) -> None: ...
+    def load(self, table: EpisodeTable, state: State) -> None: ...
+    def sync(self, table: EpisodeTable, old: State, new: State) -> None: ...
+
+
 class Journal:
     """The journal datasets of one open buffer file: reads, writes and publishes its state."""
 
     def __init__(self, storage: HDF5Storage) -> None:
+        """Raises:
+            ConfigError: the file holds no journal (a plain storage file, or not h5replay's).
+        """
         self.storage = storage
         self.capacity = storage.capacity
         self._where = repr(storage.filename)
+        if REPLAY_GROUP not in storage.file:
+            raise ConfigError(
+                f"{storage.filename!r} is not a replay buffer file; "
+                "open plain files with HDF5Storage.load_replay_buffer_from_raw_hdf5"
+            )
+        #: The file's UUID ('' for a format-1 file opened read-only).
+        self.replay_id = replay_id(storage.file)
         with h5_errors("opening the replay journal"):
             group = storage.file[REPLAY_GROUP]
             self._state_ds: h5py.Dataset = group[_JOURNAL] if _JOURNAL in group else group[_LEGACY_STATE]
             self._episodes_ds: h5py.Dataset = group[_EPISODES]
         self._legacy = self._state_ds.name.endswith(_LEGACY_STATE)
         self._reader = storage.multiprocessing and not storage.is_mutable
+        self.sampling: SamplingFile | None = SamplingFile(group, self._reader)
         self._row = np.empty(self._state_ds.shape[0], dtype=np.int64)  # reused for every state read
 
     # ------------------------------------------------------------------ creating and upgrading
 
     @staticmethod
-    def create_tables(capacity: int | None, initial: State | None = None) -> Prepare:
+    def create_tables(capacity: int | None, initial: State | None = None, sampling: SamplingConfig | None = None) -> Prepare:
         """The `prepare` hook that adds an empty journal to a new file (its ids starting where
-        `initial` says: an export that keeps the ids of what it copies)."""
+        `initial` says: an export that keeps the ids of what it copies), with the datasets its
+        sampling settings need."""
         state = initial or State()
         state.check("a new replay journal", capacity)
 
         def create(f: h5py.File) -> None:
             group = f.require_group(REPLAY_GROUP)
+            SamplingFile.create_tables(group, sampling or SamplingConfig(), capacity)
             group.create_dataset(_JOURNAL, data=state.to_row(), maxshape=(_ROW,), chunks=(_ROW,))
             rows = _EPISODE_CHUNK_ROWS if capacity is None else min(_EPISODE_CHUNK_ROWS, capacity)
             group.create_dataset(_EPISODES, shape=(0, 2), maxshape=(capacity, 2), chunks=(rows, 2), dtype=np.int64)
@@ -421,37 +461,38 @@ class Journal:
     def load(self, table: EpisodeTable, state: State) -> None:
         """Fill `table` with every episode `state` holds (a full reload)."""
         table.origin = state.ep_origin
+        records = self.read_records(table, state.ep_begin, state.ep_end)
+        self._check_records(records, state, state.ep_begin, None)
         table.set_range(state.ep_begin, state.ep_begin)
-        table.put_many(state.ep_begin, self.read_records(table, state.ep_begin, state.ep_end))
+        table.put_many(state.ep_begin, records)
         table.set_range(state.ep_begin, state.ep_end)
-        self._check_records(table, state)
 
     def sync(self, table: EpisodeTable, old: State, new: State) -> None:
-        """Bring `table` from `old` to `new` reading only the records that changed."""
+        """Bring `table` from `old` to `new` reading only the records that changed: O(change)."""
         if new.generation != old.generation or new.ep_origin != old.ep_origin or new.ep_begin > old.ep_end:
             self.load(table, new)
             return
         first = max(old.ep_end, new.ep_begin)
         if new.ep_end > first:
-            table.put_many(first, self.read_records(table, first, new.ep_end))
+            records = self.read_records(table, first, new.ep_end)
+            before = first - 1
+            previous_end = table.start_of(before) + table.length_of(before) if before >= new.ep_begin else None
+            self._check_records(records, new, first, previous_end)
+            table.put_many(first, records)
         table.set_range(new.ep_begin, new.ep_end)
-        self._check_records(table, new, first)
 
-    def _check_records(self, table: EpisodeTable, state: State, first: int | None = None) -> None:
-        """New records must lie inside the rows held, in order: else the file is damaged."""
-        ids, starts, lengths = table.ordered()
-        k = 0 if first is None else max(0, first - state.ep_begin)
-        if k >= len(ids):
+    def _check_records(self, records: np.ndarray, state: State, first_id: int, previous_end: int | None) -> None:
+        """Records of episodes first_id, first_id + 1, ... must lie inside the rows held, in order,
+        after `previous_end` (the end of the record before them): else the file is damaged."""
+        if not records.shape[0]:
             return
-        s, n = starts[k:], lengths[k:]
-        previous_end = int(starts[k - 1] + lengths[k - 1]) if k else None
+        s, n = records[:, 0], records[:, 1]
         bad = (n < 1) | (s + n > state.end)
-        if s.shape[0] > 1:
-            bad[1:] |= s[1:] < s[:-1] + n[:-1]
-        if previous_end is not None and s.shape[0]:
+        bad[1:] |= s[1:] < s[:-1] + n[:-1]
+        if previous_end is not None:
             bad[0] |= s[0] < previous_end
         if bad.any():
-            i = int(np.argmax(bad)) + k
-            raise StorageError(f"{self._where} has an impossible episode record {int(ids[i])}: "
-                               f"rows [{int(starts[i])}, {int(starts[i] + lengths[i])}) in a buffer of rows "
+            i = int(np.argmax(bad))
+            raise StorageError(f"{self._where} has an impossible episode record {first_id + i}: "
+                               f"rows [{int(s[i])}, {int(s[i] + n[i])}) in a buffer of rows "
                                f"[{state.begin}, {state.end})")

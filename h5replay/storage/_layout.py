@@ -5,9 +5,11 @@ the design document live in one place and are testable without a file.
 
 Rules (per leaf):
   * fixed capacity, no compression, chunks None, not multiprocessing -> contiguous;
-  * chunks None/True with compression, an unbounded storage, or multiprocessing (SWMR readers
-    cannot open contiguous datasets) -> whole-row chunks of about CHUNK_TARGET_BYTES, never less
-    than one row, clamped to a fixed capacity;
+  * chunks None/True with compression, an unbounded storage, or multiprocessing -> whole-row
+    chunks of about CHUNK_TARGET_BYTES, never less than one row, clamped to a fixed capacity.
+    Multiprocessing files keep chunks because an SWMR reader of HDF5 1.14.4 and later 1.14
+    releases cannot open a contiguous dataset ("invalid dataset size", HDFGroup/hdf5#5251, open);
+    HDF5 2.0.0 can, but h5py wheels ship either, and a file outlives the library that wrote it;
   * an explicit tuple is padded with the row shape;
   * chunks=False asks for contiguous storage and is refused where it cannot be honoured;
   * compression with a fixed capacity and multiprocessing (SWMR) is refused: the file would grow
@@ -20,8 +22,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
-
-import numpy as np
 
 from h5replay.errors import ConfigError
 from h5replay.storage.indexing import CHUNK_TARGET_BYTES
@@ -94,7 +94,7 @@ def dataset_kwargs(
             reason = (
                 "compression needs chunks" if comp is not None
                 else "an unbounded storage needs chunks" if capacity is None
-                else "SWMR readers cannot open contiguous datasets"
+                else "SWMR readers of HDF5 1.14.4+ cannot open contiguous datasets (HDFGroup/hdf5#5251)"
             )
             raise ConfigError(f"chunks=False (contiguous) is impossible for '{path}': {reason}")
         return kwargs
@@ -122,7 +122,3 @@ def dataset_kwargs(
         if level is not None:
             kwargs["compression_opts"] = level
     return kwargs
-
-
-def row_bytes_of(row_shape: tuple[int, ...], dtype: np.dtype[Any]) -> int:
-    return int(np.prod(row_shape, dtype=np.int64)) * dtype.itemsize

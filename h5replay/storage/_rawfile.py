@@ -11,7 +11,7 @@ import h5py
 import numpy as np
 
 from h5replay.errors import SpaceMismatchError
-from h5replay.storage.spaces import DEFAULT_KEY, BinarySpace, BoxSpace, DictSpace, LeafSpace, Space, TextSpace
+from h5replay.spaces import DEFAULT_KEY, BinarySpace, BoxSpace, DictSpace, LeafSpace, Space, TextSpace
 
 __all__ = ["infer_space"]
 

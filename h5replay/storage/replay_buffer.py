@@ -34,17 +34,20 @@ from h5replay.errors import (
     ConfigError,
     EvictedError,
     NotEnoughDataError,
+    RateLimitedError,
     ReadOnlyError,
     SegmentStateError,
     StorageError,
 )
 from h5replay.records import Episode, Receipt, SampleInfo
+from h5replay.sampling import RateLimit, Sampler, SamplingConfig, Uniform, check_priorities
+from h5replay.spaces import Schema, Space
 from h5replay.storage import _h5file, hdf5
+from h5replay.storage._draws import Sampling
 from h5replay.storage._indices import normalize_index
-from h5replay.storage._journal import REPLAY_GROUP, EpisodeTable, Journal, State
+from h5replay.storage._journal import EpisodeTable, Journal, JournalStore, State
 from h5replay.storage.hdf5 import HDF5Storage
 from h5replay.storage.segment import SegmentWriter
-from h5replay.storage.spaces import Space
 
 __all__ = ["ReplayBuffer", "CommitInfo"]
 
@@ -77,29 +80,57 @@ def as_row_ids(row_ids: Any) -> np.ndarray:
     return ids
 
 
-class ReplayBuffer:
-    """A ring buffer of rows over an HDF5Storage, with episodes, uniform and sequence sampling."""
+def _check_held(ids: np.ndarray, view: State) -> int:
+    """The lowest of `ids` (not empty), all held in `view`.
 
-    def __init__(self, storage: HDF5Storage, *, raw: bool = False) -> None:
+    Raises:
+        EvictedError: an id is no longer held (names the first).
+        IndexError: an id was never committed.
+    """
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < view.begin:
+        first = int(ids[np.argmax(ids < view.begin)])
+        raise EvictedError(f"row id {first} is no longer held: the buffer holds ids [{view.begin}, {view.end})")
+    if hi >= view.end:
+        raise IndexError(f"row id {hi} was never committed: the next row id is {view.end}")
+    return lo
+
+
+class ReplayBuffer:
+    """A ring buffer of rows over an HDF5Storage, with episodes, and sampling of rows and windows
+    by the sampler its file records (uniform, prioritized, fifo, lifo), under its rate limit."""
+
+    def __init__(
+        self, storage: HDF5Storage, *, raw: bool = False, journal: JournalStore | None = None,
+        sampling: SamplingConfig | None = None,
+    ) -> None:
+        """A buffer over `storage` whose bookkeeping is `journal` (by default the journal in the
+        storage's own file). `raw=True`: a read-only view of every row, with no journal.
+        `sampling` applies to a journal that keeps no settings of its own (a file's are its own).
+
+        Raises:
+            ConfigError: the file holds no replay journal (open plain files with `from_raw_hdf5`).
+        """
         self.storage = storage
         self._raw = raw
         self._closed = False
         self._episodes = EpisodeTable(storage.capacity)
-        self._journal: Journal | None = None
-        self._replay_id = ""
+        self._journal: JournalStore | None = None
+        store = None
         if raw:
             end = len(storage)
             self._state = self._published = State(end=end, open_start=end)
         else:
-            if REPLAY_GROUP not in storage.file:
-                raise ConfigError(
-                    f"{storage.filename!r} is not a replay buffer file; "
-                    "open plain files with HDF5Storage.load_replay_buffer_from_raw_hdf5"
-                )
-            self._journal = Journal(storage)
-            self._replay_id = _h5file.replay_id(storage.file)
+            self._journal = journal if journal is not None else Journal(storage)
             self._state = self._published = self._journal.read()
             self._journal.load(self._episodes, self._state)
+            store = self._journal.sampling
+        config = store.config if store is not None else (sampling or SamplingConfig())
+        self._sampling = Sampling(config, storage.capacity, store, writer=storage.is_mutable and not raw)
+        if not raw:
+            journal_read = self._journal.read if self._journal is not None else None
+            self._sampling.load(self._state, None if storage.is_mutable else journal_read)
+        self._limit_inserts = True
         #: The state the last read was answered from (readers: a published one).
         self.last_view: State = self._state
 
@@ -108,12 +139,24 @@ class ReplayBuffer:
     @classmethod
     def create(
         cls, space: Space, capacity: int | None, cache_path: str | os.PathLike[str], *, first_row_id: int = 0,
-        first_episode_id: int = 0, **storage_kwargs: Any,
+        first_episode_id: int = 0, sampler: Sampler | None = None, rate_limit: RateLimit | None = None,
+        max_times_sampled: int = 0, **storage_kwargs: Any,
     ) -> ReplayBuffer:
         """A new, empty buffer in a new file (`cache_path`, or `<cache_path>/storage.hdf5` when it is
         a directory). `storage_kwargs` go to `HDF5Storage.create` (multiprocessing, chunks, ...).
         The first row and episode get the ids `first_row_id` and `first_episode_id` (an export
-        keeps the ids of what it copies)."""
+        keeps the ids of what it copies).
+
+        Sampling, recorded in the file (reopening restores it): `sampler` (`Uniform()` by default,
+        `Prioritized(exponent, initial_priority)`, `Fifo()`, `Lifo()`), `rate_limit` (Reverb's
+        MinSize / SampleToInsertRatio, in rows) and `max_times_sampled` (a row sampled that often
+        is removed; 0: never). See `h5replay.storage.sampling`.
+
+        Raises:
+            ConfigError: an invalid setting (nothing is created).
+        """
+        config = SamplingConfig(sampler if sampler is not None else Uniform(),
+                                rate_limit if rate_limit is not None else RateLimit(), max_times_sampled)
         first_row, first_episode = int(first_row_id), int(first_episode_id)
         if first_row < 0 or first_episode < 0:
             raise ConfigError(f"first ids must be >= 0, got row {first_row_id!r} and episode {first_episode_id!r}")
@@ -122,7 +165,7 @@ class ReplayBuffer:
             origin=first_row if capacity is None else 0, ep_origin=first_episode if capacity is None else 0,
         )
         storage = HDF5Storage.create(
-            space, capacity, _h5file.file_path(cache_path), prepare=Journal.create_tables(capacity, initial),
+            space, capacity, _h5file.file_path(cache_path), prepare=Journal.create_tables(capacity, initial, config),
             **storage_kwargs,
         )
         try:
@@ -174,9 +217,19 @@ class ReplayBuffer:
         return self.storage.single_instance_space
 
     @property
+    def schema(self) -> Schema:
+        """Flatten / validate / encode / decode of this buffer's rows."""
+        return self.storage.schema
+
+    @property
     def replay_id(self) -> str:
         """A UUID made when the file was created: tells this buffer's file from any other."""
-        return self._replay_id
+        return self._journal.replay_id if self._journal is not None else ""
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        """The sampler, rate limit and max_times_sampled this buffer's file records."""
+        return self._sampling.config
 
     @property
     def view(self) -> State:
@@ -218,7 +271,7 @@ class ReplayBuffer:
         return ids - view.origin if cap is None else ids % cap
 
     @property
-    def _journal_or_raise(self) -> Journal:
+    def _journal_or_raise(self) -> JournalStore:
         if self._journal is None:
             raise ReadOnlyError("a buffer over a plain h5py file has no journal to write")
         return self._journal
@@ -231,12 +284,13 @@ class ReplayBuffer:
         table.set_range(self._state.ep_begin, self._state.ep_end)
         ep_begin = table.first_with_rows_from(begin)
         table.set_range(ep_begin, self._state.ep_end)
+        self._sampling.released(self._state.begin, begin, self._state)
         self._state = self._state.replace(begin=begin, ep_begin=ep_begin)
 
     def _advance_end(self, n: int) -> None:
         """Rows [end, end + n) were written: hold them, releasing what the ring overwrote."""
         end = self._state.end + n
-        self._state = self._state.replace(end=end)
+        self._state = self._state.replace(end=end, inserted=self._state.inserted + n)
         cap = self.capacity
         if cap is not None and end - self._state.begin > cap:
             self._move_begin(end - cap)
@@ -272,6 +326,8 @@ class ReplayBuffer:
         if needed <= self._published.begin:
             return
         ahead = needed + cap // _EVICTION_FRACTION
+        if self._sampling.config.removes:  # never release early a row that may still be sampled
+            ahead = max(needed, min(ahead, self._sampling.first_held(self._state)))
         self._move_begin(max(self._state.begin, min(ahead, self._state.end)))
         self._publish()
 
@@ -279,6 +335,7 @@ class ReplayBuffer:
         """Put the buffer back as it was before a failed change, less what an eviction published."""
         if undo is not None:
             self._episodes.put(before.ep_end, *undo)
+        self._sampling.forget(before.end, self._state.end, self._state)
         self._state = before.replace(seq=max(before.seq, self._published.seq))
         self._episodes.set_range(before.ep_begin, before.ep_end)
         if self._published.begin > before.begin:
@@ -301,24 +358,43 @@ class ReplayBuffer:
 
     # ------------------------------------------------------------------ adding rows
 
-    def append(self, sample: Any) -> None:
-        """Add one row at the tail, to the open episode (ended by `end_episode`). Visible at once in
-        this process; durable at the next `flush`, commit or `close`."""
-        self._require_writable("append")
-        self._write_tail(self.storage.encode_one(sample), 1)
+    def append(self, sample: Any, priority: float | None = None) -> None:
+        """Add one row at the tail, to the open episode (ended by `end_episode`), with its
+        `priority` for a prioritized buffer. Visible at once in this process; durable at the next
+        `flush`, commit or `close`.
 
-    def extend(self, batch: Any) -> None:
-        """Add a batch of rows at the tail, to the open episode. Validated before anything is written."""
+        Raises:
+            RateLimitedError: the rate limit holds inserts back until more rows are sampled.
+        """
+        self._require_writable("append")
+        priorities = None if priority is None else check_priorities([priority], 1)
+        self._write_tail(self.storage.encode_one(sample), 1, priorities)
+
+    def extend(self, batch: Any, priorities: Any = None) -> None:
+        """Add a batch of rows at the tail, to the open episode, with one priority per row if
+        given. Validated before anything is written.
+
+        Raises:
+            RateLimitedError: the rate limit holds inserts back until more rows are sampled.
+        """
         self._require_writable("extend")
         encoded, n = self.storage.encode_batch(batch)
-        self._write_tail(encoded, n)
+        self._write_tail(encoded, n, None if priorities is None else check_priorities(priorities, n))
 
-    def _write_tail(self, encoded: dict[str, np.ndarray], n: int) -> None:
+    def _write_tail(self, encoded: dict[str, np.ndarray], n: int, priorities: np.ndarray | None) -> None:
         if n == 0:
             return
+        self._check_insert(n)
+        before = self._state
         self._evict(self._state.end + n)
-        self.storage.write_ring(self._phys(self._state.end, self._state), encoded)
-        self._advance_end(n)
+        start = self._state.end
+        self.storage.write_ring(self._phys(start, self._state), encoded)
+        try:
+            self._advance_end(n)
+            self._sampling.added(self._state, start, n, priorities)
+        except BaseException:
+            self._roll_back(before, None)
+            raise
 
     def end_episode(self, record: bool = True) -> None:
         """Close the episode built by `append` / `extend`; it joins `episodes()` if whole.
@@ -360,15 +436,18 @@ class ReplayBuffer:
         if self.capacity is not None and n > self.capacity:
             writer.abort()
             raise SegmentStateError(f"cannot commit a {n}-row segment into a replay buffer of capacity {self.capacity}")
+        self._check_insert(n)
         if self._state.open_start < self._state.end:
             self.end_episode()
         before = self._state
         start = before.end
         undo = None
+        priorities = writer.priorities
         try:
             self._evict(start + n)
             writer.commit(self._phys(start, self._state))
             self._advance_end(n)
+            self._sampling.added(self._state, start, n, priorities)
             episode_id, undo = self._record_episode(start, n)
             self._state = self._state.replace(open_start=self._state.end)
             if publish:
@@ -389,7 +468,9 @@ class ReplayBuffer:
         self._state = s.replace(
             generation=s.generation + 1, begin=s.end, open_start=s.end, ep_begin=s.ep_end,
             origin=s.end if unbounded else s.origin, ep_origin=s.ep_end if unbounded else s.ep_origin,
+            inserted=0, sampled=0,
         )
+        self._sampling.clear()
         self._episodes.origin = self._state.ep_origin
         self._episodes.set_range(s.ep_end, s.ep_end)
         self._publish()
@@ -416,6 +497,7 @@ class ReplayBuffer:
         else:
             self.storage.mark_stale()
         self._journal.sync(self._episodes, old, new)
+        self._sampling.sync(old, new, self._journal.read)
         self._state = self._published = new
 
     def _consistent(self, attempt: Callable[[State], tuple[_T, int]]) -> _T:
@@ -483,71 +565,178 @@ class ReplayBuffer:
         def attempt(view: State) -> tuple[Any, int]:
             if ids.size == 0:
                 return self.storage.read("slice", (0, 0), decode), view.end
-            lo, hi = int(ids.min()), int(ids.max())
-            if lo < view.begin:
-                first = int(ids[np.argmax(ids < view.begin)])
-                raise EvictedError(f"row id {first} is no longer held: the buffer holds ids [{view.begin}, {view.end})")
-            if hi >= view.end:
-                raise IndexError(f"row id {hi} was never committed: the next row id is {view.end}")
-            return self.storage.read("array", self._phys(ids, view), decode), lo
+            lowest = _check_held(ids, view)  # before any read: an id not held names itself
+            return self.storage.read("array", self._phys(ids, view), decode), lowest
 
         return self._consistent(attempt)
+
+    def priorities(self, row_ids: Any) -> np.ndarray:
+        """The current priorities (float64) of rows by id (a prioritized buffer).
+
+        Raises:
+            ConfigError: the sampler keeps no priorities.
+            EvictedError / IndexError / TypeError: as `get_rows`.
+        """
+        ids = as_row_ids(row_ids)
+
+        def attempt(view: State) -> tuple[np.ndarray, int]:
+            if ids.size == 0:
+                return self._sampling.priorities_of(ids, view), view.end
+            lowest = _check_held(ids, view)
+            return self._sampling.priorities_of(ids, view), lowest
+
+        return self._consistent(attempt)
+
+    # ------------------------------------------------------------------ sampling
+
+    def _check_sampler(self) -> None:
+        """Readers may sample only when sampling changes nothing (see SamplingConfig.writer_only)."""
+        why = self._sampling.config.writer_only
+        if why is not None and not self.is_mutable:
+            raise ReadOnlyError(f"cannot sample from a read-only buffer: {why}, so only the writer samples "
+                                "(through the server, learners' samples go to it)")
+
+    def rate_limit_blocker(self, rows: int, *, sampling: bool) -> tuple[str | None, bool]:
+        """Writer: why a sample (or an insert) of `rows` rows must wait now, and whether it would
+        wait forever (too big for the limiter's window); (None, False) when it may go ahead."""
+        limiter, s = self._sampling.limiter, self._state
+        never = limiter.never(rows, sampling)
+        if never is not None:
+            return never, True
+        held = self._sampling.sampleable(s)
+        if sampling:
+            reason = limiter.sample_blocker(rows, s.inserted, s.sampled, held)
+            config = self._sampling.config
+            if reason is None and (config.ordered or config.removes) and rows > held:
+                reason = f"only {held} rows may still be sampled; {rows} were asked for without replacement"
+            return reason, False
+        return limiter.insert_blocker(rows, s.inserted, s.sampled, held), False
+
+    def carry_over(self, *, inserted: int, sampled: int, limit_inserts: bool) -> None:
+        """Writer: take the rate limiter's counters of the buffer this one copies (an export), and
+        whether inserts are limited meanwhile (rows copied were inserted once already)."""
+        self._require_writable("carry counters over")
+        self._state = self._state.replace(inserted=int(inserted), sampled=int(sampled))
+        self._limit_inserts = limit_inserts
+
+    def _check_insert(self, rows: int) -> None:
+        if self._limit_inserts and self._sampling.config.rate_limit.samples_per_insert is not None:
+            reason, _ = self.rate_limit_blocker(rows, sampling=False)
+            if reason is not None:
+                raise RateLimitedError(reason)
+
+    def _check_sample(self, rows: int) -> None:
+        if self.is_mutable and self._sampling.config.rate_limit.active:
+            reason, _ = self.rate_limit_blocker(rows, sampling=True)
+            if reason is not None:
+                raise RateLimitedError(reason)
+
+    def _count_sampled(self, row_ids: np.ndarray, rows: int) -> None:
+        """Writer: `rows` rows were handed out (ids: the rows themselves, or windows' first rows
+        when nothing is removed). Rows sampled max_times_sampled times leave the sampler, and
+        `begin` moves past a head of such rows."""
+        if not self.is_mutable:
+            return
+        self._state = self._state.replace(sampled=self._state.sampled + rows)
+        if self._sampling.config.removes:
+            self._sampling.mark_sampled(row_ids, self._state)
+            first = self._sampling.first_held(self._state)
+            if first > self._state.begin:
+                self._move_begin(first)
 
     def sample(
         self, batch_size: int, rng: np.random.Generator | None = None, *, with_info: bool = False, decode: bool = True
     ) -> Any:
-        """`batch_size` rows drawn uniformly, with replacement, from all rows held. With
-        `with_info=True` returns (batch, SampleInfo)."""
+        """`batch_size` rows drawn by the buffer's sampler: uniformly or by priority, with
+        replacement; or (fifo / lifo, or when rows are removed) without. With `with_info=True`
+        returns (batch, SampleInfo) with each row's id, episode and draw probability.
+
+        Raises:
+            NotEnoughDataError: nothing to sample (or too few rows for a draw without replacement).
+            RateLimitedError: (writer) the rate limit holds samples back until more rows are inserted.
+            ReadOnlyError: a reader of a buffer whose sampling only the writer may do.
+        """
         size = _positive_int(batch_size, "batch_size")
         rng = rng if rng is not None else np.random.default_rng()
+        self._check_sampler()
+        self._check_sample(size)
 
-        def attempt(view: State) -> tuple[tuple[Any, np.ndarray], int]:
-            if view.length == 0:
-                raise NotEnoughDataError("cannot sample from an empty replay buffer")
-            g = rng.integers(view.begin, view.end, size=size, dtype=np.int64)
-            return (self.storage.read("array", self._phys(g, view), decode), g), int(g.min())
+        def attempt(view: State) -> tuple[tuple[Any, np.ndarray, np.ndarray], int]:
+            g, probabilities = self._sampling.draw(view, size, rng)
+            return (self.storage.read("array", self._phys(g, view), decode), g, probabilities), int(g.min())
 
-        batch, g = self._consistent(attempt)
+        batch, g, probabilities = self._consistent(attempt)
+        self._count_sampled(g, size)
         if not with_info:
             return batch
-        length = self.last_view.length
-        return batch, SampleInfo(g.astype(np.uint64), self._episodes.find(g), np.full(size, 1.0 / length))
+        return batch, SampleInfo(g.astype(np.uint64), self._episodes.find(g), probabilities)
 
     def sample_sequences(
         self, batch_size: int, length: int, rng: np.random.Generator | None = None, *, with_info: bool = False,
         decode: bool = True, rows: bool = True,
     ) -> Any:
         """`batch_size` windows of `length` consecutive rows, each inside one complete episode,
-        uniform over all such windows. Leaves come back shaped (batch_size, length, ...). With
-        `with_info=True` returns (batch, SampleInfo) (ids of each window's first row). `rows=False`
-        draws the windows without reading them (batch is None)."""
+        uniform over all such windows (prioritized: by the priority of the window's first row).
+        Leaves come back shaped (batch_size, length, ...). With `with_info=True` returns (batch,
+        SampleInfo) (ids of each window's first row). `rows=False` draws the windows without
+        reading them (batch is None). Counts batch_size * length rows sampled."""
         size = _positive_int(batch_size, "batch_size")
         steps = _positive_int(length, "length")
         rng = rng if rng is not None else np.random.default_rng()
+        self._check_sampler()
+        self._check_sample(size * steps)
 
         def attempt(view: State) -> tuple[tuple[Any, SampleInfo], int]:
             if steps > view.length:
                 raise NotEnoughDataError(f"no window of {steps} rows fits in the {view.length} rows held")
             ids, starts, lengths = self._episodes.complete(view.begin)
-            windows = np.maximum(lengths - steps + 1, 0)
-            total = int(windows.sum())
-            if total == 0:
-                raise NotEnoughDataError(
-                    f"no complete episode holds {steps} consecutive rows "
-                    f"({len(lengths)} episodes, longest {int(lengths.max()) if len(lengths) else 0})"
-                )
-            ends = np.cumsum(windows)
-            r = rng.integers(0, total, size=size, dtype=np.int64)
-            k = np.searchsorted(ends, r, side="right")
-            g0 = starts[k] + (r - (ends[k] - windows[k]))
-            info = SampleInfo(g0.astype(np.uint64), ids[k].astype(np.uint64), np.full(size, 1.0 / total))
+            g0, k, probabilities = self._sampling.draw_windows(view, starts, lengths, steps, size, rng)
+            info = SampleInfo(g0.astype(np.uint64), ids[k].astype(np.uint64), probabilities)
             if not rows:
                 return (None, info), int(g0.min())
             g = g0[:, None] + np.arange(steps, dtype=np.int64)[None, :]
             return (self.storage.read("array", self._phys(g, view), decode), info), int(g0.min())
 
         batch, info = self._consistent(attempt)
+        self._count_sampled(info.row_ids.astype(np.int64), size * steps)
         return (batch, info) if with_info else batch
+
+    def update_priorities(self, row_ids: Any, priorities: Any) -> int:
+        """Set the priorities of rows by id (a prioritized buffer). Ids no longer held (evicted,
+        cleared, or removed by max_times_sampled) are ignored and counted in `info()`; a later
+        id for the same row wins. Durable at the next flush, commit or close.
+
+        Returns:
+            How many ids were ignored.
+
+        Raises:
+            ConfigError: the sampler keeps no priorities, or a priority is negative, NaN or
+                infinite, or there are not as many priorities as ids (nothing is changed).
+            IndexError: an id was never committed (nothing is changed).
+        """
+        self._require_writable("update priorities")
+        ids = as_row_ids(row_ids)
+        values = check_priorities(priorities, ids.shape[0])
+        if ids.size and int(ids.max()) >= self._state.end:
+            raise IndexError(f"row id {int(ids.max())} was never committed: the next row id is {self._state.end}")
+        ignored = 0
+        log_entries = self._sampling.log_entries
+        step = log_entries // 2
+        for first in range(0, max(ids.shape[0], 1), step):
+            part_ids, part_values = ids[first : first + step], values[first : first + step]
+            if self._state.plog + part_ids.shape[0] - log_entries > self._published.pckpt:
+                self._checkpoint_priorities()
+            logged, skipped = self._sampling.update(part_ids, part_values, self._state)
+            self._state = self._state.replace(plog=self._state.plog + logged)
+            ignored += skipped
+        return ignored
+
+    def _checkpoint_priorities(self) -> None:
+        """Write the updated priorities into their dataset and publish that, so the log's older
+        entries may be overwritten."""
+        self._sampling.checkpoint()
+        self._state = self._state.replace(pckpt=self._state.plog)
+        self._publish()
 
     def episodes(self) -> list[Episode]:
         """Every complete episode held, oldest first: Episode(episode_id, first_row_id, length)."""
@@ -586,8 +775,27 @@ class ReplayBuffer:
             "oldest_row_id": s.begin,
             "seq": s.seq,
             "generation": s.generation,
-            "replay_id": self._replay_id,
+            "replay_id": self.replay_id,
+            **self._sampling_info(s),
         }
+
+    def _sampling_info(self, s: State) -> dict[str, Any]:
+        """Sampling figures; those only the writer keeps (what it ignored or removed) only there."""
+        sampling = self._sampling
+        out: dict[str, Any] = {
+            **sampling.config.describe(),
+            "inserted": s.inserted,
+            "sampled": s.sampled,
+            "priority_updates": s.plog,
+        }
+        if self.is_mutable:
+            out["sampleable"] = sampling.sampleable(s)
+            out["priority_updates_ignored"] = sampling.ignored_updates
+        if sampling.config.prioritized:
+            out["priority_sum"] = sampling.tree.total  # sum of priority ** exponent: what draws divide by
+            if self.is_mutable:
+                out["max_priority"] = sampling.max_priority
+        return out
 
     # ------------------------------------------------------------------ closing
 

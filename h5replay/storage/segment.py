@@ -25,14 +25,37 @@ import h5py
 import numpy as np
 
 from h5replay.errors import SegmentStateError, StorageError
+from h5replay.sampling import check_priorities
+from h5replay.spaces import LeafSpace
 from h5replay.storage._h5file import h5_errors
 from h5replay.storage._rowio import read_slice, write_rows
-from h5replay.storage.spaces import LeafSpace
 
-__all__ = ["SegmentWriter", "Staging", "SegmentTarget"]
+__all__ = ["SegmentWriter", "Staging", "StagingArea", "SegmentTarget"]
 
 _SPARE_BUFFERS = 2
 _FIRST_BLOCK_BYTES = 64 * 1024  # a writer's first block in memory; it doubles up to block_rows
+
+
+class StagingArea(Protocol):
+    """Where a segment writer keeps its rows until commit: blocks of `block_rows` rows, and in
+    memory a block per writer that grows from `first_rows` rows while the budget allows (`reserve`;
+    `in_memory` bytes of `row_bytes` a row are counted against it)."""
+
+    block_rows: int
+    first_rows: int
+    row_bytes: int
+    in_memory: int
+    names: tuple[str, ...]
+
+    def reserve(self, rows: int) -> bool: ...
+    def unreserve(self, rows: int) -> None: ...
+    def take_buffers(self, rows: int) -> dict[str, np.ndarray]: ...
+    def take_spare(self) -> dict[str, np.ndarray] | None: ...
+    def give_buffers(self, buffers: dict[str, np.ndarray]) -> None: ...
+    def allocate(self) -> int: ...
+    def release(self, blocks: list[int]) -> None: ...
+    def write(self, block: int, arrays: Mapping[str, np.ndarray]) -> None: ...
+    def read(self, block: int, first: int, stop: int) -> dict[str, np.ndarray]: ...
 
 
 class SegmentTarget(Protocol):
@@ -55,6 +78,7 @@ class Staging:
     def __init__(self, datasets: dict[str, h5py.Dataset], leaves: list[tuple[str, LeafSpace]], buffer_bytes: int,
                  memory_bytes: int | None = None) -> None:
         self.datasets = datasets
+        self.names = tuple(datasets)
         self._leaves = leaves
         self.row_bytes = max(1, sum(leaf.row_bytes for _, leaf in leaves))
         self.block_rows = max(1, buffer_bytes // self.row_bytes)
@@ -133,7 +157,7 @@ class SegmentWriter:
     manager it aborts on exit unless it was committed.
     """
 
-    def __init__(self, storage: SegmentTarget, staging: Staging) -> None:
+    def __init__(self, storage: SegmentTarget, staging: StagingArea) -> None:
         self.storage = storage
         self._staging = staging
         self._buffers: dict[str, np.ndarray] | None = None
@@ -144,12 +168,37 @@ class SegmentWriter:
         self.is_finished = False
         self._state = "open"  # open | committed | aborted | invalid
         self._why_invalid = ""
+        self._priorities: np.ndarray | None = None  # per row, NaN where none was given
 
     def __len__(self) -> int:
         return self.length
 
     def __repr__(self) -> str:
         return f"<SegmentWriter {self._state}, {self.length} rows>"
+
+    @property
+    def priorities(self) -> np.ndarray | None:
+        """The priority given with each row (NaN: none, the buffer's default), or None if no row
+        was given one. A prioritized buffer uses them at commit; others ignore them."""
+        return None if self._priorities is None else self._priorities[: self.length]
+
+    def _note_priorities(self, priorities: Any, n: int, missing_ok: bool = False) -> np.ndarray | None:
+        """Check `priorities` for the next n rows, before anything is stored (None: none given)."""
+        if priorities is None:
+            return None
+        return check_priorities(priorities, n, missing_ok=missing_ok)
+
+    def _keep_priorities(self, first: int, values: np.ndarray | None, n: int) -> None:
+        if values is None and self._priorities is None:
+            return
+        need = first + n
+        if self._priorities is None or self._priorities.shape[0] < need:
+            size = max(need, 2 * (0 if self._priorities is None else self._priorities.shape[0]), 64)
+            grown = np.full(size, np.nan)
+            if self._priorities is not None:
+                grown[: first] = self._priorities[:first]
+            self._priorities = grown
+        self._priorities[first:need] = np.nan if values is None else values
 
     @property
     def state(self) -> str:
@@ -163,17 +212,22 @@ class SegmentWriter:
 
     # ------------------------------------------------------------------ adding rows
 
-    def append(self, value: Any) -> None:
-        """Add one sample. Validated against the space before anything is stored.
+    def append(self, value: Any, priority: float | None = None) -> None:
+        """Add one sample (with its `priority`, for a prioritized buffer). Validated before
+        anything is stored.
 
         Raises:
             SpaceMismatchError: the sample does not fit the space (the writer is unchanged).
+            ConfigError: the priority is not a finite number >= 0 (the writer is unchanged).
             SegmentStateError: the writer was finished, committed or aborted.
         """
         if self._state != "open" or self.is_finished:
             self._require_open("append to")
             raise SegmentStateError("cannot append to a finished segment writer")
+        given = self._note_priorities(None if priority is None else [priority], 1)
         encoded = self.storage.encode_one(value)
+        if given is not None or self._priorities is not None:
+            self._keep_priorities(self.length, given, 1)
         # The per-step hot path: one row straight into the block, no batch bookkeeping.
         if self._buffered == self._capacity:
             try:
@@ -188,23 +242,28 @@ class SegmentWriter:
         self._buffered = row + 1
         self.length += 1
 
-    def extend(self, batch: Any) -> None:
-        """Add a batch of samples (a leading axis on every leaf); all or nothing on bad input."""
+    def extend(self, batch: Any, priorities: Any = None) -> None:
+        """Add a batch of samples (a leading axis on every leaf), with one priority per row if
+        given; all or nothing on bad input."""
         self._require_open("extend")
         if self.is_finished:
             raise SegmentStateError("cannot extend a finished segment writer")
         encoded, n = self.storage.encode_batch(batch)
-        self._push(encoded, n)
+        self._push(encoded, n, self._note_priorities(priorities, n))
 
-    def extend_stored(self, arrays: Mapping[str, np.ndarray], num_rows: int) -> None:
+    def extend_stored(self, arrays: Mapping[str, np.ndarray], num_rows: int, priorities: Any = None) -> None:
         """Add rows that are already in storage form and checked against the space, one array per
-        leaf path (the server uses this for arrays off the wire, checked by `validate_stored`)."""
+        leaf path (the server uses this for arrays off the wire, checked by `validate_stored`);
+        `priorities` may hold NaN for rows given none."""
         self._require_open("extend")
         if self.is_finished:
             raise SegmentStateError("cannot extend a finished segment writer")
-        self._push({path: arrays[path] for path in self._staging.datasets}, num_rows)
+        given = self._note_priorities(priorities, num_rows, missing_ok=True)
+        self._push({name: arrays[name] for name in self._staging.names}, num_rows, given)
 
-    def _push(self, encoded: Mapping[str, np.ndarray], n: int) -> None:
+    def _push(self, encoded: Mapping[str, np.ndarray], n: int, priorities: np.ndarray | None = None) -> None:
+        if priorities is not None or self._priorities is not None:
+            self._keep_priorities(self.length, priorities, n)
         offset = 0
         try:
             while offset < n:

@@ -90,7 +90,7 @@ def live(tmp_path_factory):
     path = tmp_path_factory.mktemp("bad-input") / "rb.h5"
     config = server_config(path, space=SPACE, capacity=10_000, limits=LIMITS)
     with running_server(config) as server:
-        state = Live(server.endpoint, config.resolved_read_bind)
+        state = Live(server.endpoint, server.read_endpoint)
         with ActorClient(server.endpoint, timeout=10) as actor:
             for tag in range(3):
                 state.committed.append((actor.push_episode(user_rows(5 + tag, tag)), wire_rows(5 + tag, tag)))
@@ -164,8 +164,8 @@ def test_wrong_header_keys_and_fields(live):
     refused(live, [header("info", extra="surplus")], ProtocolError, "header keys")
     refused(live, [header("info", fields=DROP)], ProtocolError, "header keys")
     refused(live, [header("commit", fields={})], ProtocolError, "needs fields", "segment_id")
-    refused(live, [header("commit", fields={"segment_id": "3"})], ProtocolError, "'segment_id'", "int")
-    refused(live, [header("commit", fields={"segment_id": -1})], ProtocolError, "'segment_id'", ">= 0")
+    refused(live, [header("commit", fields={"segment_id": "3", "timeout": 0.0})], ProtocolError, "'segment_id'", "int")
+    refused(live, [header("commit", fields={"segment_id": -1, "timeout": 0.0})], ProtocolError, "'segment_id'", ">= 0")
     refused(live, [header("sample", fields={"batch_size": 0, "seed": None})], ProtocolError, "'batch_size'")
     refused(live, [header("hello", fields={"client_name": "x", "role": "admin"})], ProtocolError, "'role'", "admin")
     refused(live, [header("info", request_id="7")], ProtocolError, "'id'", request_id=None)
@@ -192,7 +192,7 @@ def test_object_and_unknown_dtypes_never_travel(live):
     for bad in ("|O", "<U4", "V8", "|S0", "float32", "i4"):
         arrays = entries(rows)
         arrays[2][1] = bad  # obs
-        frames = [header("push_episode", fields={"num_rows": 2}, arrays=arrays),
+        frames = [header("push_episode", fields={"num_rows": 2, "timeout": 0.0}, arrays=arrays),
                   *(a.tobytes() for a in rows.values())]
         refused(live, frames, ProtocolError, "'obs'", repr(bad), "wire does not carry")
 
@@ -238,7 +238,7 @@ def test_bad_values_for_text_and_bool_leaves(live):
 @pytest.mark.timeout(30)
 def test_unknown_segment_ids(live):
     refused(live, append(999, wire_rows(1)), SegmentStateError, "no open segment 999")
-    refused(live, [header("commit", fields={"segment_id": 2**64 - 1})], SegmentStateError, str(2**64 - 1))
+    refused(live, [header("commit", fields={"segment_id": 2**64 - 1, "timeout": 0.0})], SegmentStateError, str(2**64 - 1))
     refused(live, [header("abort", fields={"segment_id": 0})], SegmentStateError, "no open segment 0")
 
 
@@ -246,7 +246,7 @@ def test_unknown_segment_ids(live):
 def test_segments_belong_to_the_client_that_opened_them(live):
     with RawClient(live.endpoint) as owner:
         segment_id = owner.call(P.OpenSegment).segment_id
-        refused(live, [header("commit", fields={"segment_id": segment_id})], SegmentStateError,
+        refused(live, [header("commit", fields={"segment_id": segment_id, "timeout": 0.0})], SegmentStateError,
                 f"segment {segment_id} belongs to another client")
         assert isinstance(owner.call(lambda rid: P.Abort(rid, segment_id)), P.AbortReply)
 
@@ -535,7 +535,7 @@ def test_fuzzed_messages_between_real_commits(tmp_path):
     sent = 0
     with running_server(config) as server:
         with ActorClient(server.endpoint, timeout=10) as actor, RawClient(server.endpoint, timeout=10) as raw, \
-                RawClient(config.resolved_read_bind, timeout=10) as raw_reads:
+                RawClient(server.read_endpoint, timeout=10) as raw_reads:
             deadline = time.monotonic() + FUZZ_SECONDS
             while sent < FUZZ_MESSAGES and time.monotonic() < deadline:
                 op, frames = fuzzer.message()

@@ -29,7 +29,7 @@ from fault_helpers import (
     read_file_state,
     segment_table_problems,
 )
-from service_helpers import EPISODE_SPACE, SPAWN, episode_rows, processes, server_config
+from service_helpers import EPISODE_SPACE, SPAWN, endpoint, episode_rows, processes, server_config
 
 from h5replay.client import LearnerClient
 from h5replay.server import ServerProcess
@@ -88,7 +88,8 @@ def test_sigkill_at_random_moments_loses_no_acknowledged_commit(tmp_path):
     rng = np.random.default_rng(SEED)
     path = tmp_path / "crash.h5"
     log = tmp_path / "serve.log"
-    config = server_config(path, capacity=CAPACITY, num_readers=0)
+    # Fixed ports (not port 0): the workers keep dialling the same endpoints across restarts.
+    config = server_config(path, capacity=CAPACITY, num_readers=0, bind=endpoint(), read_bind=endpoint())
     stop, out = SPAWN.Event(), SPAWN.Queue()
     history, events = CrashHistory(), []
     previous = None

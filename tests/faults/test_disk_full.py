@@ -58,8 +58,8 @@ def _run(tmp_path: Path, readers: int, ending: str) -> DiskFullRun:
     config = server_config(run.path, capacity=200_000, num_readers=readers)
     server = LimitedServer(config, FSIZE)
     try:
-        with ActorClient(config.bind, timeout=20) as actor, ActorClient(config.bind, timeout=20) as other, \
-                LearnerClient(config.bind, timeout=20) as learner:
+        with ActorClient(server.endpoint, timeout=20) as actor, ActorClient(server.endpoint, timeout=20) as other, \
+                LearnerClient(server.endpoint, timeout=20) as learner:
             pending = other.segment()  # open across the failure: its commit must fail cleanly or work
             pending.extend(episode_rows(2, 0, 100))
             for e in range(MAX_EPISODES):

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from fault_helpers import ping
-from service_helpers import EPISODE_SPACE, episode_rows, row_problems, server_config
+from service_helpers import EPISODE_SPACE, endpoint, episode_rows, row_problems, server_config
 
 from h5replay.client import ActorClient, LearnerClient
 from h5replay.errors import DiskFullError, LimitExceededError
@@ -52,7 +52,7 @@ class SmallDisk:
         self.mount.mkdir()
         space = tmp_path / "space.json"
         space.write_text(json.dumps(EPISODE_SPACE.to_json()))
-        self.config = server_config(self.mount / "rb.h5")
+        self.config = server_config(self.mount / "rb.h5", bind=endpoint(), read_bind=endpoint())
         serve = [sys.executable, "-m", "h5replay", "serve", str(self.mount / "rb.h5"), "--space", str(space),
                  "--capacity", "200000", "--bind", self.config.bind, "--read-bind", self.config.resolved_read_bind,
                  *serve_args]

@@ -92,8 +92,8 @@ def _fuzz_server(server: ServerProcess, limits: P.Limits, seconds: float) -> dic
     """Drive the fuzz; returns counts and what was committed through the fuzzing sockets."""
     fuzzer = Fuzzer(seed=2)
     ctx = zmq.Context.instance()
-    writer_socks = [FuzzSocket(ctx, server.config.bind, f"w{i}") for i in range(4)]
-    reader_sock = FuzzSocket(ctx, server.config.resolved_read_bind, "r")
+    writer_socks = [FuzzSocket(ctx, server.endpoint, f"w{i}") for i in range(4)]
+    reader_sock = FuzzSocket(ctx, server.read_endpoint, "r")
     socks = [*writer_socks, reader_sock]
     poller = zmq.Poller()
     for s in socks:
@@ -209,7 +209,7 @@ def test_live_server_survives_fuzzing_and_holds_exactly_what_was_committed(tmp_p
     config = server_config(tmp_path / "fuzz.h5", capacity=None, num_readers=1, limits=limits)
     server = ServerProcess(config, timeout=60)
     stop, receipts, actor_errors = threading.Event(), [], []
-    actor = threading.Thread(target=_actor_loop, args=(config.bind, stop, receipts, actor_errors), daemon=True)
+    actor = threading.Thread(target=_actor_loop, args=(server.endpoint, stop, receipts, actor_errors), daemon=True)
     try:
         actor.start()
         started = time.monotonic()
@@ -218,7 +218,7 @@ def test_live_server_survives_fuzzing_and_holds_exactly_what_was_committed(tmp_p
         stop.set()
         actor.join(30)
         assert server.process.is_alive(), "the server died under fuzzing"
-        with ActorClient(config.bind, timeout=10) as client, LearnerClient(config.bind, timeout=10) as learner:
+        with ActorClient(server.endpoint, timeout=10) as client, LearnerClient(server.endpoint, timeout=10) as learner:
             info = client.info()
             assert learner.sample(64)["step"].shape == (64,)
             assert learner.get_segments()
@@ -296,7 +296,7 @@ def test_max_message_bytes(room):
     with RawClient(room.endpoint) as raw:
         rid = raw.next_id()
         big = 40_000  # two frames under the limit, together over it
-        frames = [header("push_episode", rid, {"num_rows": 1}, [["a", "|u1", [big]], ["b", "|u1", [big]]]),
+        frames = [header("push_episode", rid, {"num_rows": 1, "timeout": 0.0}, [["a", "|u1", [big]], ["b", "|u1", [big]]]),
                   bytes(big), bytes(big)]
         _refused(raw.request(frames), "max_message_bytes")
         assert isinstance(raw.call(lambda r: P.Heartbeat(r)), P.HeartbeatReply)  # still served
@@ -323,7 +323,7 @@ def test_one_frame_over_max_message_bytes_gets_an_error_reply(room):
     with RawClient(room.endpoint, timeout=3) as raw:
         rid = raw.next_id()
         size = SMALL.max_message_bytes + 1
-        frames = [header("push_episode", rid, {"num_rows": 1}, [["a", "|u1", [size]]]), bytes(size)]
+        frames = [header("push_episode", rid, {"num_rows": 1, "timeout": 0.0}, [["a", "|u1", [size]]]), bytes(size)]
         _refused(raw.request(frames), "max_message_bytes")
 
 
@@ -334,7 +334,7 @@ def test_max_header_bytes_and_max_frames(room):
         _refused(raw.request([header("info", rid, padding="x" * 9000)]), "max_header_bytes")
         rid = raw.next_id()
         arrays = [[f"a{i}", "|u1", [1]] for i in range(9)]
-        _refused(raw.request([header("push_episode", rid, {"num_rows": 1}, arrays), *[b"\0"] * 9]), "max_frames")
+        _refused(raw.request([header("push_episode", rid, {"num_rows": 1, "timeout": 0.0}, arrays), *[b"\0"] * 9]), "max_frames")
         assert isinstance(raw.call(lambda r: P.Heartbeat(r)), P.HeartbeatReply)
 
 

@@ -147,7 +147,7 @@ def test_unread_large_replies_then_a_close_do_not_abort_the_server(tmp_path, rea
     aborted the process (`!_io_error`, libzmq issue 4841) once it had stopped reading that peer."""
     with _filled(tmp_path, readers) as server:
         pids = _reader_pids(server) if readers else []
-        endpoint = server.config.resolved_read_bind if readers else server.endpoint
+        endpoint = server.read_endpoint if readers else server.endpoint
         for round_ in range(5):
             with dealer(endpoint, rcvhwm=1, heartbeat_ivl=20) as sock:
                 for k in range(30):
@@ -228,7 +228,7 @@ def test_a_client_that_never_reads_its_replies_is_disconnected_not_buffered(tmp_
     with _filled(tmp_path, readers, rows=1000) as server:
         pids = _reader_pids(server)
         watch = Watch({"writer": server.pid, **{f"reader{k}": pid for k, pid in enumerate(pids)}})
-        with dealer(server.config.resolved_read_bind, rcvhwm=1, rcvbuf=4096) as sock:
+        with dealer(server.read_endpoint, rcvhwm=1, rcvbuf=4096) as sock:
             for k in range(80):  # 80 replies of 25 MiB: 2 GB if all were kept
                 sock.send_multipart(_sample_request(k + 1, 400))
             time.sleep(6.0)
@@ -307,7 +307,7 @@ def test_socket_chaos_against_the_writer_and_the_reader_endpoints(tmp_path):
     with _filled(tmp_path, 1, rows=1000) as server:
         pids = _reader_pids(server)
         watch = Watch({"writer": server.pid, "reader": pids[0]})
-        endpoints = [server.endpoint, server.config.resolved_read_bind]
+        endpoints = [server.endpoint, server.read_endpoint]
         stash: list[zmq.Socket[bytes]] = []
         actions = 0
         deadline = time.monotonic() + 20

@@ -29,6 +29,7 @@ from service_helpers import (
     episode_problems,
     episode_rows,
     free_port,
+    running_server,
     server_config,
     wait_until,
 )
@@ -37,6 +38,7 @@ from h5replay import protocol as P
 from h5replay.client import ActorClient, LearnerClient
 from h5replay.config import ServerConfig
 from h5replay.errors import AccessDeniedError, ConfigError, ReadOnlyError, ServerUnavailableError
+from h5replay.sampling import Prioritized, SamplingConfig
 from h5replay.server import ServerProcess
 from h5replay.server.auth import generate_keys
 
@@ -137,7 +139,7 @@ def test_a_client_without_keys_is_refused(secured):
 
 @pytest.mark.timeout(60)
 def test_a_plain_zmq_client_gets_no_reply_on_either_endpoint(secured):
-    for endpoint in (secured.endpoint, secured.config.resolved_read_bind):
+    for endpoint in (secured.endpoint, secured.read_endpoint):
         with RawClient(endpoint, timeout=REFUSED_WITHIN) as raw:
             raw.send(P.encode(P.Hello(1, "plain", "actor")))
             with pytest.raises(AssertionError, match="no reply"):
@@ -171,6 +173,26 @@ def test_a_learner_key_cannot_write(secured, keys):
         assert client.info()["total_episodes"] == before
     with LearnerClient(secured.endpoint, timeout=10, **learner_as_actor) as learner:
         learner.get_segments()  # and read
+
+
+@pytest.mark.timeout(90)
+def test_a_learner_key_may_update_priorities_but_not_write(keys, tmp_path):
+    """Priorities are a learner's to set (TD errors); rows stay an actor's to write."""
+    config = server_config(tmp_path / "prio.h5", auth_dir=str(keys), num_readers=1,
+                           sampling=SamplingConfig(Prioritized(exponent=1.0)))
+    with running_server(config) as server:
+        with ActorClient(server.endpoint, timeout=10, **actor_keys(keys)) as actor:
+            receipt = actor.push_episode(episode_rows(9, 0, 4))
+        row_ids = np.arange(receipt.first_row_id, receipt.first_row_id + 4)
+        with LearnerClient(server.endpoint, timeout=10, **actor_keys(keys, "learner")) as learner:
+            assert learner.update_priorities(row_ids, [0.0, 0.0, 5.0, 0.0]) == 0  # none ignored
+            _, info = learner.sample(64, seed=1, with_info=True)
+            rows = info.row_ids
+            assert set(rows.tolist()) == {int(row_ids[2])}, "the learner's priorities did not take"
+        with ActorClient(server.endpoint, timeout=10, **actor_keys(keys, "learner")) as client:
+            with pytest.raises(ReadOnlyError, match="learner"):
+                client.push_episode(episode_rows(9, 1, 4))
+            assert client.info()["total_episodes"] == 1
 
 
 @pytest.mark.timeout(60)

@@ -22,10 +22,11 @@ import h5py
 import numpy as np
 import pytest
 from fault_helpers import cli_command, cli_server
-from service_helpers import EPISODE_SPACE, episode_rows, free_port, server_config
+from service_helpers import EPISODE_SPACE, episode_rows, free_port, running_server, server_config
 
 from h5replay.client import ActorClient
 from h5replay.errors import ProtocolError
+from h5replay.sampling import Prioritized, RateLimit, SamplingConfig
 from h5replay.server import ServerProcess
 from h5replay.server.auth import generate_keys
 from h5replay.storage import BoxSpace, DictSpace, ReplayBuffer
@@ -131,6 +132,24 @@ def test_info_says_what_a_sparse_file_takes_on_disk(tmp_path):
     text = h5replay("info", str(path)).stdout
     (line,) = [line for line in text.splitlines() if line.startswith("on disk")]
     assert f"{description['disk_bytes'] / 1e6:.1f} MB" in line and "sparse" in line
+
+
+@pytest.mark.timeout(120)
+def test_info_and_stats_show_the_sampler_and_the_rate_limiter(tmp_path):
+    path = tmp_path / "prioritized.h5"
+    sampling = SamplingConfig(Prioritized(0.6), RateLimit(10, 4.0, 100.0))
+    with running_server(server_config(path, sampling=sampling)) as server:
+        with ActorClient(server.endpoint, timeout=10) as actor:
+            actor.push_episode(episode_rows(4, 0, 20))
+        done = h5replay("stats", server.endpoint, "--interval", "0.1")
+        assert done.returncode == 0, done.stderr
+        stats = dict(line.split(None, 1) for line in done.stdout.splitlines())
+        assert stats["sampler"] == "prioritized" and float(stats["priority_sum"]) > 0
+        assert stats["samples_per_insert"] == "4.0" and stats["inserted"] == "20"
+        assert {"sample_wait_s", "insert_wait_s", "waiting_samples", "waiting_inserts"} <= stats.keys()
+    text = h5replay("info", str(path)).stdout
+    assert "sampling  prioritized (exponent 0.6, new rows get the largest seen)" in text, text
+    assert "at least 10 rows to sample, 4.0 samples per insert within +-100.0; 20 rows inserted, 0 sampled" in text
 
 
 @pytest.mark.timeout(60)
@@ -240,13 +259,13 @@ def test_a_client_sent_to_the_read_port_is_told_the_servers_endpoint(tmp_path):
     config = server_config(tmp_path / "rb.h5")
     with ServerProcess(config, timeout=60) as server:
         assert server.process.is_alive()
-        assert h5replay("ping", config.resolved_read_bind, "--timeout", "5").returncode == 0
-        done = h5replay("stats", config.resolved_read_bind, "--json", "--interval", "0.1")
+        assert h5replay("ping", server.read_endpoint, "--timeout", "5").returncode == 0
+        done = h5replay("stats", server.read_endpoint, "--json", "--interval", "0.1")
         assert done.returncode == 0 and json.loads(done.stdout)["length"] == 0, done.stderr
         with pytest.raises(ProtocolError) as info:
-            ActorClient(config.resolved_read_bind, timeout=5)
+            ActorClient(server.read_endpoint, timeout=5)
     message = str(info.value)
-    assert "read endpoint" in message and config.bind in message
+    assert "read endpoint" in message and server.endpoint in message
 
 
 # ------------------------------------------------------------------------------------- stats
@@ -257,15 +276,15 @@ def test_stats_reaches_an_auth_server_with_keys(tmp_path):
     keys = tmp_path / "keys"
     generate_keys(keys)
     config = server_config(tmp_path / "rb.h5", auth_dir=str(keys))
-    with ServerProcess(config, timeout=60):
-        with ActorClient(config.bind, timeout=10, secret_key=keys / "actor.key_secret",
+    with ServerProcess(config, timeout=60) as server:
+        with ActorClient(server.endpoint, timeout=10, secret_key=keys / "actor.key_secret",
                          server_key=keys / "server.key") as actor:
             actor.push_episode(episode_rows(1, 0, 25))
-        done = h5replay("stats", config.bind, "--json", "--interval", "0.1", "--secret-key",
+        done = h5replay("stats", server.endpoint, "--json", "--interval", "0.1", "--secret-key",
                         str(keys / "learner.key_secret"), "--server-key", str(keys / "server.key"))
         assert done.returncode == 0, done.stderr
         assert json.loads(done.stdout)["total_rows"] == 25
-        refused = h5replay("stats", config.bind, "--timeout", "1")
+        refused = h5replay("stats", server.endpoint, "--timeout", "1")
         one_line_error(refused, 1, "stats")
 
 

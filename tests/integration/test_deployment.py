@@ -27,7 +27,7 @@ from service_helpers import free_port, read_file
 
 from h5replay.cli import build_parser
 from h5replay.config import ServerConfig
-from h5replay.storage.spaces import space_from_json
+from h5replay.spaces import space_from_json
 
 yaml = pytest.importorskip("yaml")
 

@@ -45,7 +45,7 @@ from h5replay.examples.gym_actor import (  # noqa: E402
 )
 from h5replay.examples.learner import run_learner  # noqa: E402
 from h5replay.server import ServerProcess  # noqa: E402
-from h5replay.storage.spaces import space_from_json  # noqa: E402
+from h5replay.spaces import space_from_json  # noqa: E402
 
 DOCKER = Path(__file__).resolve().parents[2] / "docker"
 CARTPOLE = space_from_json(json.loads((DOCKER / "cartpole-space.json").read_text()))
@@ -203,7 +203,8 @@ def test_the_learner_reports_rows_episodes_returns_and_fields(start_server):
 
 
 def test_the_learner_waits_for_a_server_that_comes_up_later_and_for_data(tmp_path):
-    config = server_config(tmp_path / "rb.h5", space=CARTPOLE)
+    # A fixed port (not port 0): the learner dials it before the server exists.
+    config = server_config(tmp_path / "rb.h5", space=CARTPOLE, bind=endpoint(), read_bind=endpoint())
     out = io.StringIO()
     result: list[int] = []
     learner = threading.Thread(target=lambda: result.append(run_learner(
@@ -260,9 +261,9 @@ def test_sigterm_stops_a_learner_at_once_while_it_waits_on_a_server_that_went_aw
     out, err = tmp_path / "learner.out", tmp_path / "learner.err"
     learner = None
     try:
-        run_actor(config.bind, episodes=3, seed=1, timeout=10)
+        run_actor(server.endpoint, episodes=3, seed=1, timeout=10)
         with open(out, "wb") as stdout, open(err, "wb") as stderr:
-            learner = subprocess.Popen([sys.executable, "-m", "h5replay", "learner", config.bind, "--timeout", "30",
+            learner = subprocess.Popen([sys.executable, "-m", "h5replay", "learner", server.endpoint, "--timeout", "30",
                                         "--report-every", "0.5"], stdout=stdout, stderr=stderr)
         assert wait_until(lambda: "batches so far" in out.read_text(), 60), err.read_text()
         server.kill()  # no reply will ever come to the learner's next request

@@ -34,22 +34,22 @@ def _scrape(port: int) -> dict[str, float]:
 
 @pytest.mark.timeout(60)
 def test_metrics_follow_the_service(tmp_path):
-    port, metrics_port = _free_port(), _free_port()
+    metrics_port = _free_port()  # an HTTP port: prometheus-client cannot report one it picked
     config = ServerConfig(
         path=str(tmp_path / "m.h5"), space=BoxSpace(0, 1, (4,)), capacity=1000,
-        bind=f"tcp://127.0.0.1:{port}", read_bind=f"tcp://127.0.0.1:{_free_port()}", metrics_port=metrics_port,
+        bind="tcp://127.0.0.1:0", read_bind="tcp://127.0.0.1:0", metrics_port=metrics_port,
     )
     server = ServerProcess(config)
     try:
         before = _scrape(metrics_port)
         assert before["h5replay_commits_total"] == 0 and before["h5replay_length"] == 0
-        with ActorClient(config.bind, timeout=10) as actor:
+        with ActorClient(server.endpoint, timeout=10) as actor:
             for _ in range(3):
                 actor.push_episode(np.zeros((5, 4), np.float32))
             seg = actor.segment()
             seg.append(np.zeros(4, np.float32))
             seg._send_buffered()
-            with LearnerClient(config.bind, timeout=10) as learner:
+            with LearnerClient(server.endpoint, timeout=10) as learner:
                 learner.sample(7)
             after = _scrape(metrics_port)
             assert after["h5replay_commits_total"] == 3

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from h5replay.storage.spaces import space_from_json
+from h5replay.spaces import space_from_json
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

@@ -33,6 +33,7 @@ def reader(path: str, ready, done, out, first_batch) -> None:
     seen_lengths, problems, batches = set(), [], 0
     while not done.is_set() or batches < 5:
         if rb.num_episodes == 0:
+            time.sleep(0.01)  # nothing yet: leave the core to the writer
             continue
         got = rb.sample(32, rng)
         batches += 1

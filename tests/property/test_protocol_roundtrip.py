@@ -43,6 +43,8 @@ FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "space": st.dictionaries(st.text(max_size=8), json_values, max_size=5),
     "stats": st.dictionaries(st.text(max_size=12), json_scalars, max_size=8),
     "limits": st.builds(P.Limits, **{f.name: st.integers(1, 2**40) for f in dataclasses.fields(P.Limits)}),
+    "timeout": st.floats(0, 86_400) | st.integers(0, 86_400).map(float), "ignored": u64,
+    "sampling": st.dictionaries(st.text(max_size=12), json_scalars, max_size=8),
 }
 
 wire_dtypes = (
@@ -81,6 +83,9 @@ def messages(draw: st.DrawFn, cls: type[P.Message]) -> P.Message:
             values[f.name] = draw(hnp.arrays(np.uint64, (n,)))
         elif f.name == "probabilities":
             values[f.name] = draw(hnp.arrays(np.float64, (n,)))
+        elif f.name == "priorities":  # one per row, or none (update_priorities: one per id)
+            count = n if cls is P.UpdatePriorities else draw(st.sampled_from([0, n]))
+            values[f.name] = draw(hnp.arrays(np.float64, (count,)))
         elif f.name == "episodes":
             values[f.name] = draw(hnp.arrays(np.int64, (n, 3)))
         elif f.name == "batch_size":

@@ -48,9 +48,9 @@ def test_soak(tmp_path):
     try:
         with processes() as procs:
             for actor in range(1, NUM_ACTORS + 1):
-                procs.append(SPAWN.Process(target=soak_actor_main, args=(config.bind, actor, actor, stop, out)))
+                procs.append(SPAWN.Process(target=soak_actor_main, args=(server.endpoint, actor, actor, stop, out)))
             for learner in range(NUM_LEARNERS):
-                procs.append(SPAWN.Process(target=soak_learner_main, args=(config.bind, learner, stop, out)))
+                procs.append(SPAWN.Process(target=soak_learner_main, args=(server.endpoint, learner, stop, out)))
             started = time.monotonic()
             for proc in procs:
                 proc.start()

@@ -19,6 +19,7 @@ from h5replay.errors import (
     LimitExceededError,
     NotEnoughDataError,
     ProtocolError,
+    RateLimitedError,
     ReadOnlyError,
     RemoteError,
     SegmentStateError,
@@ -27,7 +28,7 @@ from h5replay.errors import (
     StorageError,
     UnsupportedVersionError,
 )
-from h5replay.storage.spaces import BinarySpace, BoxSpace, DictSpace, TextSpace
+from h5replay.spaces import BoxSpace, DictSpace
 
 ROWS: dict[str, np.ndarray] = {
     "obs/image": np.arange(2 * 3 * 3, dtype=np.uint8).reshape(2, 3, 3),
@@ -44,6 +45,11 @@ EXAMPLES: list[P.Message] = [
     P.Commit(4, 7),
     P.Abort(5, 7),
     P.PushEpisode(6, 2, ROWS),
+    P.Append(3, 7, 2, ROWS, np.array([0.5, np.nan])),
+    P.Commit(4, 7, 2.5),
+    P.PushEpisode(6, 2, ROWS, 10.0, np.array([1.0, 2.0])),
+    P.UpdatePriorities(13, np.array([4, 2**40], np.int64), np.array([0.0, 7.5])),
+    P.Sample(8, 32, None, 0, 0.25),
     P.Get(7, 0, np.array([5, 0, 5, -1], np.int64)),
     P.GetRows(7, 3, np.array([2**40, 0, 5], np.int64)),
     P.Sample(8, 32, None),
@@ -75,6 +81,9 @@ EXAMPLES: list[P.Message] = [
     P.EpisodesReply(10, 0, 0, 0, 0, np.zeros((0, 3), np.int64)),
     P.InfoReply(11, {"length": 5, "capacity": None, "uptime": 1.5, "file": "x.h5", "swmr": True}),
     P.HeartbeatReply(12),
+    P.UpdatePrioritiesReply(13, 1, 42),
+    P.HelloReply(1, {"type": "text", "max_length": 3, "min_length": 0}, 1000, 10, 2, "0.1.0", 1, P.Limits(),
+                 "", "", "", {"sampler": "prioritized", "writer_samples": False, "priority_exponent": 0.6}),
     P.ErrorReply(13, "space_mismatch", "field 'obs' arrived as float64 but the space stores float32"),
     P.ErrorReply(None, "bad_request", "header frame is not valid msgpack"),
 ]
@@ -236,7 +245,7 @@ def test_non_buffer_frame() -> None:
 
 
 def test_unknown_version() -> None:
-    refused(with_header(APPEND, version=1), "protocol version 1", "speaks 2", cls=UnsupportedVersionError)
+    refused(with_header(APPEND, version=1), "protocol version 1", "speaks 3", cls=UnsupportedVersionError)
     refused(with_header(APPEND, version=True), "'version'")
     refused(with_header(APPEND, version=DROP), "'version'")
 
@@ -290,14 +299,17 @@ def test_text_and_enum_fields() -> None:
 
 def test_optional_fields_are_explicit() -> None:
     refused(with_header(P.Sample(1, 4, None), fields={"batch_size": 4}), "needs fields")
-    refused(with_header(P.Sample(1, 4, None), fields={"batch_size": 4, "seed": -3, "min_seq": 0}), "'seed'")
-    refused(with_header(P.Sample(1, 4, None), fields={"batch_size": 0, "seed": None, "min_seq": 0}),
+    refused(with_header(P.Sample(1, 4, None), fields={"batch_size": 4, "seed": -3, "min_seq": 0, "timeout": 0.0}), "'seed'")
+    refused(with_header(P.Sample(1, 4, None), fields={"batch_size": 0, "seed": None, "min_seq": 0, "timeout": 0.0}),
             "'batch_size' must be >= 1")
-    refused(with_header(P.Sample(1, 4, None), fields={"batch_size": 1, "seed": None, "min_seq": -1}), "'min_seq'")
+    for timeout in (-1.0, float("nan"), float("inf"), 86_401, "1", None, True):
+        refused(with_header(P.Sample(1, 4, None), fields={"batch_size": 4, "seed": None, "min_seq": 0,
+                                                          "timeout": timeout}), "'timeout' must be seconds")
+    refused(with_header(P.Sample(1, 4, None), fields={"batch_size": 1, "seed": None, "min_seq": -1, "timeout": 0.0}), "'min_seq'")
     refused(with_header(P.SampleSequences(1, 4, 2), fields={"batch_size": 4, "length": 2, "seed": None,
-                                                            "min_seq": 0, "with_rows": 1}), "'with_rows' must be a bool")
+                                                            "min_seq": 0, "with_rows": 1, "timeout": 0.0}), "'with_rows' must be a bool")
     refused(with_header(P.SampleSequences(1, 4, 2), fields={"batch_size": 4, "length": 0, "seed": None,
-                                                            "min_seq": 0, "with_rows": True}),
+                                                            "min_seq": 0, "with_rows": True, "timeout": 0.0}),
             "'length' must be >= 1")
 
 
@@ -463,7 +475,7 @@ def test_peek_request_id() -> None:
 CLASS_OF_CODE = {
     "bad_request": ProtocolError, "unsupported_version": UnsupportedVersionError,
     "limit_exceeded": LimitExceededError, "space_mismatch": SpaceMismatchError,
-    "index_out_of_range": IndexError, "evicted": EvictedError, "not_enough_data": NotEnoughDataError, "unknown_segment": SegmentStateError, "read_only": ReadOnlyError,
+    "index_out_of_range": IndexError, "evicted": EvictedError, "not_enough_data": NotEnoughDataError, "rate_limited": RateLimitedError, "unknown_segment": SegmentStateError, "read_only": ReadOnlyError,
     "access_denied": AccessDeniedError, "storage_error": StorageError, "disk_full": DiskFullError, "busy": ServerUnavailableError, "shutting_down": ServerUnavailableError,
     "internal": RemoteError,
 }
@@ -510,68 +522,3 @@ def test_error_reply_helpers() -> None:
     assert reply.code == "space_mismatch" and len(reply.message) == 4096 and not reply.ok
     assert isinstance(reply.exception(), SpaceMismatchError)
     assert P.CommitReply(1, 0, 0, 0).ok
-
-
-# -------------------------------------------------------------------------------------- check_rows
-
-SPACE = DictSpace({
-    "obs": {"vec": BoxSpace(-1, 1, (3,), np.float32)},
-    "done": BinarySpace(),
-    "note": TextSpace(max_length=4),
-})
-
-
-def good_rows(n: int = 2) -> dict[str, np.ndarray]:
-    return {
-        "obs/vec": np.zeros((n, 3), np.float32),
-        "done": np.zeros(n, bool),
-        "note": np.array([b"abcd"] * n, dtype="S16"),
-    }
-
-
-def test_check_rows_accepts_and_orders_like_the_space() -> None:
-    rows = good_rows()
-    out = P.check_rows(SPACE, dict(reversed(list(rows.items()))), 2)
-    assert list(out) == [path for path, _ in P.wire_leaves(SPACE)] == ["done", "note", "obs/vec"]
-
-
-def test_check_rows_single_leaf_is_data() -> None:
-    space = BoxSpace(0, 1, (2,), np.float32)
-    assert [p for p, _ in P.wire_leaves(space)] == ["data"]
-    assert list(P.check_rows(space, {"data": np.zeros((1, 2), np.float32)}, 1)) == ["data"]
-    with pytest.raises(SpaceMismatchError, match=r"missing \['data'\]"):
-        P.check_rows(space, {"": np.zeros((1, 2), np.float32)}, 1)
-
-
-def test_check_rows_missing_and_extra_keys() -> None:
-    rows = good_rows()
-    del rows["done"]
-    rows["obs/extra"] = np.zeros(2)
-    with pytest.raises(SpaceMismatchError, match=r"missing \['done'\], unexpected \['obs/extra'\]"):
-        P.check_rows(SPACE, rows, 2)
-
-
-@pytest.mark.parametrize(
-    ("path", "value", "words"),
-    [
-        ("obs/vec", np.zeros((2, 3), np.float64), "arrived as float64 but the space stores float32"),
-        ("obs/vec", np.zeros((2, 4), np.float32), "expects (3,)"),
-        ("obs/vec", np.zeros((3, 3), np.float32), "has 3 rows"),
-        ("note", np.array([b"abcde", b"a"], dtype="S16"), "has 5 characters"),
-        ("note", np.array([b"\xff\xfe", b"a"], dtype="S16"), "not valid UTF-8"),
-        ("done", np.array([1, 2], np.uint8).view(bool), "bytes other than 0 and 1"),
-    ],
-)
-def test_check_rows_refusals(path: str, value: np.ndarray, words: str) -> None:
-    rows = {**good_rows(), path: value}
-    with pytest.raises(SpaceMismatchError) as info:
-        P.check_rows(SPACE, rows, 2)
-    assert words in str(info.value) and path in str(info.value)
-
-
-def test_check_rows_after_the_wire() -> None:
-    """What an actor encodes with the space's own encode_batch passes check_rows on the server."""
-    arrays = {path: leaf.encode_batch([leaf.sample() for _ in range(3)], 3, path) for path, leaf in P.wire_leaves(SPACE)}
-    out = P.decode(P.encode(P.Append(1, 0, 3, arrays)), expect=P.Request)
-    assert isinstance(out, P.Append)
-    P.check_rows(SPACE, out.arrays, out.num_rows)

@@ -13,7 +13,8 @@ import h5replay.storage.indexing
 def test_public_names_are_pinned():
     assert h5replay.__all__ == ["__version__"]
     assert sorted(h5replay.client.__all__) == [
-        "ActorClient", "ActorSegment", "Episode", "LearnerClient", "Receipt", "SampleInfo", "View",
+        "ActorClient", "ActorSegment", "Episode", "InDoubt", "LearnerClient", "Receipt", "SampleInfo", "View",
+        "pack_ids", "unpack_ids",
     ]
     assert sorted(h5replay.server.__all__) == ["Server", "ServerProcess"]
     assert set(h5replay.storage.__all__) >= {
@@ -34,3 +35,19 @@ def test_public_names_are_pinned():
     assert issubclass(h5replay.errors.ServerUnavailableError, TimeoutError)
     for name in h5replay.storage.indexing.__all__ if hasattr(h5replay.storage.indexing, "__all__") else []:
         assert hasattr(h5replay.storage.indexing, name)
+
+
+def test_clients_import_neither_h5py_nor_the_storage():
+    """Every actor and DataLoader worker imports h5replay.client: it must stay light (no h5py)."""
+    import subprocess
+    import sys
+
+    code = "import sys, h5replay.client; print('h5py' in sys.modules, 'h5replay.storage' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stdout.split() == ["False", "False"], done.stderr
+
+
+def test_one_schema_serves_storage_wire_and_clients():
+    from h5replay.spaces import Schema
+
+    assert h5replay.storage.Schema is Schema and "Schema" in h5replay.storage.__all__

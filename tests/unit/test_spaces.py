@@ -10,15 +10,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from h5replay import protocol as P
 from h5replay.errors import ConfigError, SpaceMismatchError
-from h5replay.storage.spaces import (
+from h5replay.integrations.gym import space_from_gymnasium
+from h5replay.spaces import (
     BinarySpace,
     BoxSpace,
     DictSpace,
     LeafSpace,
+    Schema,
     Space,
     TextSpace,
-    space_from_gymnasium,
     space_from_json,
 )
 
@@ -976,3 +978,68 @@ def test_from_real_gymnasium() -> None:
     gspace.seed(0)
     for _ in range(20):
         assert space.contains(gspace.sample())
+
+
+# ------------------------------------------------------------------ Schema.validate_stored (wire rows)
+
+WIRE_SPACE = DictSpace({
+    "obs": {"vec": BoxSpace(-1, 1, (3,), np.float32)},
+    "done": BinarySpace(),
+    "note": TextSpace(max_length=4),
+})
+
+
+def good_rows(n: int = 2) -> dict[str, np.ndarray]:
+    return {
+        "obs/vec": np.zeros((n, 3), np.float32),
+        "done": np.zeros(n, bool),
+        "note": np.array([b"abcd"] * n, dtype="S16"),
+    }
+
+
+def test_validate_stored_accepts_and_orders_like_the_space() -> None:
+    rows = good_rows()
+    out = Schema(WIRE_SPACE).validate_stored(dict(reversed(list(rows.items()))), 2)
+    assert list(out) == list(Schema(WIRE_SPACE).names) == ["done", "note", "obs/vec"]
+
+
+def test_validate_stored_single_leaf_is_data() -> None:
+    space = BoxSpace(0, 1, (2,), np.float32)
+    assert list(Schema(space).names) == ["data"]
+    assert list(Schema(space).validate_stored({"data": np.zeros((1, 2), np.float32)}, 1)) == ["data"]
+    with pytest.raises(SpaceMismatchError, match=r"missing \['data'\]"):
+        Schema(space).validate_stored({"": np.zeros((1, 2), np.float32)}, 1)
+
+
+def test_validate_stored_missing_and_extra_keys() -> None:
+    rows = good_rows()
+    del rows["done"]
+    rows["obs/extra"] = np.zeros(2)
+    with pytest.raises(SpaceMismatchError, match=r"missing \['done'\], unexpected \['obs/extra'\]"):
+        Schema(WIRE_SPACE).validate_stored(rows, 2)
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "words"),
+    [
+        ("obs/vec", np.zeros((2, 3), np.float64), "arrived as float64 but the space stores float32"),
+        ("obs/vec", np.zeros((2, 4), np.float32), "expects (3,)"),
+        ("obs/vec", np.zeros((3, 3), np.float32), "has 3 rows"),
+        ("note", np.array([b"abcde", b"a"], dtype="S16"), "has 5 characters"),
+        ("note", np.array([b"\xff\xfe", b"a"], dtype="S16"), "not valid UTF-8"),
+        ("done", np.array([1, 2], np.uint8).view(bool), "bytes other than 0 and 1"),
+    ],
+)
+def test_validate_stored_refusals(path: str, value: np.ndarray, words: str) -> None:
+    rows = {**good_rows(), path: value}
+    with pytest.raises(SpaceMismatchError) as info:
+        Schema(WIRE_SPACE).validate_stored(rows, 2)
+    assert words in str(info.value) and path in str(info.value)
+
+
+def test_validate_stored_after_the_wire() -> None:
+    """What an actor encodes with the space's own encode_batch passes the server's check."""
+    arrays = {path: leaf.encode_batch([leaf.sample() for _ in range(3)], 3, path) for path, leaf in Schema(WIRE_SPACE).leaves}
+    out = P.decode(P.encode(P.Append(1, 0, 3, arrays)), expect=P.Request)
+    assert isinstance(out, P.Append)
+    Schema(WIRE_SPACE).validate_stored(out.arrays, out.num_rows)

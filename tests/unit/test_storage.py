@@ -312,3 +312,41 @@ def test_static_get_from_and_set_to(storage):
     HDF5Storage.set_to(root, SPACE, [2], batch(1, seed=4))
     got = HDF5Storage.get_from(root, SPACE, np.array([2]))
     assert_batch_equal(got, batch(1, seed=4))
+
+
+# ------------------------------------------------------------------------- the append cursor
+
+
+def test_the_append_cursor_writes_at_the_ring_position_and_wraps(tmp_path):
+    """The design document's single cursor: mark_segment_start / append / mark_segment_end."""
+    space = BoxSpace(0, 100, (), np.int64)
+    storage = HDF5Storage.create(space, 4, tmp_path / "c.h5")
+    storage.set(slice(None), np.zeros(4, np.int64))
+    assert not storage.has_open_segment
+    with pytest.raises(ConfigError, match="mark_segment_start"):
+        storage.append(np.int64(1))
+    storage.mark_segment_start(6)  # modulo the capacity: slot 2
+    assert storage.has_open_segment
+    with pytest.raises(ConfigError, match="already open"):
+        storage.mark_segment_start(0)
+    for value in (1, 2, 3):
+        storage.append(np.int64(value))  # slots 2, 3, then 0: visible at once
+    with pytest.raises(SpaceMismatchError):
+        storage.append(np.zeros(2, np.int64))  # a wrong shape: nothing written, the cursor stays
+    np.testing.assert_array_equal(storage.get(slice(None)), [3, 0, 1, 2])
+    storage.mark_segment_end()
+    assert not storage.has_open_segment
+    storage.close()
+
+
+def test_the_append_cursor_of_an_unbounded_storage_grows_it_and_refuses_gaps(tmp_path):
+    space = BoxSpace(0, 100, (), np.int64)
+    storage = HDF5Storage.create(space, None, tmp_path / "u.h5")
+    with pytest.raises(IndexError, match="out of range"):
+        storage.mark_segment_start(1)  # would leave a gap
+    storage.mark_segment_start(0)
+    for value in (5, 6):
+        storage.append(np.int64(value))
+    storage.abort_segment()  # rows it wrote stay
+    np.testing.assert_array_equal(storage.get(slice(None)), [5, 6])
+    storage.close()

@@ -57,7 +57,7 @@ def _free_endpoint() -> str:
 @pytest.fixture
 def server(tmp_path) -> Iterator[ServerProcess]:
     config = ServerConfig(path=str(tmp_path / "rb.h5"), space=SPACE, capacity=10_000,
-                          bind=_free_endpoint(), read_bind=_free_endpoint())
+                          bind="tcp://127.0.0.1:0", read_bind="tcp://127.0.0.1:0")
     proc = ServerProcess(config)
     try:
         yield proc

@@ -1,7 +1,9 @@
-"""Box / Binary / Text / Dict spaces: what a sample looks like, how it is checked, its JSON form.
+"""Box / Binary / Text / Dict spaces, and the Schema of one space: what a sample looks like, how
+it is checked, how a nested batch becomes one array per leaf and back, its JSON form.
 
-Pure code: no files, no sockets. The storage and the wire protocol both use the two halves of a
-leaf's contract:
+Pure code (numpy only): no files, no sockets, no h5py, so clients import it cheaply. The storage,
+the server's checks of what arrives off the wire and both clients go through `Schema`, the one
+implementation of flatten / validate / encode / decode. A leaf's own contract has two halves:
 
 * ``encode_batch(value, num_rows, key)`` checks a user batch (leading axis ``num_rows``) and returns
   the array that is written to HDF5 (``storage_dtype``), or raises ``SpaceMismatchError`` naming the
@@ -31,7 +33,7 @@ __all__ = [
     "TextSpace",
     "DictSpace",
     "space_from_json",
-    "space_from_gymnasium",
+    "Schema",
     "DEFAULT_KEY",
     "named_leaves",
     "flatten_value",
@@ -584,22 +586,81 @@ def space_from_json(obj: Any) -> Space:
     raise ConfigError(f"unknown space type {kind!r}; expected box, binary, text or dict")
 
 
-def space_from_gymnasium(space: Any) -> Space:
-    """Convert a gymnasium Box / MultiBinary / Text / Dict (nested) into an h5replay space.
+class Schema:
+    """One space's leaves, and the one way a nested sample or batch becomes {leaf name: array}.
 
-    Discrete becomes a scalar int64 Box over [start, start + n - 1]. gymnasium is not a dependency;
-    only the objects' attributes are read.
+    Leaf names are the '/'-joined dict keys ("obs/image"); a space that is a single leaf has one
+    leaf named DEFAULT_KEY ("data"). The same names are the HDF5 dataset paths and the wire's
+    array names. Immutable; make one per space and keep it.
     """
-    name = type(space).__name__
-    if name == "Dict":
-        return DictSpace({str(k): space_from_gymnasium(v) for k, v in space.spaces.items()})
-    if name == "Box":
-        return BoxSpace(space.low, space.high, tuple(space.shape), space.dtype)
-    if name == "MultiBinary":
-        return BinarySpace(tuple(np.atleast_1d(space.n)) if not isinstance(space.n, int) else (space.n,))
-    if name == "Text":
-        return TextSpace(space.max_length, space.min_length)
-    if name == "Discrete":
-        start = int(space.start)
-        return BoxSpace(start, start + int(space.n) - 1, (), np.int64)
-    raise ConfigError(f"cannot convert gymnasium space {name}; supported: Box, MultiBinary, Text, Dict, Discrete")
+
+    def __init__(self, space: Space) -> None:
+        self.space = space
+        self.leaves: tuple[tuple[str, LeafSpace], ...] = tuple(named_leaves(space))
+        self.names: tuple[str, ...] = tuple(name for name, _ in self.leaves)
+        #: Bytes of one row as stored, every leaf included.
+        self.row_bytes = sum(leaf.row_bytes for _, leaf in self.leaves)
+
+    def __repr__(self) -> str:
+        return f"Schema({self.space!r})"
+
+    def flatten(self, value: Any) -> dict[str, Any]:
+        """{leaf name: leaf value} of a nested sample or batch.
+
+        Raises:
+            SpaceMismatchError: `value` is not a dict where the space has one, or its keys differ.
+        """
+        return flatten_value(self.space, value)
+
+    def unflatten(self, leaves: Mapping[str, Any]) -> Any:
+        """A nested dict (or the bare value of a single-leaf space) from {leaf name: value}."""
+        return unflatten_value(self.space, leaves)
+
+    def encode_batch(self, batch: Any, num_rows: int | None = None) -> tuple[dict[str, np.ndarray], int]:
+        """Check a batch (a leading axis of rows on every leaf) and return ({leaf name: stored
+        array}, rows). Every leaf is checked before anything is returned.
+
+        Raises:
+            SpaceMismatchError: a key, shape, dtype, row count or value does not fit; the message
+                names the leaf.
+        """
+        flat = self.flatten(batch)
+        encoded: dict[str, np.ndarray] = {}
+        for name, leaf in self.leaves:
+            arr = leaf.encode_batch(flat[name], num_rows, key=name)
+            num_rows = arr.shape[0] if num_rows is None else num_rows
+            encoded[name] = arr
+        return encoded, int(num_rows or 0)
+
+    def encode_one(self, sample: Any) -> dict[str, np.ndarray]:
+        """Check one sample; returns {leaf name: stored batch of one row}.
+
+        Raises:
+            SpaceMismatchError: as `encode_batch`.
+        """
+        flat = self.flatten(sample)
+        return {name: leaf.encode_one(flat[name], key=name) for name, leaf in self.leaves}
+
+    def decode(self, stored: Mapping[str, np.ndarray]) -> Any:
+        """Stored arrays (any leading shape) as the user sees them: nested, text as str."""
+        return self.unflatten({name: leaf.decode_batch(stored[name]) for name, leaf in self.leaves})
+
+    def decode_one(self, row: Mapping[str, Any]) -> Any:
+        """One stored row (no leading axis) as the user sees it."""
+        return self.unflatten({name: leaf.decode_one(row[name]) for name, leaf in self.leaves})
+
+    def validate_stored(self, arrays: Mapping[str, np.ndarray], num_rows: int | None) -> dict[str, np.ndarray]:
+        """Check arrays already in storage form (as they arrive off the wire): exactly the leaf
+        names, each leaf's dtype, shape, row count and values. Returns them in leaf order.
+
+        Raises:
+            SpaceMismatchError: a leaf is missing or unexpected, or an array does not fit its leaf.
+        """
+        missing = [name for name in self.names if name not in arrays]
+        if missing or len(arrays) != len(self.names):
+            extra = sorted(set(arrays) - set(self.names))
+            raise SpaceMismatchError(
+                f"arrays do not match the space: missing {missing}, unexpected {extra}; "
+                f"the space's leaves are {list(self.names)}; check the actor's spaces"
+            )
+        return {name: leaf.validate_stored(arrays[name], num_rows, key=name) for name, leaf in self.leaves}

@@ -1,0 +1,470 @@
+"""ShardedLearner: reads from every live shard, samples them in proportion to their rows.
+
+See the package's docstring (h5replay.client._shards) for the behaviour.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from h5replay.client._shards._router import _outcome, _Router, _Shard
+from h5replay.config import ClientConfig
+from h5replay.errors import ClosedError, ConfigError, EvictedError, NotEnoughDataError, ServerUnavailableError
+from h5replay.records import Episode, SampleInfo, pack_ids, unpack_ids
+from h5replay.sampling import check_priorities
+from h5replay.spaces import Space, flatten_value, unflatten_value
+
+if TYPE_CHECKING:
+    from h5replay.client.learner import LearnerClient, View
+
+__all__ = ["ShardedLearner"]
+
+# Figures of `info()` that do not add up across shards (they stay per shard, under "shards").
+_NOT_ADDITIVE = frozenset({
+    "seq", "generation", "oldest_row_id", "uptime", "replay_id", "instance_id", "server_version",
+    "protocol_version", "capacity",
+})
+
+
+
+def _qualified(row_ids: Any, num_shards: int) -> tuple[np.ndarray, np.ndarray]:
+    """(shard, local id) arrays from packed ids (1-D) or (shard, id) pairs (shape (n, 2)).
+
+    Raises:
+        TypeError: not integers.
+        IndexError: a negative id or pair, or a shard this learner does not have.
+    """
+    arr = row_ids if isinstance(row_ids, np.ndarray) else np.asarray(row_ids)
+    if arr.size == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"row ids must be integers (packed ids, or (shard, row_id) pairs), got an array of {arr.dtype}")
+    if arr.ndim == 2 and arr.shape[1] == 2:
+        if int(arr.min()) < 0:
+            raise IndexError(f"(shard, row_id) pairs cannot be negative, got {int(arr.min())}")
+        shards, local = arr[:, 0].astype(np.int64), arr[:, 1].astype(np.int64)
+    elif arr.ndim == 1:
+        if arr.dtype.kind == "i" and int(arr.min()) < 0:
+            raise IndexError(f"packed row id {int(arr.min())} is negative")
+        shards, ids = unpack_ids(arr)
+        local = ids.astype(np.int64)
+    else:
+        raise TypeError(f"row ids must be packed ids (shape (n,)) or (shard, row_id) pairs (shape (n, 2)), "
+                        f"got shape {arr.shape}")
+    if int(shards.max()) >= num_shards:
+        raise IndexError(f"shard {int(shards.max())} does not exist: this learner has {num_shards} shard(s)")
+    return shards, local
+
+
+def _positive(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ConfigError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+class _Empty(Exception):
+    """A shard had nothing to sample (it was cleared, or holds no window that long)."""
+
+
+class ShardedLearner(_Router):
+    """The routing of `LearnerClient(endpoints=[...])`: reads from every live shard.
+
+    Args:
+        endpoints: every shard's endpoint, in the same order for every client.
+        config: the client's settings (its `endpoint` is ignored).
+        secret_key, server_key: CURVE certificate files, the same for every shard.
+
+    Raises:
+        ConfigError: the shards hold different spaces, or two endpoints reach the same file.
+        ServerUnavailableError: no shard answered within the timeout.
+    """
+
+    role = "learner"
+
+    def __init__(
+        self, endpoints: Sequence[str], config: ClientConfig, secret_key: Any = None, server_key: Any = None
+    ) -> None:
+        super().__init__(endpoints, config, secret_key, server_key)
+        self._pool = cf.ThreadPoolExecutor(max_workers=len(self.shards), thread_name_prefix="h5replay-shard")
+        self._lengths = np.full(len(self.shards), -1, dtype=np.int64)  # rows held as last seen; -1: unknown
+        self._views: dict[int, View] = {}  # kept while a shard is down: its view never goes back
+        #: Calls that skipped each shard because it was down.
+        self.num_skipped = [0] * len(self.shards)
+        self._rng = np.random.default_rng()  # splits batches when the caller gives no seed
+        try:
+            self._connect_initial()
+        except BaseException:
+            self.close()
+            raise
+        first = next(s.client for s in self.shards if s.client is not None)
+        self.limits = first.limits
+        self.codec_space: Space = first.space
+
+    def _make(self, endpoint: str) -> LearnerClient:
+        from h5replay.client.learner import LearnerClient
+
+        return LearnerClient(**self._client_kwargs(endpoint))
+
+    def _retire(self, shard: _Shard) -> None:
+        view = shard.client.view
+        if view is not None:
+            self._views[shard.index] = view
+        self._lengths[shard.index] = -1
+
+    def _adopted(self, shard: _Shard) -> None:
+        view = self._views.pop(shard.index, None)
+        if view is not None and shard.client.view is None:
+            # The restarted server publishes states newer than any this client saw: min_seq stays valid.
+            shard.client._view = view
+
+    @property
+    def capacity(self) -> int | None:
+        """Rows all shards hold together when full (None when one grows without limit); of the
+        shards that answered so far."""
+        capacities = [s.client.capacity for s in self.shards if s.client is not None]
+        return None if any(c is None for c in capacities) else int(sum(capacities))
+
+    @property
+    def views(self) -> tuple[View | None, ...]:
+        """The newest published state each shard's replies came from (None before any read)."""
+        return tuple(s.client.view if s.client is not None else self._views.get(s.index) for s in self.shards)
+
+    @property
+    def live_shards(self) -> list[int]:
+        """The shards in use now (a down shard comes back once its background probe answers)."""
+        return [s.index for s in self.shards if s.client is not None]
+
+    # ------------------------------------------------------------------ fan-out
+
+    def _live(self) -> list[int]:
+        self._check()
+        self._poll_probes()
+        live = []
+        for shard in self.shards:
+            if shard.client is None:
+                self.num_skipped[shard.index] += 1
+            else:
+                live.append(shard.index)
+        if not live:
+            raise ServerUnavailableError(
+                f"all {len(self.shards)} shards are unavailable (each is tried again every "
+                f"{self.config.shard_retry_interval} s): {', '.join(self.endpoints)}"
+            )
+        return live
+
+    def _fan_out(self, calls: Mapping[int, Callable[[LearnerClient], Any]]) -> dict[int, Any]:
+        """{shard: result} of one call per shard, all sent at once. A shard that does not answer is
+        marked down and left out; any other error is raised (after every call has returned)."""
+        # All but the last go to the pool; the last runs in this thread meanwhile (one hand-over less).
+        *others, (last, last_call) = calls.items()
+        futures: dict[int, Any] = {i: self._pool.submit(call, self.shards[i].client) for i, call in others}
+        futures[last] = _run_inline(last_call, self.shards[last].client)
+        results: dict[int, Any] = {}
+        error: BaseException | None = None
+        for index, future in futures.items():
+            outcome = _outcome(future)
+            if isinstance(outcome, ServerUnavailableError):
+                self._mark_down(self.shards[index], outcome)
+            elif isinstance(outcome, BaseException):
+                error = error or outcome
+            else:
+                results[index] = outcome
+        if error is not None:
+            raise error
+        return results
+
+    def _gather(self, call: Callable[[LearnerClient], Any]) -> dict[int, Any]:
+        """`call` on every live shard; raises ServerUnavailableError when none answered."""
+        with self._lock:
+            results = self._fan_out({i: call for i in self._live()})
+            if not results:
+                raise ServerUnavailableError(f"no shard of {len(self.shards)} answered within {self.config.timeout} s")
+            return results
+
+    # ------------------------------------------------------------------ figures
+
+    def __len__(self) -> int:
+        results = self._gather(len)
+        for index, length in results.items():
+            self._lengths[index] = length
+        return int(sum(results.values()))
+
+    def info(self) -> dict[str, Any]:
+        """The shards' figures added up (rows, episodes, rows in and out, commits, ...), with
+        "shards": each shard's own figures (None for a shard that did not answer), "num_shards",
+        "live_shards" and "skipped" (calls that skipped each shard)."""
+        results = self._gather(lambda c: c.info())
+        per_shard = [results.get(s.index) for s in self.shards]
+        answered = [r for r in per_shard if r is not None]
+        total: dict[str, Any] = {}
+        for key in answered[0]:
+            values = [r.get(key) for r in answered]
+            if key not in _NOT_ADDITIVE and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+                total[key] = sum(values)
+        capacities = [r.get("capacity") for r in answered]
+        total["capacity"] = None if None in capacities else sum(capacities)
+        for index, stats in results.items():
+            self._lengths[index] = int(stats.get("length", 0))
+        total.update(num_shards=len(self.shards), live_shards=sorted(results), skipped=list(self.num_skipped),
+                     shards=per_shard)
+        return total
+
+    def episodes(self) -> list[Episode]:
+        """Every complete episode held on every live shard (shard by shard, oldest first), with
+        packed ids: Episode(pack_ids(shard, episode_id), pack_ids(shard, first_row_id), length)."""
+        results = self._gather(lambda c: c.episodes())
+        out: list[Episode] = []
+        for index in sorted(results):
+            eps = results[index]
+            if not eps:
+                continue
+            table = np.asarray(eps, dtype=np.uint64).reshape(-1, 3)
+            ids, firsts = pack_ids(index, table[:, 0]), pack_ids(index, table[:, 1])
+            out.extend(Episode(int(e), int(f), int(n)) for e, f, n in zip(ids, firsts, table[:, 2]))
+        return out
+
+    # ------------------------------------------------------------------ reads
+
+    def _flat(self, batch: Any) -> dict[str, Any]:
+        if self.space is None:
+            raise ClosedError("this learner never connected")
+        return flatten_value(self.space, batch)
+
+    def _unflat(self, leaves: Mapping[str, Any]) -> Any:
+        if self.space is None:
+            raise ClosedError("this learner never connected")
+        return unflatten_value(self.space, leaves)
+
+    def get_rows(self, row_ids: Any) -> Any:
+        """Rows by qualified id, any order, duplicates kept; returned flat (n, ...).
+
+        Args:
+            row_ids: packed ids (`pack_ids(shard, row_id)`, `SampleInfo.packed_row_ids`, the ids of
+                `episodes()`), or an (n, 2) array of (shard, row_id) pairs.
+
+        Raises:
+            ServerUnavailableError: a shard named does not answer.
+            EvictedError: an id is no longer held (the message names the shard and the id).
+            IndexError: an id was never committed, or names a shard this learner does not have.
+            TypeError: the ids are not integers.
+        """
+        with self._lock:
+            masks, local = self._by_shard(row_ids)
+            calls = {index: _reader(index, local[mask]) for index, mask in masks.items()}
+            results = self._fan_out(calls)
+            missing = sorted(set(calls) - set(results))
+            if missing:
+                raise ServerUnavailableError(f"shard(s) {missing} did not answer within {self.config.timeout} s")
+        parts = {index: self._flat(batch) for index, batch in results.items()}
+        return self._unflat(_scatter(parts, masks, local.shape[0]))
+
+    def update_priorities(self, row_ids: Any, priorities: Any) -> int:
+        """Set priorities by qualified id (as `get_rows` takes them), one call per shard, all at
+        once. Returns how many ids the shards ignored (no longer held).
+
+        Raises:
+            ServerUnavailableError: a shard named does not answer (the others may have taken theirs).
+            ConfigError: a priority is negative, NaN or infinite, or the counts differ.
+        """
+        with self._lock:
+            masks, local = self._by_shard(row_ids)
+            values = check_priorities(priorities, local.shape[0])
+            calls = {index: _prioritizer(local[mask], values[mask]) for index, mask in masks.items()}
+            results = self._fan_out(calls)
+            missing = sorted(set(calls) - set(results))
+            if missing:
+                raise ServerUnavailableError(f"shard(s) {missing} did not answer within {self.config.timeout} s; "
+                                             "the other shards took their priorities")
+        return int(sum(results.values()))
+
+    def _by_shard(self, row_ids: Any) -> tuple[dict[int, np.ndarray], np.ndarray]:
+        """({shard: mask of its ids}, local ids) of qualified ids, every shard named being live.
+        What a call naming rows sends to each shard (get_rows, update_priorities: one call per
+        shard, all at once).
+
+        Raises:
+            ServerUnavailableError: a shard named is down.
+        """
+        shards, local = _qualified(row_ids, len(self.shards))
+        self._live()
+        wanted = np.unique(shards).tolist() if shards.size else [0]
+        for index in wanted:
+            if self.shards[index].client is None:
+                raise ServerUnavailableError(f"shard {index} ({self.endpoints[index]}) is unavailable; its rows "
+                                             "cannot be read until it answers again")
+        return {index: shards == index for index in wanted}, local
+
+    def get(self, indices: Any) -> Any:
+        raise NotImplementedError(
+            "get() reads logical positions of one buffer, and shards have no common order of rows: read by "
+            "qualified id with get_rows() (packed ids or (shard, row_id) pairs, e.g. from episodes() or "
+            "SampleInfo.packed_row_ids), or use learner.shard(i).get(...) on one shard"
+        )
+
+    def get_segments(self) -> list[tuple[int, int]]:
+        raise NotImplementedError(
+            "get_segments() gives logical positions of one buffer, and shards have no common order of rows: "
+            "use episodes() (packed ids), or learner.shard(i).get_segments() on one shard"
+        )
+
+    def shard(self, index: int) -> LearnerClient:
+        """The single-server client of shard `index` (its own logical indices, ids and view).
+
+        Raises:
+            ServerUnavailableError: that shard is down.
+        """
+        self._check()
+        client = self.shards[index].client
+        if client is None:
+            raise ServerUnavailableError(f"shard {index} ({self.endpoints[index]}) is unavailable")
+        return client  # type: ignore[no-any-return]
+
+    def sample(self, batch_size: int, seed: int | None = None, *, with_info: bool = False) -> Any:
+        """`batch_size` rows drawn uniformly with replacement from all rows of all live shards:
+        each batch position picks a shard with probability (its rows) / (all rows), as last seen,
+        and every shard draws its share in one request, all at once. `SampleInfo.probabilities` is
+        the chance of each row in that draw; `shard_ids` says where each came from."""
+        size = _positive(batch_size, "batch_size")
+        return self._draw(size, seed, with_info, lambda c, n, s: c.sample(n, s, with_info=True), "rows")
+
+    def sample_sequences(self, batch_size: int, length: int, seed: int | None = None, *, with_info: bool = False) -> Any:
+        """`batch_size` windows of `length` steps, each within one episode of one shard; shards are
+        picked in proportion to their rows, as for `sample`. A shard holding no episode that long is
+        left out of the draw."""
+        size, steps = _positive(batch_size, "batch_size"), _positive(length, "length")
+        return self._draw(size, seed, with_info, lambda c, n, s: c.sample_sequences(n, steps, s, with_info=True),
+                          f"windows of {steps} steps")
+
+    def _draw(self, size: int, seed: int | None, with_info: bool, call: Callable[[Any, int, int | None], Any],
+              what: str) -> Any:
+        rng = self._rng if seed is None else np.random.default_rng(seed)
+        empty: set[int] = set()  # shards that had nothing to draw in this call
+        with self._lock:
+            for _ in range(2 * len(self.shards) + 2):  # each retry leaves a shard out, or learns its length
+                live = [i for i in self._live() if i not in empty]
+                unknown = [i for i in live if self._lengths[i] < 0]
+                if unknown:
+                    for index, n in self._fan_out({i: len for i in unknown}).items():
+                        self._lengths[index] = n
+                    continue
+                lengths = self._lengths[live].astype(np.float64)
+                if not live or lengths.sum() == 0:
+                    self.__len__()  # the lengths may be stale: look once more
+                    live = [i for i in live if self.shards[i].client is not None and self._lengths[i] > 0]
+                    if not live:
+                        raise NotEnoughDataError(f"cannot sample {what}: no live shard has any "
+                                                 f"({len(self.shards)} shards, {len(empty)} without enough)")
+                    lengths = self._lengths[live].astype(np.float64)
+                weights = lengths / lengths.sum()
+                assign = rng.choice(len(live), size=size, p=weights)
+                counts = np.bincount(assign, minlength=len(live))
+                calls: dict[int, Callable[[LearnerClient], Any]] = {}
+                for k, index in enumerate(live):
+                    part_seed = None if seed is None else int(rng.integers(2**62))
+                    calls[index] = _drawer(call, int(counts[k]), part_seed) if counts[k] else len
+                results = self._fan_out(calls)
+                for index, result in results.items():
+                    if isinstance(result, int):
+                        self._lengths[index] = result
+                    elif result is _EMPTY:
+                        empty.add(index)
+                        self._lengths[index] = -1
+                    else:
+                        view = self.shards[index].client.view if self.shards[index].client is not None else None
+                        if view is not None:
+                            self._lengths[index] = view.length
+                if any(counts[k] and (i not in results or results[i] is _EMPTY) for k, i in enumerate(live)):
+                    continue  # a shard went down or had nothing: draw again among the others
+                return self._merge(live, assign, weights, results, with_info)
+        raise NotEnoughDataError(f"cannot sample {what}: the shards kept going down or emptying during the call")
+
+    def _merge(self, live: list[int], assign: np.ndarray, weights: np.ndarray, results: Mapping[int, Any],
+               with_info: bool) -> Any:
+        masks = {index: assign == k for k, index in enumerate(live) if not isinstance(results[index], int)}
+        parts = {index: self._flat(results[index][0]) for index in masks}
+        batch = self._unflat(_scatter(parts, masks, assign.shape[0]))
+        if not with_info:
+            return batch
+        size = assign.shape[0]
+        row_ids = np.empty(size, np.uint64)
+        episode_ids = np.empty(size, np.uint64)
+        probabilities = np.empty(size, np.float64)
+        shard_ids = np.empty(size, np.int64)
+        for k, index in enumerate(live):
+            if index not in masks:
+                continue
+            info: SampleInfo = results[index][1]
+            mask = masks[index]
+            row_ids[mask], episode_ids[mask] = info.row_ids, info.episode_ids
+            probabilities[mask] = info.probabilities * weights[k]
+            shard_ids[mask] = index
+        return batch, SampleInfo(row_ids, episode_ids, probabilities, shard_ids)
+
+    def close(self) -> None:
+        """Close every shard's client. Safe to call twice."""
+        with self._lock:
+            super().close()
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+_EMPTY = object()
+
+
+def _run_inline(call: Callable[[Any], Any], client: Any) -> cf.Future[Any]:
+    future: cf.Future[Any] = cf.Future()
+    try:
+        future.set_result(call(client))
+    except BaseException as exc:  # noqa: B036 (handed back through the future, as a pool would)
+        future.set_exception(exc)
+    return future
+
+
+def _drawer(call: Callable[[Any, int, int | None], Any], count: int, seed: int | None) -> Callable[[Any], Any]:
+    def draw(client: Any) -> Any:
+        try:
+            return call(client, count, seed)
+        except NotEnoughDataError:
+            return _EMPTY
+
+    return draw
+
+
+def _prioritizer(ids: np.ndarray, values: np.ndarray) -> Callable[[Any], Any]:
+    def update(client: Any) -> Any:
+        return client.update_priorities(ids, values)
+
+    return update
+
+
+def _reader(index: int, ids: np.ndarray) -> Callable[[Any], Any]:
+    def read(client: Any) -> Any:
+        try:
+            return client.get_rows(ids)
+        except EvictedError as exc:
+            raise EvictedError(f"shard {index}: {exc}") from exc
+
+    return read
+
+
+def _scatter(parts: Mapping[int, Mapping[str, Any]], masks: Mapping[int, np.ndarray], size: int) -> dict[str, Any]:
+    """One flat batch of `size` rows from each shard's part, placed where its mask is true."""
+    first = next(iter(parts.values()))
+    out: dict[str, Any] = {}
+    for path, arr in first.items():
+        arr = np.asarray(arr)
+        if len(parts) == 1:
+            out[path] = arr
+            continue
+        # Text decodes to str arrays whose width is each part's longest: take the widest.
+        dtype = np.result_type(*(np.asarray(part[path]).dtype for part in parts.values()))
+        merged = np.empty((size, *arr.shape[1:]), dtype)
+        for index, part in parts.items():
+            merged[masks[index]] = part[path]
+        out[path] = merged
+    return out
+
+

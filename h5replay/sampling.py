@@ -1,0 +1,270 @@
+"""How a ReplayBuffer hands out rows: the sampler, the rate limit, and how often a row may be sampled.
+
+Chosen when a file is created and stored in it (reopening restores them):
+
+* samplers: `Uniform()`; `Prioritized(exponent, initial_priority)`, probability proportional to
+  priority ** exponent (Schaul et al. 2016); `Fifo()` / `Lifo()`, the oldest / newest rows that
+  may still be sampled, no row twice in a batch.
+* `RateLimit(min_size_to_sample, samples_per_insert, error_buffer)`: Reverb's MinSize and
+  SampleToInsertRatio, counted in rows. `RateLimiter` is the arithmetic, pure.
+* `max_times_sampled`: a row sampled that often is never sampled again (with `Fifo()` and 1,
+  the buffer is a queue).
+
+Pure (numpy only, no h5py): clients and the CLI use it too; `h5replay.storage` re-exports it.
+The buffer keeps the state (priorities, counters) in its file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Union
+
+import numpy as np
+
+from h5replay.errors import ConfigError
+
+__all__ = ["Uniform", "Prioritized", "Fifo", "Lifo", "Sampler", "RateLimit", "RateLimiter", "SamplingConfig",
+           "sampler_from_json", "sampler_to_json", "rate_limit_from_json", "rate_limit_to_json", "check_priorities"]
+
+
+@dataclass(frozen=True)
+class Uniform:
+    """Every row held is equally likely (with replacement)."""
+
+
+@dataclass(frozen=True)
+class Prioritized:
+    """Probability proportional to priority ** exponent. A row without a priority of its own gets
+    `initial_priority`, or (None) the largest priority seen so far, as in PER."""
+
+    exponent: float = 0.6
+    initial_priority: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.exponent, (int, float)) or not 0 <= self.exponent <= 10 or isinstance(self.exponent, bool):
+            raise ConfigError(f"Prioritized exponent must be a number in [0, 10], got {self.exponent!r}")
+        if self.initial_priority is not None and not _positive_finite(self.initial_priority):
+            raise ConfigError(f"Prioritized initial_priority must be a finite number > 0, got {self.initial_priority!r}")
+
+
+@dataclass(frozen=True)
+class Fifo:
+    """The oldest rows that may still be sampled, no row twice in a batch."""
+
+
+@dataclass(frozen=True)
+class Lifo:
+    """The newest rows that may still be sampled, no row twice in a batch."""
+
+
+Sampler = Union[Uniform, Prioritized, Fifo, Lifo]
+_KINDS: dict[str, type[Any]] = {"uniform": Uniform, "prioritized": Prioritized, "fifo": Fifo, "lifo": Lifo}
+
+
+def _positive_finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def sampler_to_json(sampler: Sampler) -> str:
+    kind = next(name for name, cls in _KINDS.items() if isinstance(sampler, cls))
+    return json.dumps({"kind": kind, **asdict(sampler)})
+
+
+def sampler_from_json(text: str) -> Sampler:
+    """The sampler a file records.
+
+    Raises:
+        ConfigError: not a sampler this version knows.
+    """
+    try:
+        obj = json.loads(text)
+        cls = _KINDS[obj.pop("kind")]
+        return cls(**obj)  # type: ignore[no-any-return]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"unknown sampler description {text!r}: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class RateLimit:
+    """Reverb's rate limiters, counted in rows.
+
+    Sampling waits until `min_size_to_sample` rows are held. With `samples_per_insert` R, the
+    buffer keeps `inserted * R - sampled` within `min_size_to_sample * R +- error_buffer`: a
+    sample that would take it below waits for inserts, an insert that would take it above waits
+    for samples (Reverb's SampleToInsertRatio). `error_buffer` must leave room for a batch:
+    a request bigger than the whole window is refused at once, never left to wait forever.
+    """
+
+    min_size_to_sample: int = 1
+    samples_per_insert: float | None = None
+    error_buffer: float | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.min_size_to_sample, bool) or not isinstance(self.min_size_to_sample, int) \
+                or self.min_size_to_sample < 1:
+            raise ConfigError(f"min_size_to_sample must be an int >= 1, got {self.min_size_to_sample!r}")
+        if self.samples_per_insert is None:
+            if self.error_buffer is not None:
+                raise ConfigError("error_buffer goes with samples_per_insert; give both or neither")
+            return
+        if not _positive_finite(self.samples_per_insert):
+            raise ConfigError(f"samples_per_insert must be a finite number > 0, got {self.samples_per_insert!r}")
+        if self.error_buffer is None or not _positive_finite(self.error_buffer):
+            raise ConfigError(f"samples_per_insert needs an error_buffer, a finite number > 0, got {self.error_buffer!r}")
+        if self.error_buffer < max(1.0, self.samples_per_insert):
+            raise ConfigError(f"error_buffer {self.error_buffer} is below max(1, samples_per_insert="
+                              f"{self.samples_per_insert}): no single row could be inserted or sampled")
+
+    @property
+    def active(self) -> bool:
+        return self.min_size_to_sample > 1 or self.samples_per_insert is not None
+
+    @classmethod
+    def queue(cls, size: int) -> RateLimit:
+        """Reverb's Queue limiter: inserts wait while `size` rows are held unsampled, samples wait
+        while none is. With `Fifo()` and `max_times_sampled=1`, a lossless queue of `size` rows
+        (give the buffer a capacity of at least `size`)."""
+        if isinstance(size, bool) or not isinstance(size, int) or size < 2:
+            raise ConfigError(f"a queue's size must be an int >= 2, got {size!r}")
+        return cls(min_size_to_sample=1, samples_per_insert=1.0, error_buffer=float(size - 1))
+
+
+def rate_limit_to_json(limit: RateLimit) -> str:
+    return json.dumps(asdict(limit))
+
+
+def rate_limit_from_json(text: str) -> RateLimit:
+    try:
+        return RateLimit(**json.loads(text))
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"unknown rate limit description {text!r}: {exc}") from exc
+
+
+class RateLimiter:
+    """The arithmetic of a RateLimit over the counters (inserted rows, sampled rows, rows held)."""
+
+    def __init__(self, limit: RateLimit) -> None:
+        self.limit = limit
+        spi = limit.samples_per_insert
+        if spi is None:
+            self.min_diff, self.max_diff = -math.inf, math.inf
+        else:
+            offset = spi * limit.min_size_to_sample
+            self.min_diff = offset - float(limit.error_buffer or 0.0)
+            self.max_diff = offset + float(limit.error_buffer or 0.0)
+
+    def _diff(self, inserted: int, sampled: int) -> float:
+        return inserted * (self.limit.samples_per_insert or 0.0) - sampled
+
+    def sample_blocker(self, rows: int, inserted: int, sampled: int, held: int) -> str | None:
+        """Why sampling `rows` rows must wait now (None: it may go ahead)."""
+        if held < self.limit.min_size_to_sample:
+            return (f"the buffer holds {held} rows, fewer than min_size_to_sample={self.limit.min_size_to_sample}: "
+                    f"inserts are behind by {self.limit.min_size_to_sample - held} rows")
+        if self.limit.samples_per_insert is None:
+            return None
+        after = self._diff(inserted, sampled + rows)
+        if after < self.min_diff:
+            behind = (self.min_diff - after) / self.limit.samples_per_insert
+            return (f"sampling is ahead of inserts: {sampled} rows sampled for {inserted} inserted at "
+                    f"samples_per_insert={self.limit.samples_per_insert}; {rows} more need about {math.ceil(behind)} "
+                    "more inserted rows")
+        return None
+
+    def insert_blocker(self, rows: int, inserted: int, sampled: int, held: int) -> str | None:
+        """Why inserting `rows` rows must wait now (None: it may go ahead)."""
+        if self.limit.samples_per_insert is None or held + rows <= self.limit.min_size_to_sample:
+            return None
+        after = self._diff(inserted + rows, sampled)
+        if after > self.max_diff:
+            return (f"inserts are ahead of sampling: {inserted} rows inserted for {sampled} sampled at "
+                    f"samples_per_insert={self.limit.samples_per_insert}; {rows} more need about "
+                    f"{math.ceil(after - self.max_diff)} more sampled rows")
+        return None
+
+    def never(self, rows: int, sampling: bool) -> str | None:
+        """Why a request of `rows` can never go ahead, however long it waits (None: it can)."""
+        spi = self.limit.samples_per_insert
+        if spi is None:
+            return None
+        window = self.max_diff - self.min_diff
+        need = rows if sampling else rows * spi
+        if need > window:
+            side = "sample" if sampling else "insert"
+            return (f"{'a' if sampling else 'an'} {side} of {rows} rows moves the sample/insert balance by {need:g}, more than the whole window "
+                    f"2 * error_buffer = {window:g}: raise error_buffer or {side} fewer rows at a time")
+        return None
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Everything a buffer's file records about sampling (fixed when the file is created)."""
+
+    sampler: Sampler = Uniform()
+    rate_limit: RateLimit = RateLimit()
+    max_times_sampled: int = 0  # 0: a row may be sampled any number of times
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.sampler, tuple(_KINDS.values())):
+            raise ConfigError(f"sampler must be Uniform(), Prioritized(...), Fifo() or Lifo(), got {self.sampler!r}")
+        if not isinstance(self.rate_limit, RateLimit):
+            raise ConfigError(f"rate_limit must be a RateLimit, got {self.rate_limit!r}")
+        m = self.max_times_sampled
+        if isinstance(m, bool) or not isinstance(m, int) or not 0 <= m < 2**32 - 1:
+            raise ConfigError(f"max_times_sampled must be an int >= 0 (0: no limit), got {m!r}")
+
+    @property
+    def removes(self) -> bool:
+        """Whether sampling removes rows (max_times_sampled is set)."""
+        return self.max_times_sampled > 0
+
+    @property
+    def prioritized(self) -> bool:
+        return isinstance(self.sampler, Prioritized)
+
+    @property
+    def ordered(self) -> bool:
+        return isinstance(self.sampler, (Fifo, Lifo))
+
+    @property
+    def writer_only(self) -> str | None:
+        """Why only the writer may sample (None: any reader may): sampling then changes the
+        buffer, counters or removals, that every sampler must agree on."""
+        if self.removes:
+            return f"max_times_sampled={self.max_times_sampled} removes rows as they are sampled"
+        if self.rate_limit.active:
+            return "the rate limit counts every sample"
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        """Flat name -> scalar: what `info()` and `h5replay stats` show."""
+        sampler = self.sampler
+        return {
+            "sampler": next(name for name, cls in _KINDS.items() if isinstance(sampler, cls)),
+            "priority_exponent": sampler.exponent if isinstance(sampler, Prioritized) else None,
+            "initial_priority": sampler.initial_priority if isinstance(sampler, Prioritized) else None,
+            **asdict(self.rate_limit),
+            "max_times_sampled": self.max_times_sampled,
+        }
+
+
+def check_priorities(values: object, n: int, *, missing_ok: bool = False) -> np.ndarray:
+    """Priorities as a float64 array of `n` finite values >= 0 (`missing_ok`: NaN too, for a
+    row given no priority of its own).
+
+    Raises:
+        ConfigError: wrong count, not numbers, negative, NaN or infinite (names the first bad one).
+    """
+    try:
+        arr = np.asarray(values, dtype=np.float64).reshape(-1)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"priorities must be numbers: {exc}") from exc
+    if arr.shape[0] != n:
+        raise ConfigError(f"got {arr.shape[0]} priorities for {n} rows")
+    bad = (np.isinf(arr) | (arr < 0)) if missing_ok else (~np.isfinite(arr) | (arr < 0))
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise ConfigError(f"priority {i} is {float(arr[i])!r}: priorities must be finite and >= 0")
+    return arr

@@ -1,0 +1,456 @@
+"""How a ReplayBuffer draws rows: the in-memory side of its sampling settings (`sampling.py`).
+
+`Sampling` keeps, per physical row (slot), what the sampler needs: a sum tree of weights
+(priority ** exponent for a prioritized sampler; 1 for a row that may still be sampled when rows
+are removed; 0 for a slot not held), the raw priorities (writer) and how often each row was
+sampled (writer, with `max_times_sampled`). The writer keeps it exact as rows come and go; a
+reader rebuilds it from the file once and then follows the priority log (`_sampling_file.py`),
+reading only what changed.
+
+Draws come back as row ids with the probability each was drawn with, computed from the same
+weights the draw used. Pure numpy apart from the `SamplingFile` it is given (None: nothing kept).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from h5replay.errors import ConfigError, NotEnoughDataError
+from h5replay.sampling import Fifo, Prioritized, RateLimiter, SamplingConfig
+from h5replay.storage._sampling_file import LOG_ENTRIES, SamplingFile
+from h5replay.storage._sumtree import SumTree
+
+if TYPE_CHECKING:
+    from h5replay.storage._journal import State
+
+__all__ = ["Sampling"]
+
+_SYNC_RETRIES = 8
+
+
+class Sampling:
+    """The sampler, rate limiter and per-row sampling state of one open buffer."""
+
+    def __init__(self, config: SamplingConfig, capacity: int | None, store: SamplingFile | None, writer: bool) -> None:
+        self.config = config
+        self.capacity = capacity
+        self.store = store
+        self.writer = writer
+        self.limiter = RateLimiter(config.rate_limit)
+        self._exponent = config.sampler.exponent if isinstance(config.sampler, Prioritized) else 1.0
+        self._initial = config.sampler.initial_priority if isinstance(config.sampler, Prioritized) else None
+        size = capacity or 0
+        #: Whether draws go through the tree (else: uniform or in order over [begin, end)).
+        self.weighted = config.prioritized or (config.removes and writer)  # readers never draw removals
+        self.tree = SumTree(size if self.weighted else 0)
+        self.priorities = np.full(size, np.nan) if config.prioritized else None
+        self.times = np.zeros(size, dtype=np.uint32) if config.removes and writer else None
+        #: The largest priority given so far (the PER default for rows committed without one).
+        self.max_priority = 1.0
+        #: Rows held that were sampled max_times_sampled times (never sampled again).
+        self.removed = 0
+        #: Priority updates that named a row no longer held (ignored).
+        self.ignored_updates = 0
+        self._dirty_chunks: set[int] = set()
+        #: Entries of the priority log ring (a checkpoint before the ring overwrites unsaved ones).
+        self.log_entries = store.log_entries if store is not None else LOG_ENTRIES
+
+    # ------------------------------------------------------------------ slots and ids
+
+    def _slots(self, ids: np.ndarray, state: State) -> np.ndarray:
+        return ids % self.capacity if self.capacity is not None else ids - state.origin
+
+    def _ids(self, slots: np.ndarray, state: State) -> np.ndarray:
+        if self.capacity is None:
+            return slots + state.origin
+        b = state.begin % self.capacity
+        return state.begin + (slots - b) % self.capacity
+
+    def _pieces(self, first: int, stop: int, state: State) -> list[tuple[int, int, int]]:
+        """(first slot, stop slot, first id) of the contiguous runs of ids [first, stop)."""
+        n = stop - first
+        if n <= 0:
+            return []
+        if self.capacity is None:
+            s = first - state.origin
+            return [(s, s + n, first)]
+        s = first % self.capacity
+        head = min(n, self.capacity - s)
+        pieces = [(s, s + head, first)]
+        if head < n:
+            pieces.append((0, n - head, first + head))
+        return pieces
+
+    def _grow(self, state: State, end: int) -> None:
+        """Unbounded buffers: room for slots up to `end`'s."""
+        if self.capacity is not None:
+            return
+        need = end - state.origin
+        if self.weighted and need > len(self.tree):
+            self.tree.grow(max(need, 2 * len(self.tree)))
+        for name in ("priorities", "times"):
+            arr = getattr(self, name)
+            if arr is not None and need > arr.shape[0]:
+                grown = np.full(max(need, 2 * arr.shape[0]), np.nan if name == "priorities" else 0, dtype=arr.dtype)
+                grown[: arr.shape[0]] = arr
+                setattr(self, name, grown)
+
+    def _weights(self, priorities: np.ndarray) -> np.ndarray:
+        if self.config.prioritized:
+            weights: np.ndarray = np.power(priorities, self._exponent)
+            return weights
+        return np.ones(priorities.shape, dtype=np.float64)
+
+    def _default(self) -> float:
+        return self._initial if self._initial is not None else self.max_priority
+
+    # ------------------------------------------------------------------ what is held
+
+    def sampleable(self, state: State) -> int:
+        """Rows that may still be sampled (held, not removed)."""
+        return state.length - self.removed
+
+    def load(self, state: State, read_state: Callable[[], State] | None = None) -> None:
+        """Rebuild everything from the file for `state` (open, a new generation, a lost reader).
+
+        A reader passes `read_state`, to check the priority log it read was not overwritten."""
+        if not self.weighted:
+            return
+        for _ in range(_SYNC_RETRIES):
+            self._load_once(state)
+            if read_state is None or not self.config.prioritized or read_state().pckpt <= state.pckpt:
+                return
+        raise ConfigError("the writer rewrote the priority log on every attempt to read it")
+
+    def _load_once(self, state: State) -> None:
+        self.tree.clear()
+        self._grow(state, state.end)
+        self.removed = 0
+        held_prio: list[np.ndarray] = []
+        for s0, s1, _ in self._pieces(state.begin, state.end, state):
+            p = self.store.read_priorities(s0, s1) if self.store is not None and self.config.prioritized else None
+            if p is not None:
+                held_prio.append(p)
+                if self.priorities is not None:
+                    self.priorities[s0:s1] = p
+            if self.times is not None:  # the writer's: readers never draw what max_times_sampled removes
+                t = self.store.read_times(s0, s1) if self.store is not None else np.zeros(s1 - s0, np.uint32)
+                self.times[s0:s1] = t
+                self.removed += int(np.count_nonzero(t >= self.config.max_times_sampled))
+        finite = [p[np.isfinite(p)] for p in held_prio]
+        seen = np.concatenate(finite) if finite else np.zeros(0)
+        self.max_priority = max(1.0, float(seen.max())) if seen.size else 1.0
+        for s0, s1, _ in self._pieces(state.begin, state.end, state):
+            if self.config.prioritized:
+                p = held_prio.pop(0)
+                p = np.where(np.isfinite(p), p, self._default())
+            else:
+                p = np.ones(s1 - s0)
+            w = self._weights(p)
+            if self.times is not None:
+                w = np.where(self.times[s0:s1] >= self.config.max_times_sampled, 0.0, w)
+            self.tree.set(np.arange(s0, s1), w)
+        self._apply_log(state, state.pckpt, state.plog)
+        if self.priorities is not None and state.length:
+            held = np.concatenate([self.priorities[s0:s1] for s0, s1, _ in self._pieces(state.begin, state.end, state)])
+            self.max_priority = max(1.0, float(np.nanmax(held, initial=1.0)))
+
+    def _apply_log(self, state: State, first: int, stop: int) -> None:
+        if self.store is None or stop <= first or not self.config.prioritized:
+            return
+        ids, values = self.store.read_log(first, stop)
+        held = (ids >= state.begin) & (ids < state.end)
+        self._set_priorities(ids[held], values[held], state)
+
+    def sync(self, old: State, new: State, read_state: Callable[[], State]) -> None:
+        """Reader: follow the writer from `old` to `new`, reading only what changed."""
+        if not self.weighted:
+            return
+        if (new.generation != old.generation or new.origin != old.origin or new.begin >= old.end
+                or new.plog - old.plog > self.log_entries // 2 or new.plog < old.plog):
+            self.load(new, read_state)
+            return
+        if new.begin > old.begin:
+            self._zero(old.begin, new.begin, old)
+        first_new = max(old.end, new.begin)
+        self._grow(new, new.end)
+        for s0, s1, _ in self._pieces(first_new, new.end, new):
+            p = self.store.read_priorities(s0, s1) if self.store is not None else np.full(s1 - s0, np.nan)
+            p = np.where(np.isfinite(p), p, self._default())
+            if self.priorities is not None:
+                self.priorities[s0:s1] = p
+            self.tree.set(np.arange(s0, s1), self._weights(p))
+        self._apply_log(new, old.plog, new.plog)
+        if new.plog > old.plog and read_state().pckpt > old.plog:
+            self.load(new, read_state)  # the log moved under us: start from the file
+
+    # ------------------------------------------------------------------ the writer's changes
+
+    def _zero(self, first: int, stop: int, state: State) -> None:
+        """Rows [first, stop) leave the buffer."""
+        for s0, s1, _ in self._pieces(first, stop, state):
+            slots = np.arange(s0, s1)
+            self.tree.set(slots, 0.0)
+            if self.times is not None:
+                self.removed -= int(np.count_nonzero(self.times[s0:s1] >= self.config.max_times_sampled))
+
+    def released(self, old_begin: int, new_begin: int, state: State) -> None:
+        """The writer moved `begin` from `old_begin` to `new_begin` (rows left the buffer)."""
+        if self.weighted and new_begin > old_begin:
+            self._zero(old_begin, min(new_begin, state.end), state)
+
+    def added(self, state: State, first: int, n: int, priorities: np.ndarray | None) -> None:
+        """Rows [first, first + n) joined the buffer (`priorities`: NaN where none was given).
+
+        Raises:
+            StorageError: the file refused the priorities or counters (the caller rolls back).
+        """
+        if not self.weighted or n == 0:
+            return
+        self._grow(state, first + n)
+        if self.config.prioritized:
+            given = priorities if priorities is not None else np.full(n, np.nan)
+            values = np.where(np.isfinite(given), given, self._default())  # the default from before this commit
+            finite = given[np.isfinite(given)]
+            if finite.size:
+                self.max_priority = max(self.max_priority, float(finite.max()))
+        else:
+            values = np.ones(n)
+        offset = 0
+        for s0, s1, _ in self._pieces(first, first + n, state):
+            part = values[offset : offset + s1 - s0]
+            offset += s1 - s0
+            if self.store is not None and self.config.prioritized:
+                self.store.write_priorities(s0, part)
+            if self.times is not None:
+                if self.store is not None:
+                    self.store.write_times(s0, np.zeros(s1 - s0, np.uint32))
+                self.times[s0:s1] = 0
+            if self.priorities is not None:
+                self.priorities[s0:s1] = part
+            self.tree.set(np.arange(s0, s1), self._weights(part))
+
+    def forget(self, first: int, stop: int, state: State) -> None:
+        """Undo `added` for rows [first, stop) that a failed commit never made visible."""
+        if self.weighted:
+            for s0, s1, _ in self._pieces(first, stop, state):
+                self.tree.set(np.arange(s0, s1), 0.0)
+
+    def clear(self) -> None:
+        self.tree.clear()
+        if self.times is not None:
+            self.times[:] = 0
+        self.removed = 0
+
+    def _set_priorities(self, ids: np.ndarray, values: np.ndarray, state: State) -> None:
+        slots = self._slots(ids, state)
+        w = self._weights(values)
+        if self.times is not None:
+            w = np.where(self.times[slots] >= self.config.max_times_sampled, 0.0, w)
+        self.tree.set(slots, w)
+        if self.priorities is not None:
+            self.priorities[slots] = values
+
+    def update(self, ids: np.ndarray, values: np.ndarray, state: State) -> tuple[int, int]:
+        """Set the priorities of rows `ids` (checked: held or older); logs every held one.
+
+        Returns (entries logged, ids ignored: no longer held or removed)."""
+        if not self.config.prioritized:
+            raise ConfigError(f"this buffer's sampler is {self.config.sampler!r}: only a Prioritized sampler keeps "
+                              "priorities (choose it when the file is created)")
+        held = (ids >= state.begin) & (ids < state.end)
+        if self.times is not None and held.any():
+            slots = self._slots(np.where(held, ids, state.begin), state)
+            held &= self.times[slots] < self.config.max_times_sampled
+        ids, values = ids[held], values[held]
+        ignored = int(held.shape[0] - ids.shape[0])
+        self.ignored_updates += ignored
+        if ids.size:
+            self.max_priority = max(self.max_priority, float(values.max()))
+            if self.store is not None:
+                self.store.write_log(state.plog, ids, values)
+            self._set_priorities(ids, values, state)
+            self._dirty_chunks.update(np.unique(self._slots(ids, state) // _CHECKPOINT_CHUNK).tolist())
+        return int(ids.shape[0]), ignored
+
+    def checkpoint(self) -> None:
+        """Write every priority updated since the last checkpoint into the priorities dataset."""
+        if self.store is None or self.priorities is None:
+            self._dirty_chunks.clear()
+            return
+        for chunk in sorted(self._dirty_chunks):
+            s0 = chunk * _CHECKPOINT_CHUNK
+            self.store.write_priorities(s0, self.priorities[s0 : s0 + _CHECKPOINT_CHUNK])
+        self._dirty_chunks.clear()
+
+    def priorities_of(self, ids: np.ndarray, state: State) -> np.ndarray:
+        """The current priorities of held rows `ids`."""
+        if self.priorities is None:
+            raise ConfigError(f"this buffer's sampler is {self.config.sampler!r}: only a Prioritized sampler keeps "
+                              "priorities")
+        values: np.ndarray = self.priorities[self._slots(ids, state)]  # fancy indexing copies
+        return values
+
+    def mark_sampled(self, ids: np.ndarray, state: State) -> None:
+        """Count a sample of `ids` (each at most once per batch): rows reaching
+        max_times_sampled are removed (never drawn again)."""
+        if self.times is None or ids.size == 0:
+            return
+        slots = np.unique(self._slots(ids, state))
+        times = self.times[slots] + 1
+        self.times[slots] = times
+        done = slots[times >= self.config.max_times_sampled]
+        if done.size:
+            self.tree.set(done, 0.0)
+            self.removed += int(done.size)
+        if self.store is not None:
+            self.store.write_times_at(slots, times)
+
+    def first_held(self, state: State) -> int:
+        """The id of the oldest row not removed (state.end if none): `begin` may move there."""
+        if self.times is None or state.length == 0:
+            return state.begin
+        for s0, s1, first in self._pieces(state.begin, state.end, state):
+            alive = np.flatnonzero(self.times[s0:s1] < self.config.max_times_sampled)
+            if alive.size:
+                return first + int(alive[0])
+        return state.end
+
+    # ------------------------------------------------------------------ draws
+
+    def draw(self, state: State, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        """(row ids, probabilities) of `n` rows drawn by the sampler from `state`.
+
+        Raises:
+            NotEnoughDataError: nothing to draw from, or (without replacement) fewer than n rows.
+        """
+        if state.length == 0:
+            raise NotEnoughDataError("cannot sample from an empty replay buffer")
+        if self.config.ordered:
+            return self._ordered(state, n)
+        if not self.weighted:
+            ids = rng.integers(state.begin, state.end, size=n, dtype=np.int64)
+            return ids, np.full(n, 1.0 / state.length)
+        if self.config.removes:
+            return self._without_replacement(state, n, rng)
+        total = self.tree.total
+        if total <= 0:
+            raise NotEnoughDataError(f"every one of the {state.length} rows held has priority 0")
+        slots = self.tree.sample(rng, n)
+        return self._ids(slots, state), self.tree.get(slots) / total
+
+    def _ordered(self, state: State, n: int) -> tuple[np.ndarray, np.ndarray]:
+        fifo = isinstance(self.config.sampler, Fifo)
+        count = self.sampleable(state)
+        if n > count:
+            raise NotEnoughDataError(f"{type(self.config.sampler).__name__} sampling of {n} rows without replacement "
+                                     f"needs {n} rows that may be sampled; the buffer has {count}")
+        k = np.arange(n, dtype=np.int64) if fifo else np.arange(count - 1, count - 1 - n, -1, dtype=np.int64)
+        if not self.weighted:
+            ids = state.begin + k
+        else:
+            ids = self._ids(self._find_in_order(state, k + 0.5), state)
+        return ids, np.ones(n)
+
+    def _without_replacement(self, state: State, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        """n distinct rows, as if drawn one at a time with each pick leaving the draw.
+
+        Draws a round with replacement and keeps each row's first appearance, in order (the first
+        appearances of an i.i.d. weighted sequence are distributed exactly as sequential draws
+        without replacement), takes them out of the tree, and draws again for the rest. The k-th
+        row's probability is its weight over the weight left after the k - 1 before it. The
+        rows go back in the tree afterwards: `mark_sampled` decides what stays out."""
+        chosen: list[np.ndarray] = []
+        start_total = self.tree.total
+        have = 0
+        try:
+            for _ in range(n):  # every round adds at least one row while any weight is left
+                if self.tree.total <= 0:
+                    break
+                slots = self.tree.sample(rng, n - have)
+                slots = slots[np.sort(np.unique(slots, return_index=True)[1])]
+                chosen.append(slots)
+                self.tree.set(slots, 0.0)
+                have += int(slots.size)
+                if have == n:
+                    break
+        finally:
+            for slots in chosen:
+                self._restore(slots, state)
+        if have < n:
+            raise NotEnoughDataError(f"sampling {n} rows without replacement needs {n} rows that may be sampled; "
+                                     f"the buffer has {self.sampleable(state)}")
+        slots = np.concatenate(chosen)
+        weights = self.tree.get(slots)
+        left = start_total - (np.cumsum(weights) - weights)
+        return self._ids(slots, state), weights / left
+
+    def _restore(self, slots: np.ndarray, state: State) -> None:
+        p = self.priorities[slots] if self.priorities is not None else np.ones(slots.shape)
+        self.tree.set(slots, self._weights(np.where(np.isfinite(p), p, self._default())))
+
+    def _find_in_order(self, state: State, targets: np.ndarray) -> np.ndarray:
+        """Slots at cumulative weights `targets`, counted from the oldest row held (id order)."""
+        if self.capacity is None:
+            base = self.tree.prefix(np.array([state.begin - state.origin]))[0]
+            return self.tree.find(base + targets)
+        b = state.begin % self.capacity
+        base = self.tree.prefix(np.array([b]))[0]
+        head = self.tree.total - base
+        return np.where(targets < head, self.tree.find(np.minimum(base + targets, self.tree.total)),
+                        self.tree.find(np.maximum(targets - head, 0.0)))
+
+    def _range_sums(self, first: np.ndarray, stop: np.ndarray, state: State) -> np.ndarray:
+        """Sum of the weights of ids [first, stop) for each pair (ids held)."""
+        n = stop - first
+        if self.capacity is None:
+            s = first - state.origin
+            sums: np.ndarray = np.maximum(self.tree.range_sums(s, s + n), 0.0)
+            return sums
+        s = first % self.capacity
+        e = s + n
+        head = self.tree.range_sums(s, np.minimum(e, self.capacity))
+        tail = self.tree.range_sums(np.zeros_like(s), np.maximum(e - self.capacity, 0))
+        out: np.ndarray = np.maximum(head + tail, 0.0)
+        return out
+
+    def draw_windows(
+        self, state: State, starts: np.ndarray, lengths: np.ndarray, steps: int, n: int, rng: np.random.Generator,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(window start ids, index into the episodes, probabilities) of `n` windows of `steps`
+        rows, each inside one of the episodes (`starts`, `lengths`). Uniform over all windows, or
+        by the priority of the window's first row.
+
+        Raises:
+            NotEnoughDataError: no window fits, or every window's first row has priority 0.
+            ConfigError: the sampler cannot draw windows (fifo / lifo, or rows being removed).
+        """
+        if self.config.ordered or self.config.removes:
+            raise ConfigError("sample_sequences draws windows by chance or by priority; a Fifo / Lifo sampler or "
+                              "max_times_sampled hands out rows: use sample(), or commit each unroll as an episode")
+        windows = np.maximum(lengths - steps + 1, 0)
+        if not self.weighted:
+            count = int(windows.sum())
+            if count == 0:
+                raise NotEnoughDataError(f"no complete episode holds {steps} consecutive rows ({len(lengths)} "
+                                         f"episodes, longest {int(lengths.max()) if len(lengths) else 0})")
+            ends = np.cumsum(windows)
+            r = rng.integers(0, count, size=n, dtype=np.int64)
+            k = np.searchsorted(ends, r, side="right")
+            return starts[k] + (r - (ends[k] - windows[k])), k, np.full(n, 1.0 / count)
+        sums = self._range_sums(starts, starts + windows, state)
+        total = float(sums.sum())
+        if total <= 0:
+            raise NotEnoughDataError(f"no window of {steps} rows starts at a row of priority > 0")
+        cum = np.cumsum(sums)
+        k = np.minimum(np.searchsorted(cum, rng.random(n) * cum[-1], side="right"), len(sums) - 1)
+        offset_in = self._range_sums(np.full(n, state.begin), starts[k], state) if state.length else np.zeros(n)
+        slots = self._find_in_order(state, offset_in + rng.random(n) * sums[k])
+        g = np.clip(self._ids(slots, state), starts[k], starts[k] + windows[k] - 1)
+        return g, k, self.tree.get(self._slots(g, state)) / total
+
+
+_CHECKPOINT_CHUNK = 4096  # priorities rewritten per dirty chunk at a checkpoint

@@ -1,0 +1,177 @@
+"""The sampling datasets of a replay buffer's file: its sampling settings, the priorities, the
+priority log, and how often each row was sampled. File I/O only; the logic is in `_draws.py`.
+
+Under `/_h5replay/replay/` (made with the file, only those the settings need):
+  * attributes `sampler`, `rate_limit` (JSON) and `max_times_sampled`: fixed at creation.
+  * `priorities` (float64, one per physical row): the priority a row was committed with, and every
+    update up to the last checkpoint. NaN: none recorded (the row takes the default).
+  * `priority_log` ((LOG_ENTRIES, 2) int64 ring): one (row id, float64 bits) entry per priority
+    update, at position `n % LOG_ENTRIES` for the n-th update (a file keeps the size it was made
+    with). The state row says how far it is
+    published (`plog`) and up to where `priorities` already holds it (`pckpt`). Readers apply
+    the entries between the state they saw and the new one: O(updates), never O(capacity).
+  * `times_sampled` (uint32, one per physical row), when `max_times_sampled` is set.
+
+The writer checkpoints (writes the updated priorities into `priorities`, then publishes `pckpt`)
+before the ring would overwrite an entry at or after the published `pckpt`; so a reader that
+re-reads the state after reading entries [a, b) and finds `pckpt <= a` read them intact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import h5py
+import numpy as np
+
+from h5replay.errors import ConfigError
+from h5replay.sampling import (
+    RateLimit,
+    SamplingConfig,
+    rate_limit_from_json,
+    rate_limit_to_json,
+    sampler_from_json,
+    sampler_to_json,
+)
+from h5replay.storage._h5file import h5_errors
+from h5replay.storage._rowio import read_slice, write_points, write_rows
+
+__all__ = ["SamplingFile", "LOG_ENTRIES", "read_config"]
+
+LOG_ENTRIES = 1 << 20  # 16 MiB of log: a checkpoint once per half a million updated priorities
+_PRIORITIES = "priorities"
+_LOG = "priority_log"
+_TIMES = "times_sampled"
+_CHUNK = 4096
+_ATTR_SAMPLER = "sampler"
+_ATTR_RATE_LIMIT = "rate_limit"
+_ATTR_MAX_TIMES = "max_times_sampled"
+
+
+def read_config(attrs: Mapping[str, Any]) -> SamplingConfig:
+    """The sampling settings a replay group records (a file made before them: uniform, no limit).
+
+    Raises:
+        ConfigError: settings this version does not know.
+    """
+    if _ATTR_SAMPLER not in attrs:
+        return SamplingConfig()
+    rate = attrs.get(_ATTR_RATE_LIMIT)
+    return SamplingConfig(
+        sampler=sampler_from_json(str(attrs[_ATTR_SAMPLER])),
+        rate_limit=rate_limit_from_json(str(rate)) if rate is not None else RateLimit(),
+        max_times_sampled=int(attrs.get(_ATTR_MAX_TIMES, 0)),
+    )
+
+
+class SamplingFile:
+    """The sampling datasets of one open buffer file."""
+
+    def __init__(self, group: h5py.Group, reader: bool) -> None:
+        """Raises:
+            ConfigError: the settings are unknown, or a dataset they need is missing.
+        """
+        self.config = read_config(group.attrs)
+        self._reader = reader
+        with h5_errors("opening the sampling datasets"):
+            self._priorities: h5py.Dataset | None = group.get(_PRIORITIES)
+            self._log: h5py.Dataset | None = group.get(_LOG)
+            self._times: h5py.Dataset | None = group.get(_TIMES)
+        #: Entries in the priority log ring.
+        self.log_entries = int(self._log.shape[0]) if self._log is not None else LOG_ENTRIES
+        if self.config.prioritized and (self._priorities is None or self._log is None):
+            raise ConfigError(f"{group.file.filename!r} records a prioritized sampler but has no priority datasets")
+        if self.config.removes and self._times is None:
+            raise ConfigError(f"{group.file.filename!r} records max_times_sampled but has no times_sampled dataset")
+
+    @staticmethod
+    def create_tables(group: h5py.Group, config: SamplingConfig, capacity: int | None) -> None:
+        """Record `config` in a new file's replay group, with the datasets it needs."""
+        group.attrs[_ATTR_SAMPLER] = sampler_to_json(config.sampler)
+        group.attrs[_ATTR_RATE_LIMIT] = rate_limit_to_json(config.rate_limit)
+        group.attrs[_ATTR_MAX_TIMES] = config.max_times_sampled
+        size = capacity if capacity is not None else 0
+        chunk = min(_CHUNK, capacity) if capacity is not None else _CHUNK
+        if config.prioritized:
+            group.create_dataset(_PRIORITIES, shape=(size,), maxshape=(capacity,), chunks=(chunk,), dtype=np.float64,
+                                 fillvalue=np.nan)
+            group.create_dataset(_LOG, shape=(LOG_ENTRIES, 2), chunks=(min(_CHUNK, LOG_ENTRIES), 2), dtype=np.int64)
+        if config.removes:
+            group.create_dataset(_TIMES, shape=(size,), maxshape=(capacity,), chunks=(chunk,), dtype=np.uint32)
+
+    # ------------------------------------------------------------------ per-row arrays
+
+    def _read(self, ds: h5py.Dataset | None, first: int, stop: int, fill: Any) -> np.ndarray:
+        """ds[first:stop]; slots past the dataset's end (an unbounded buffer's) read as `fill`."""
+        if ds is None:
+            raise ConfigError("this buffer keeps no such per-row values")
+        with h5_errors("reading sampling state"):
+            if self._reader:
+                ds.refresh()
+            have = max(0, min(stop, ds.shape[0]) - first)
+            out = np.full(stop - first, fill, dtype=ds.dtype)
+            if have > 0:
+                out[:have] = read_slice(ds, first, first + have)
+            return out
+
+    @staticmethod
+    def _write(ds: h5py.Dataset | None, first: int, values: np.ndarray) -> None:
+        if ds is None or values.shape[0] == 0:
+            return
+        with h5_errors("writing sampling state"):
+            stop = first + values.shape[0]
+            if ds.shape[0] < stop:
+                ds.resize((max(stop, 2 * ds.shape[0]) if ds.maxshape[0] is None else max(stop, ds.shape[0]),))
+            if not write_rows(ds, first, values):
+                ds[first:stop] = values
+
+    def read_priorities(self, first: int, stop: int) -> np.ndarray:
+        return self._read(self._priorities, first, stop, np.nan)
+
+    def write_priorities(self, first: int, values: np.ndarray) -> None:
+        self._write(self._priorities, first, np.asarray(values, dtype=np.float64))
+
+    def read_times(self, first: int, stop: int) -> np.ndarray:
+        return self._read(self._times, first, stop, 0)
+
+    def write_times(self, first: int, values: np.ndarray) -> None:
+        self._write(self._times, first, np.asarray(values, dtype=np.uint32))
+
+    def write_times_at(self, slots: np.ndarray, values: np.ndarray) -> None:
+        """times_sampled[slots] = values (slots sorted, unique, within the dataset)."""
+        if self._times is not None and slots.shape[0]:
+            with h5_errors("writing times sampled"):
+                write_points(self._times, slots, values)
+
+    # ------------------------------------------------------------------ the priority log
+
+    def write_log(self, position: int, row_ids: np.ndarray, values: np.ndarray) -> None:
+        """Log entries for updates position, position + 1, ... (at most log_entries of them)."""
+        if self._log is None or row_ids.shape[0] == 0:
+            return
+        entries = np.empty((row_ids.shape[0], 2), dtype=np.int64)
+        entries[:, 0] = row_ids
+        entries[:, 1] = np.asarray(values, dtype=np.float64).view(np.int64)
+        first = position % self.log_entries
+        head = min(entries.shape[0], self.log_entries - first)
+        with h5_errors("writing the priority log"):
+            for at, part in ((first, entries[:head]), (0, entries[head:])):
+                if part.shape[0] and not write_rows(self._log, at, part):
+                    self._log[at : at + part.shape[0]] = part
+
+    def read_log(self, first: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """(row ids, priorities) of updates [first, stop) (stop - first <= log_entries)."""
+        n = stop - first
+        if self._log is None or n <= 0:
+            return np.zeros(0, np.int64), np.zeros(0, np.float64)
+        at = first % self.log_entries
+        head = min(n, self.log_entries - at)
+        with h5_errors("reading the priority log"):
+            if self._reader:
+                self._log.id.refresh()
+            parts = [read_slice(self._log, at, at + head)]
+            if head < n:
+                parts.append(read_slice(self._log, 0, n - head))
+        entries = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        return entries[:, 0].copy(), entries[:, 1].copy().view(np.float64)

@@ -1,0 +1,292 @@
+"""Sampling control over the wire (issue 10): prioritized replay with priorities from actors and
+learners, the rate limiter holding samples and commits back (several processes), a queue that hands
+every row out exactly once, settings kept across restarts, and the refusals."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+from service_helpers import RawClient, episode_rows, error_of, processes, row_problems
+
+from h5replay import protocol as P
+from h5replay.client import ActorClient, LearnerClient
+from h5replay.config import ClientConfig
+from h5replay.errors import ConfigError, LimitExceededError, ProtocolError, RateLimitedError
+from h5replay.sampling import Fifo, Prioritized, RateLimit, SamplingConfig
+
+SPAWN = mp.get_context("spawn")
+pytestmark = pytest.mark.timeout(120)
+
+
+def _client_config(endpoint: str, name: str, rate_limit_timeout: float = 10.0) -> ClientConfig:
+    return ClientConfig(endpoint=endpoint, timeout=10.0, name=name, rate_limit_timeout=rate_limit_timeout)
+
+
+# ------------------------------------------------------------------------------------ prioritized
+
+
+def test_priorities_from_actors_and_learners_decide_the_draws(start_server: Any) -> None:
+    server = start_server(sampling=SamplingConfig(Prioritized(exponent=1.0)))
+    with ActorClient(server.endpoint, timeout=10) as actor:
+        actor.push_episode(episode_rows(1, 0, 4), priorities=[1.0, 1.0, 1.0, 5.0])
+        with actor.segment() as seg:
+            for step in range(4):
+                one = {k: v[step] for k, v in episode_rows(2, 0, 4).items()}
+                seg.append(one, priority=2.0 if step else None)  # a step without one: the largest so far (5)
+    with LearnerClient(server.endpoint, timeout=10) as learner:
+        assert learner.sampling["sampler"] == "prioritized" and not learner.sampling["writer_samples"]
+        batch, info = learner.sample(4000, seed=1, with_info=True)
+        assert not row_problems(batch)
+        expected = np.array([1, 1, 1, 5, 5, 2, 2, 2], np.float64)
+        ids = info.row_ids.astype(np.int64)
+        assert np.allclose(info.probabilities, expected[ids] / expected.sum())
+        counts = np.bincount(ids, minlength=8)
+        assert counts[3] > 3 * counts[0]  # 5 against 1
+        # A learner's update reaches every later sample of that learner (read-your-writes).
+        assert learner.update_priorities([3, 4, 99_000_000 % 8], [0.0, 0.0, 1.0]) == 0
+        _, info = learner.sample(2000, seed=2, with_info=True)
+        assert not set(info.row_ids.tolist()) & {3, 4}
+        stats = learner.info()
+        assert stats["priority_updates"] == 3 and stats["sampler"] == "prioritized"
+        assert stats["priority_sum"] == pytest.approx(1 + 1 + 1 + 0 + 0 + 2 + 2 + 2)
+
+
+def test_priorities_survive_a_restart_and_evicted_ids_are_counted(start_server: Any, tmp_path: Any) -> None:
+    sampling = SamplingConfig(Prioritized(exponent=1.0))
+    server = start_server("p.h5", capacity=8, sampling=sampling)
+    with ActorClient(server.endpoint, timeout=10) as actor:
+        for k in range(3):
+            actor.push_episode(episode_rows(1, k, 4), priorities=np.full(4, float(k + 1)))
+    with LearnerClient(server.endpoint, timeout=10) as learner:
+        assert learner.update_priorities([0, 1, 11], [9.0, 9.0, 7.0]) == 2  # rows 0..3 left the ring of 8
+        assert learner.info()["priority_updates_ignored"] == 2
+    server.stop()
+    again = start_server("p.h5", capacity=8)  # no sampling settings: the file's own
+    with LearnerClient(again.endpoint, timeout=10) as learner:
+        assert learner.sampling["sampler"] == "prioritized" and learner.sampling["priority_exponent"] == 1.0
+        _, info = learner.sample(64, seed=3, with_info=True)
+        weights = {i: 2.0 for i in range(4, 8)} | {8: 3.0, 9: 3.0, 10: 3.0, 11: 7.0}
+        total = sum(weights.values())
+        assert np.allclose(info.probabilities, [weights[i] / total for i in info.row_ids.tolist()])
+
+
+def test_a_file_with_other_settings_is_refused(start_server: Any, tmp_path: Any) -> None:
+    start_server("s.h5", sampling=SamplingConfig(Prioritized())).stop()
+    with pytest.raises(RuntimeError, match="did not start"):
+        start_server("s.h5", sampling=SamplingConfig(Fifo()))
+
+
+def test_bad_priority_updates_are_refused_and_the_server_keeps_serving(start_server: Any) -> None:
+    server = start_server(sampling=SamplingConfig(Prioritized()))
+    with ActorClient(server.endpoint, timeout=10) as actor:
+        actor.push_episode(episode_rows(1, 0, 4))
+        with pytest.raises(ConfigError, match="finite and >= 0"):
+            actor.push_episode(episode_rows(1, 1, 2), priorities=[1.0, -2.0])
+    with RawClient(server.endpoint) as raw:
+        for ids, values, cls, words in [
+            ([0], [float("nan")], ProtocolError, "priority 0 is nan: priorities must be finite and >= 0"),
+            ([0, 1], [1.0, float("inf")], ProtocolError, "priority 1 is inf"),
+            ([50], [1.0], IndexError, "never committed"),
+        ]:
+            reply = raw.call(lambda rid, i=ids, v=values: P.UpdatePriorities(rid, np.array(i), np.array(v)))
+            exc = error_of(reply)
+            assert isinstance(exc, cls) and words in str(exc), exc
+        # One priority per row of a push: refused before anything is touched.
+        exc = error_of(raw.call(lambda rid: P.PushEpisode(rid, 2, episode_rows(1, 2, 2), 0.0, np.ones(3))))
+        assert isinstance(exc, ProtocolError) and "one per row" in str(exc)
+        exc = error_of(raw.call(lambda rid: P.UpdatePriorities(rid, np.zeros(70_000, np.int64), np.ones(70_000))))
+        assert isinstance(exc, LimitExceededError)
+    with LearnerClient(server.endpoint, timeout=10) as learner:
+        assert len(learner) == 4 and learner.info()["priority_updates"] == 0
+
+
+# ------------------------------------------------------------------------------------ rate limits
+
+
+def test_a_learner_waits_for_min_size_and_gives_up_after_its_timeout(start_server: Any) -> None:
+    server = start_server(sampling=SamplingConfig(rate_limit=RateLimit(min_size_to_sample=6)))
+    with LearnerClient(config=_client_config(server.endpoint, "learner", rate_limit_timeout=0.5)) as learner:
+        assert learner.sampling["writer_samples"]
+        started = time.monotonic()
+        with pytest.raises(RateLimitedError, match="fewer than min_size_to_sample=6: inserts are behind by 6 rows"):
+            learner.sample(2)
+        assert 0.4 < time.monotonic() - started < 5
+    with LearnerClient(config=_client_config(server.endpoint, "patient")) as learner, \
+            ActorClient(server.endpoint, timeout=10) as actor:
+        def later() -> None:
+            time.sleep(0.5)
+            actor.push_episode(episode_rows(1, 0, 3))
+            actor.push_episode(episode_rows(1, 1, 3))
+
+        with processes():
+            import threading
+
+            writer = threading.Thread(target=later)
+            writer.start()
+            started = time.monotonic()
+            batch = learner.sample(8)  # waits on the server until 6 rows are held
+            writer.join()
+        assert time.monotonic() - started >= 0.4 and not row_problems(batch)
+        stats = learner.info()
+        assert stats["sampled"] == 8 and stats["inserted"] == 6 and stats["sample_wait_s"] >= 0.4
+
+
+def limited_actor_main(endpoint: str, actor: int, episodes: int, out: Any) -> None:
+    with ActorClient(config=_client_config(endpoint, f"actor-{actor}", rate_limit_timeout=60)) as client:
+        for k in range(episodes):
+            client.push_episode(episode_rows(actor, k, 8))
+    out.put(("done", actor))
+
+
+def limited_learner_main(endpoint: str, batches: int, pause: float, out: Any) -> None:
+    with LearnerClient(config=_client_config(endpoint, "learner", rate_limit_timeout=60)) as learner:
+        for _ in range(batches):
+            batch = learner.sample(16)
+            assert not row_problems(batch)
+            time.sleep(pause)
+    out.put(("done", -1))
+
+
+@pytest.mark.parametrize("fast", ["actors", "learner"])
+def test_samples_per_insert_holds_across_processes(start_server: Any, fast: str) -> None:
+    """4 actors and 1 learner, one side slowed down: the observed samples per insert stays within
+    the error buffer throughout, and the fast side waits (counted in stats)."""
+    spi, error_buffer, min_size = 2.0, 40.0, 16
+    server = start_server(capacity=None, sampling=SamplingConfig(
+        rate_limit=RateLimit(min_size_to_sample=min_size, samples_per_insert=spi, error_buffer=error_buffer)))
+    out = SPAWN.Queue()
+    episodes, batches = 6, 4 * 6 * 8 * int(spi) // 16  # the learner takes exactly its share
+    with processes() as procs:
+        for a in range(4):
+            procs.append(SPAWN.Process(target=limited_actor_main, args=(server.endpoint, a, episodes, out)))
+        procs.append(SPAWN.Process(target=limited_learner_main,
+                                   args=(server.endpoint, batches, 0.05 if fast == "actors" else 0.0, out)))
+        if fast == "learner":  # the actors are the slow side: they start late
+            procs[-1].start()
+            time.sleep(0.5)
+            for p in procs[:-1]:
+                p.start()
+        else:
+            for p in procs:
+                p.start()
+        seen = []
+        with LearnerClient(server.endpoint, timeout=10) as watcher:
+            deadline = time.monotonic() + 90
+            while len(seen) < 5 and time.monotonic() < deadline:
+                stats = watcher.info()
+                diff = stats["inserted"] * spi - stats["sampled"]
+                if stats["inserted"] > min_size:
+                    assert min_size * spi - error_buffer - 1e-9 <= diff <= min_size * spi + error_buffer + 1e-9, stats
+                while not out.empty():
+                    seen.append(out.get())
+                time.sleep(0.02)
+            final = watcher.info()
+    assert len(seen) == 5, seen
+    assert final["inserted"] == 4 * episodes * 8 and final["sampled"] == batches * 16
+    waited = final["insert_wait_s"] if fast == "actors" else final["sample_wait_s"]
+    assert waited > 0.1, final
+
+
+def test_a_commit_the_limit_holds_back_too_long_stays_open_and_can_be_committed_later(start_server: Any) -> None:
+    server = start_server(sampling=SamplingConfig(rate_limit=RateLimit.queue(20)))
+    config = ClientConfig(endpoint=server.endpoint, timeout=10, name="actor", batch_rows=4, rate_limit_timeout=0.3)
+    with ActorClient(config=config) as actor, LearnerClient(server.endpoint, timeout=10) as learner:
+        actor.push_episode(episode_rows(1, 0, 15))
+        seg = actor.segment()
+        seg.extend(episode_rows(1, 1, 10))  # 4 rows a message: a segment on the server
+        with pytest.raises(RateLimitedError, match="inserts are ahead of sampling: 15 rows inserted for 0 sampled"):
+            seg.commit()
+        assert len(learner) == 15  # nothing of the held-back episode is visible
+        learner.sample(6)
+        receipt = seg.commit()  # the same segment, still open on the server
+        assert receipt.length == 10 and len(learner) == 25
+        with pytest.raises(RateLimitedError, match="an insert of 50 rows .* more than the whole window"):
+            actor.push_episode(episode_rows(1, 2, 50))  # could never fit: refused at once
+        assert learner.info()["inserted"] == 25
+
+
+# ------------------------------------------------------------------------------------ queues
+
+
+def queue_actor_main(endpoint: str, actor: int, episodes: int, out: Any) -> None:
+    with ActorClient(config=_client_config(endpoint, f"actor-{actor}", rate_limit_timeout=60)) as client:
+        for k in range(episodes):
+            client.push_episode(episode_rows(actor, k, 5))
+    out.put(("actor", actor, None))
+
+
+def queue_learner_main(endpoint: str, learner: int, stop: Any, out: Any) -> None:
+    got: list[tuple[int, int, int]] = []
+    ids: list[int] = []
+    with LearnerClient(config=_client_config(endpoint, f"learner-{learner}", rate_limit_timeout=0.5)) as client:
+        while not stop.is_set():
+            try:
+                batch, info = client.sample(4, with_info=True)  # 4 does not divide an episode (5 rows): batches straddle them
+            except RateLimitedError:
+                continue  # empty for now
+            got += list(zip(batch["actor"].tolist(), batch["episode"].tolist(), batch["step"].tolist()))
+            ids += info.row_ids.tolist()
+    out.put(("learner", learner, (got, ids)))
+
+
+def test_a_fifo_queue_hands_every_row_out_exactly_once_in_order(start_server: Any) -> None:
+    """fifo + max_times_sampled=1 (Reverb's Queue), 4 actors and 2 learners: every committed row
+    is returned exactly once, each learner gets rows in commit order, and the ring of 64 reuses
+    the slots of rows taken (240 rows pass through it) without losing one."""
+    server = start_server(capacity=64, sampling=SamplingConfig(Fifo(), RateLimit.queue(64), 1))
+    out = SPAWN.Queue()
+    stop = SPAWN.Event()
+    episodes = 12
+    results: dict[int, Any] = {}
+    with processes() as procs:
+        for a in range(4):
+            procs.append(SPAWN.Process(target=queue_actor_main, args=(server.endpoint, a, episodes, out)))
+        for k in range(2):
+            procs.append(SPAWN.Process(target=queue_learner_main, args=(server.endpoint, k, stop, out)))
+        for p in procs:
+            p.start()
+        actors_done = 0
+        with LearnerClient(server.endpoint, timeout=10) as watcher:
+            deadline = time.monotonic() + 90
+            while time.monotonic() < deadline:
+                while not out.empty():
+                    kind, who, what = out.get()
+                    actors_done += kind == "actor"
+                    if kind == "learner":
+                        results[who] = what
+                stats = watcher.info()
+                if actors_done == 4 and stats["sampled"] == 4 * episodes * 5:
+                    break
+                time.sleep(0.05)
+            stop.set()
+            while len(results) < 2 and time.monotonic() < deadline + 20:
+                kind, who, what = out.get(timeout=20)
+                if kind == "learner":
+                    results[who] = what
+            final = watcher.info()
+    assert final["inserted"] == final["sampled"] == 4 * episodes * 5, final
+    rows = [r for got, _ in results.values() for r in got]
+    assert len(rows) == len(set(rows)) == 4 * episodes * 5, "every row exactly once"
+    assert set(rows) == {(a, k, s) for a in range(4) for k in range(episodes) for s in range(5)}
+    for _got, ids in results.values():
+        assert ids == sorted(ids), "each learner gets the rows in the order they were committed"
+    with LearnerClient(config=_client_config(server.endpoint, "late", rate_limit_timeout=0.2)) as learner:
+        with pytest.raises(RateLimitedError):
+            learner.sample(1)
+
+
+def test_a_reader_endpoint_refuses_samples_that_only_the_writer_may_draw(start_server: Any) -> None:
+    server = start_server(sampling=SamplingConfig(Fifo(), RateLimit(), 1))
+    with ActorClient(server.endpoint, timeout=10) as actor:
+        actor.push_episode(episode_rows(1, 0, 3))
+    with RawClient(server.read_endpoint) as raw:
+        exc = error_of(raw.call(lambda rid: P.Sample(rid, 1, None, 0, 0.0)))
+        assert "only the writer samples" in str(exc)
+    with LearnerClient(config=_client_config(server.endpoint, "learner", rate_limit_timeout=0.2)) as learner:
+        assert learner.sample(3)["step"].tolist() == [0, 1, 2]
+        with pytest.raises(RateLimitedError, match="holds 0 rows, fewer than min_size_to_sample=1"):
+            learner.sample(1)
