@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 import zmq
-from fault_helpers import children_of, process_figures
+from fault_helpers import children_of, process_figures, process_status
 from service_helpers import header, server_config
 
 from h5replay import protocol as P
@@ -42,14 +42,8 @@ def _rows(n: int, start: int = 0) -> dict[str, np.ndarray]:
 def _rss(pid: int) -> tuple[int, int]:
     """(VmRSS, RssAnon) bytes of a process: all it holds in memory, and what is not file pages
     (a reader maps the file it reads; those pages are the page cache's)."""
-    rss = anon = 0
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                rss = int(line.split()[1]) * 1024
-            elif line.startswith("RssAnon:"):
-                anon = int(line.split()[1]) * 1024
-    return rss, anon
+    status = process_status(pid)
+    return status.get("VmRSS", 0), status.get("RssAnon", 0)
 
 
 @dataclass
