@@ -44,6 +44,20 @@ _positive_int = _int_at_least(1)
 _non_negative_int = _int_at_least(0)
 
 
+def _byte_size(text: str) -> int:
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    number, unit = text.strip().upper().rstrip("B"), ""
+    if number and number[-1] in units:
+        number, unit = number[:-1], number[-1]
+    try:
+        value = int(float(number) * units[unit])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size in bytes (e.g. 500M, 1G)") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
+    return value
+
+
 def _seconds(text: str) -> float:
     try:
         value = float(text)
@@ -105,6 +119,18 @@ def build_parser() -> argparse.ArgumentParser:
                        help="drop a client whose connection is silent this long (default 5)")
     serve.add_argument("--session-timeout", type=_seconds, default=300.0, metavar="S",
                        help="abort the open segments of a client idle this long (default 300)")
+    serve.add_argument("--idle-timeout", type=_seconds, default=30.0, metavar="S",
+                       help="forget a client with no open segment idle this long, freeing its slot (default 30)")
+    serve.add_argument("--max-clients-per-key", type=_positive_int, default=64, metavar="N",
+                       help="with --auth: clients one key may have connected at once (default 64)")
+    serve.add_argument("--actor-slots", type=_non_negative_int, metavar="N",
+                       help="with --auth: client slots only actor keys may take (default: a quarter of them)")
+    serve.add_argument("--min-free-bytes", type=_byte_size, metavar="N",
+                       help="free space the disk must keep: below it new rows are refused (DiskFullError), reads go "
+                            "on, writes resume once space is freed (default: 1G or 5%% of the file system, the "
+                            "smaller; suffixes K, M, G)")
+    serve.add_argument("--open-timeout", type=_seconds, default=30.0, metavar="S",
+                       help="give up opening a file (a damaged one keeps HDF5 retrying) after this long (default 30)")
 
     ping = sub.add_parser("ping", parents=[common], help="exit 0 when a server answers")
     ping.add_argument("endpoint", metavar="ENDPOINT")
@@ -123,6 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", parents=[common], help="what a replay file holds: space, length, episodes, layout, bytes")
     info.add_argument("path", metavar="FILE")
     info.add_argument("--json", action="store_true", help="print JSON")
+    info.add_argument("--open-timeout", type=_seconds, default=30.0, metavar="S",
+                      help="give up opening a file (a damaged one keeps HDF5 retrying) after this long (default 30)")
 
     keys = sub.add_parser("keys", parents=[common], help="CURVE keys for --auth")
     keys_sub = keys.add_subparsers(dest="keys_command", metavar="ACTION")
@@ -228,13 +256,14 @@ def _load_space(path: str) -> Any:
         raise ConfigError(f"{path!r} is not valid JSON: {exc}") from exc
 
 
-def _describe_existing(path: str) -> dict[str, Any] | None:
+def _describe_existing(path: str, open_timeout: float) -> dict[str, Any] | None:
     """What `info` says of an existing file, or None when it cannot be read before a server opens it
-    (a file a killed server left behind is recovered by the server itself)."""
+    (a file a killed server left behind is recovered by the server itself, and the server says
+    what is wrong with a damaged one)."""
     from h5replay.storage.inspect import describe_file
 
     try:
-        return describe_file(path)
+        return describe_file(path, open_timeout)
     except (H5ReplayError, OSError):
         return None
 
@@ -247,7 +276,7 @@ def _check_serve_args(args: argparse.Namespace) -> None:
             raise UsageError(f"{args.path!r} does not exist; creating it needs --capacity N (rows it holds, a ring) "
                              "or --unbounded")
         return
-    description = _describe_existing(args.path)
+    description = _describe_existing(args.path, args.open_timeout)
     if description is None:
         return
     if "replay" not in description:
@@ -298,6 +327,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         insecure=args.insecure,
         heartbeat_timeout=args.heartbeat_timeout,
         session_timeout=args.session_timeout,
+        open_timeout=args.open_timeout,
+        min_free_bytes=args.min_free_bytes,
+        idle_timeout=args.idle_timeout,
+        max_clients_per_key=args.max_clients_per_key,
+        actor_slots=args.actor_slots,
         sampling=_sampling_config(args),
     )
     return Server(config).run()
@@ -356,7 +390,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
     if args.path.startswith(("tcp://", "ipc://")):
         raise UsageError(f"info reads a file; for the server at {args.path} run `h5replay stats {args.path}`")
-    description = describe_file(args.path)
+    description = describe_file(args.path, args.open_timeout)
     # A fixed-capacity file is as long as its capacity from the start, but sparse: rows not yet
     # written take no disk space. Say what the disk holds, next to the length.
     description["disk_bytes"] = os.stat(args.path).st_blocks * 512

@@ -6,6 +6,7 @@ Pure: no sockets, no files. The CLI builds these from flags; tests build them di
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,7 +18,6 @@ from h5replay.sampling import SamplingConfig
 __all__ = ["ServerConfig", "ClientConfig", "DEFAULT_ENDPOINT", "read_endpoint_for"]
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5555"
-_LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1")
 
 
 def read_endpoint_for(endpoint: str) -> str:
@@ -33,12 +33,26 @@ def read_endpoint_for(endpoint: str) -> str:
     raise ConfigError(f"endpoint {endpoint!r} must start with tcp:// or ipc://")
 
 
+def is_loopback_host(host: str) -> bool:
+    """True for "localhost" and for IP addresses of the loopback network (127.0.0.0/8, ::1),
+    decided by parsing the address: a name like "127.0.0.1.nip.io" resolves anywhere."""
+    host = host.strip()
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def is_loopback(endpoint: str) -> bool:
-    """True for ipc:// and for tcp:// endpoints on a loopback address."""
+    """True for ipc:// and for tcp:// endpoints on a loopback address (see `is_loopback_host`)."""
     if endpoint.startswith("ipc://"):
         return True
     host = endpoint[len("tcp://") :].rpartition(":")[0] if endpoint.startswith("tcp://") else ""
-    return host in _LOOPBACK_HOSTS or host.startswith("127.")
+    return is_loopback_host(host)
 
 
 @dataclass(frozen=True)
@@ -63,7 +77,31 @@ class ServerConfig:
     heartbeat_timeout: float = 5.0
     # A session with open segments and no request for this long has them aborted.
     session_timeout: float = 300.0
+    # A session without an open segment and no request for this long is forgotten (its slot freed).
+    idle_timeout: float = 30.0
+    # With auth_dir: sessions one key may hold at once, and slots of limits.max_clients that only
+    # actor keys may take, so that learners can never lock actors out (None: a quarter).
+    max_clients_per_key: int = 64
+    actor_slots: int | None = None
     fsync: bool = False  # fsync every commit: survives power loss, not just a process crash
+    # Seconds opening the file may take (a damaged file keeps HDF5 retrying); SIGTERM stops it too.
+    open_timeout: float = 30.0
+    # Bytes one client may have in flight towards a server process, and bytes of replies it may
+    # leave unread, before it is disconnected; then the same for all clients together. None:
+    # 4x, 8x, 16x and 16x max_message_bytes (at least 16 MiB each). See server/guard.py.
+    client_bytes_in: int | None = None
+    client_bytes_out: int | None = None
+    total_bytes_in: int | None = None
+    total_bytes_out: int | None = None
+    # Free bytes the disk must keep: below it, new rows are refused (DiskFullError) and reads go
+    # on; writes resume once space is freed. None: 1 GiB or 5% of the file system, the smaller.
+    min_free_bytes: int | None = None
+    # Memory all open segments together may buffer before they spill rows to the file's staging
+    # area (each starts with a small block that grows; none is held up front).
+    staging_memory_bytes: int = 128 * 1024 * 1024
+    # A reader process that has not looked at its socket for this long (stopped, or stuck) is
+    # killed and replaced.
+    reader_timeout: float = 10.0
     storage_kwargs: dict[str, Any] = field(default_factory=dict)
     metrics_port: int | None = None  # serve Prometheus metrics over HTTP on this port
     metrics_address: str = "127.0.0.1"
@@ -78,11 +116,25 @@ class ServerConfig:
             raise ConfigError(f"num_readers must be >= 0, got {self.num_readers}")
         if self.num_readers and not self.multiprocessing:
             raise ConfigError("reader processes need multiprocessing=True (SWMR); use num_readers=0")
-        for name in ("heartbeat_interval", "heartbeat_timeout", "session_timeout"):
+        for name in ("heartbeat_interval", "heartbeat_timeout", "session_timeout", "idle_timeout", "open_timeout",
+                     "reader_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         if self.max_in_flight < 1:
             raise ConfigError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
+        for name in ("client_bytes_in", "client_bytes_out", "total_bytes_in", "total_bytes_out"):
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int or value < 1):
+                raise ConfigError(f"{name} must be an int >= 1 or None, got {value!r}")
+        if type(self.max_clients_per_key) is not int or self.max_clients_per_key < 1:
+            raise ConfigError(f"max_clients_per_key must be an int >= 1, got {self.max_clients_per_key!r}")
+        if not 0 <= self.resolved_actor_slots < self.limits.max_clients:
+            raise ConfigError(f"actor_slots must be >= 0 and below max_clients={self.limits.max_clients}, got "
+                              f"{self.actor_slots!r}")
+        if self.min_free_bytes is not None and (type(self.min_free_bytes) is not int or self.min_free_bytes < 0):
+            raise ConfigError(f"min_free_bytes must be an int >= 0 or None, got {self.min_free_bytes!r}")
+        if type(self.staging_memory_bytes) is not int or self.staging_memory_bytes < 0:
+            raise ConfigError(f"staging_memory_bytes must be an int >= 0, got {self.staging_memory_bytes!r}")
         read_endpoint_for(self.bind)  # validates the endpoint's form
         exposed = not (is_loopback(self.bind) and is_loopback(self.resolved_read_bind))
         if exposed and not self.insecure and self.auth_dir is None:
@@ -90,8 +142,36 @@ class ServerConfig:
                 f"binding {self.bind} exposes the store beyond this machine without authentication; "
                 "pass --auth DIR (see `h5replay keys generate`), bind 127.0.0.1, or pass --insecure"
             )
+        if self.metrics_port is not None and not is_loopback_host(self.metrics_address) and not self.insecure \
+                and self.auth_dir is None:
+            raise ConfigError(
+                f"--metrics-address {self.metrics_address} serves the metrics beyond this machine, over plain HTTP; "
+                "keep it on 127.0.0.1, or pass --insecure (or run with --auth) to mean it"
+            )
         if os.path.isdir(self.path):
             raise ConfigError(f"{self.path!r} is a directory; give the HDF5 file's path")
+
+    @property
+    def resolved_actor_slots(self) -> int:
+        return self.limits.max_clients // 4 if self.actor_slots is None else self.actor_slots
+
+    def resolved_min_free_bytes(self) -> int:
+        """`min_free_bytes`, or its default for the file system holding `path` (reads the disk)."""
+        if self.min_free_bytes is not None:
+            return self.min_free_bytes
+        try:
+            st = os.statvfs(os.path.dirname(os.path.abspath(self.path)))
+        except OSError:
+            return 1 << 30
+        return min(1 << 30, st.f_blocks * st.f_frsize // 20)
+
+    def byte_budgets(self) -> tuple[int, int, int, int]:
+        """(client in, client out, total in, total out) bytes: see `client_bytes_in`."""
+        unit = self.limits.max_message_bytes
+        floor = 16 * 1024 * 1024
+        chosen = (self.client_bytes_in, self.client_bytes_out, self.total_bytes_in, self.total_bytes_out)
+        defaults = (4 * unit, 8 * unit, 16 * unit, 16 * unit)
+        return tuple(max(floor, d) if c is None else c for c, d in zip(chosen, defaults))  # type: ignore[return-value]
 
     @property
     def resolved_read_bind(self) -> str:

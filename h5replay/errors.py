@@ -5,9 +5,11 @@ Callers catch one root, or one branch, and never parse messages::
     H5ReplayError
     ├── ConfigError                 (also ValueError)   a setting or argument is invalid
     ├── SpaceMismatchError          (also ValueError)   a value does not fit the space: names key and expectation
-    ├── ReadOnlyError                                   a write on a storage opened read-only
+    ├── ReadOnlyError                                   a write on a storage opened read-only, or by a learner
+    ├── AccessDeniedError           (also PermissionError) the client's key is no longer admitted, or its routing id is another's
     ├── StorageError                                    HDF5 failure or unusable file; the original is __cause__
-    │   └── FormatVersionError                          the file was written by an unknown h5replay format
+    │   ├── FormatVersionError                          the file was written by an unknown h5replay format
+    │   └── DiskFullError                               the disk is below the server's free-space reserve
     ├── SegmentStateError           (also RuntimeError) a segment writer used after commit/abort, or misused
     ├── NotEnoughDataError          (also ValueError)   sampling asks for more than the buffer holds
     ├── EvictedError                (also IndexError)   a row id is no longer held (the ring moved past it)
@@ -29,8 +31,10 @@ __all__ = [
     "ConfigError",
     "SpaceMismatchError",
     "ReadOnlyError",
+    "AccessDeniedError",
     "StorageError",
     "FormatVersionError",
+    "DiskFullError",
     "SegmentStateError",
     "NotEnoughDataError",
     "EvictedError",
@@ -60,12 +64,23 @@ class ReadOnlyError(H5ReplayError):
     """A write was attempted on a storage or buffer opened read-only."""
 
 
+class AccessDeniedError(H5ReplayError, PermissionError):
+    """The server refused a request for who sent it: the client's CURVE key was removed from the
+    server's key directories, or its routing id is bound to another key."""
+
+
 class StorageError(H5ReplayError):
     """The HDF5 layer failed or the file is unusable; the h5py error is kept as __cause__."""
 
 
 class FormatVersionError(StorageError):
     """The file records an h5replay format version this code does not know."""
+
+
+class DiskFullError(StorageError):
+    """The disk holding the file has less free space than the server keeps in reserve
+    (`--min-free-bytes`): new rows are refused before anything is written, reads go on, and
+    writes resume by themselves once space is freed. Nothing was written."""
 
 
 class SegmentStateError(H5ReplayError, RuntimeError):

@@ -88,8 +88,10 @@ import numpy as np
 from numpy.typing import NDArray
 
 from h5replay.errors import (
+    AccessDeniedError,
     ClosedError,
     ConfigError,
+    DiskFullError,
     EvictedError,
     LimitExceededError,
     NotEnoughDataError,
@@ -155,7 +157,9 @@ class ErrorCode(str, Enum):
     RATE_LIMITED = "rate_limited"  # the rate limit held the request back for its whole timeout
     UNKNOWN_SEGMENT = "unknown_segment"  # no open segment of that id for this client
     READ_ONLY = "read_only"  # a learner tried to write, or the store is read-only
+    ACCESS_DENIED = "access_denied"  # the client's key was revoked, or its routing id is another key's
     STORAGE_ERROR = "storage_error"
+    DISK_FULL = "disk_full"  # below the server's free-space reserve: nothing written; retry once space is freed
     BUSY = "busy"  # try again later
     SHUTTING_DOWN = "shutting_down"
     INTERNAL = "internal"  # a server bug; the message has the exception type
@@ -174,7 +178,9 @@ ERROR_CLASSES: Mapping[str, type[Exception]] = {
     ErrorCode.RATE_LIMITED.value: RateLimitedError,
     ErrorCode.UNKNOWN_SEGMENT.value: SegmentStateError,
     ErrorCode.READ_ONLY.value: ReadOnlyError,
+    ErrorCode.ACCESS_DENIED.value: AccessDeniedError,
     ErrorCode.STORAGE_ERROR.value: StorageError,
+    ErrorCode.DISK_FULL.value: DiskFullError,
     ErrorCode.BUSY.value: ServerUnavailableError,
     ErrorCode.SHUTTING_DOWN.value: ServerUnavailableError,
     ErrorCode.INTERNAL.value: RemoteError,
@@ -193,6 +199,8 @@ _CODE_OF_EXCEPTION: tuple[tuple[type[BaseException], ErrorCode], ...] = (
     (RateLimitedError, ErrorCode.RATE_LIMITED),
     (SegmentStateError, ErrorCode.UNKNOWN_SEGMENT),
     (ReadOnlyError, ErrorCode.READ_ONLY),
+    (AccessDeniedError, ErrorCode.ACCESS_DENIED),
+    (DiskFullError, ErrorCode.DISK_FULL),
     (StorageError, ErrorCode.STORAGE_ERROR),
     (ClosedError, ErrorCode.SHUTTING_DOWN),  # the server closed its storage on the way out
     (ServerUnavailableError, ErrorCode.BUSY),
@@ -230,7 +238,7 @@ class Limits:
     ``max_message_bytes``, so that an oversized message gets an error reply instead.
     """
 
-    max_message_bytes: int = 256 * _MiB
+    max_message_bytes: int = 32 * _MiB
     # The hello reply carries the space's JSON, whose bounds may be per-element lists.
     max_header_bytes: int = 1 * _MiB
     max_frames: int = 1024

@@ -36,7 +36,7 @@ from h5replay.storage import ReplayBuffer
 
 __all__ = [
     "CrashHistory", "FileState", "Fuzzer", "LimitedServer", "TcpRecorder", "children_of", "cli_command", "cli_server",
-    "crash_actor_main", "crash_learner_main", "drain", "limited_server_main", "ping", "process_figures",
+    "crash_actor_main", "crash_learner_main", "drain", "flood_reads", "limited_server_main", "ping", "process_figures", "process_status",
     "read_file_state", "segment_table_problems", "soak_actor_main", "soak_learner_main",
 ]
 
@@ -392,6 +392,29 @@ def cli_server(path: Path | str, bind: str, read_bind: str, log_path: Path, *ext
         proc.wait(10)
 
 
+def flood_reads(endpoint: str, stop: Any) -> None:
+    """A learner process that never stops: sample(256) requests pipelined 8 deep on `endpoint`,
+    each reply read as it comes, until `stop`."""
+    import zmq
+
+    from h5replay import protocol as P
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.linger = 0
+    sock.connect(endpoint)
+    try:
+        sent = got = 0
+        while not stop.is_set():
+            while sent - got < 8:
+                sent += 1
+                sock.send_multipart([bytes(f) for f in P.encode(P.Sample(sent, 256))])
+            if sock.poll(100):
+                sock.recv_multipart()
+                got += 1
+    finally:
+        sock.close(0)
+
+
 # ------------------------------------------------------------------------------------ fuzzing
 
 
@@ -741,16 +764,22 @@ def soak_learner_main(endpoint: str, seed: int, stop: Any, out: Any) -> None:
     out.join_thread()
 
 
-def process_figures(pid: int) -> tuple[int, int, int]:
-    """(RSS bytes, open file descriptors, threads) of a live process, from /proc."""
-    rss = threads = 0
+def process_status(pid: int) -> dict[str, int]:
+    """The numeric fields of /proc/PID/status, sizes in bytes ("VmRSS", "RssAnon", "Threads"...)."""
+    fields: dict[str, int] = {}
     with open(f"/proc/{pid}/status") as status:
         for line in status:
-            if line.startswith("VmRSS:"):
-                rss = int(line.split()[1]) * 1024
-            elif line.startswith("Threads:"):
-                threads = int(line.split()[1])
-    return rss, len(os.listdir(f"/proc/{pid}/fd")), threads
+            name, _, value = line.partition(":")
+            words = value.split()
+            if words and words[0].isdigit():
+                fields[name] = int(words[0]) * (1024 if words[1:] == ["kB"] else 1)
+    return fields
+
+
+def process_figures(pid: int) -> tuple[int, int, int]:
+    """(RSS bytes, open file descriptors, threads) of a live process, from /proc."""
+    status = process_status(pid)
+    return status.get("VmRSS", 0), len(os.listdir(f"/proc/{pid}/fd")), status.get("Threads", 0)
 
 
 def children_of(pid: int) -> list[int]:

@@ -30,20 +30,37 @@ class MemoryStaging:
     def __init__(self, schema: Schema, block_rows: int) -> None:
         self._schema = schema
         self.block_rows = block_rows
+        self.row_bytes = max(1, sum(leaf.row_bytes for _, leaf in schema.leaves))
+        self.first_rows = max(1, min(block_rows, (64 << 10) // self.row_bytes))
+        self.in_memory = 0
         self.names = schema.names
         self._blocks: dict[int, dict[str, np.ndarray]] = {}
         self._free: list[int] = []
         self._next = 0
         self._spare: list[dict[str, np.ndarray]] = []
 
-    def take_buffers(self) -> dict[str, np.ndarray]:
-        if self._spare:
+    # Writers' blocks grow from first_rows as in the file's Staging; memory is not budgeted here.
+    def reserve(self, rows: int) -> bool:
+        self.in_memory += rows * self.row_bytes
+        return True
+
+    def unreserve(self, rows: int) -> None:
+        self.in_memory = max(0, self.in_memory - rows * self.row_bytes)
+
+    def take_buffers(self, rows: int) -> dict[str, np.ndarray]:
+        if rows == self.block_rows and self._spare:
             return self._spare.pop()
-        return {name: np.empty((self.block_rows, *leaf.shape), leaf.storage_dtype) for name, leaf in self._schema.leaves}
+        return {name: np.empty((rows, *leaf.shape), leaf.storage_dtype) for name, leaf in self._schema.leaves}
+
+    def take_spare(self) -> dict[str, np.ndarray] | None:
+        return self._spare.pop() if self._spare else None
 
     def give_buffers(self, buffers: dict[str, np.ndarray]) -> None:
-        if len(self._spare) < _SPARE:
+        rows = next(iter(buffers.values())).shape[0] if buffers else 0
+        if rows == self.block_rows and len(self._spare) < _SPARE:
             self._spare.append(buffers)
+        else:
+            self.unreserve(rows)
 
     def allocate(self) -> int:
         if self._free:

@@ -65,8 +65,15 @@ class Connection:
         self._sock.rcvhwm = 0
         self._sock.heartbeat_ivl = int(config.heartbeat_interval * 1000)
         self._sock.heartbeat_timeout = int(max(config.timeout, 3 * config.heartbeat_interval) * 1000)
-        self._sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only on a completed connection
+        # Not ZMQ_IMMEDIATE: with it, a connection that drops makes libzmq end the socket's pipe at
+        # once, even between two frames of a reply being read, and libzmq 4.3.5 then aborts the
+        # process (`Assertion failed: !_more (src/fq.cpp:80)`). Without it, what this client sends
+        # while the server is away waits in its socket (bounded by SNDHWM) and leaves on reconnect;
+        # replies it no longer waits for are dropped, and commits carry idempotency keys.
         self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        # Every send gives up after the timeout too (the timed poll before it is not enough: the
+        # peer may vanish in between).
+        self._sock.sndtimeo = int(config.timeout * 1000)
         if curve is not None:
             self._sock.curve_secretkey = curve["secret_key"]
             self._sock.curve_publickey = curve["public_key"]
@@ -88,7 +95,10 @@ class Connection:
             frames = P.encode(request_factory(request_id), self.limits)
             if not self._sock.poll(int(self.config.timeout * 1000), zmq.POLLOUT):
                 raise ServerUnavailableError(self._no_answer(self.config.timeout))
-            self._sock.send_multipart(frames, copy=False)
+            try:
+                self._sock.send_multipart(frames, copy=False)
+            except zmq.Again:
+                raise ServerUnavailableError(self._no_answer(self.config.timeout)) from None
             self._outstanding.add(request_id)
             return request_id
 

@@ -20,7 +20,7 @@ from h5replay import protocol as P
 from h5replay.client._connection import Connection, curve_keys, say_hello
 from h5replay.client._shards import InDoubt, ShardedActor, ShardedSegment
 from h5replay.config import DEFAULT_ENDPOINT, ClientConfig
-from h5replay.errors import ClosedError, RateLimitedError, SegmentStateError
+from h5replay.errors import ClosedError, DiskFullError, RateLimitedError, SegmentStateError
 from h5replay.records import Receipt
 from h5replay.sampling import check_priorities
 from h5replay.spaces import Schema, Space, space_from_json
@@ -317,10 +317,11 @@ class ActorSegment:
         return self._conclude(lambda rid: P.Commit(rid, segment_id, limit))
 
     def _conclude(self, request: Any) -> Receipt:
-        """Send the request that commits the episode; its reply is the receipt."""
+        """Send the request that commits the episode; its reply is the receipt. Refused for a
+        full disk (DiskFullError), the segment stays open: commit again later, or abort."""
         try:
             reply = self._conn.request(request, timeout=self._config.timeout + self._client.commit_hold)
-        except RateLimitedError:
+        except (DiskFullError, RateLimitedError):
             raise  # still open: the server keeps the segment (a push's rows stay here); commit again
         except BaseException:
             self._state = "failed"

@@ -1,4 +1,5 @@
-"""CURVE authentication with two roles: actor keys may write, learner keys may only read.
+"""CURVE authentication with two roles, checked on every message: actor keys may write, learner
+keys may only read.
 
 A key directory (made by `h5replay keys generate DIR`, in pyzmq's `zmq.auth` file format)::
 
@@ -8,17 +9,26 @@ A key directory (made by `h5replay keys generate DIR`, in pyzmq's `zmq.auth` fil
     DIR/actors/*.key                          public keys allowed to write (drop more in)
     DIR/learners/*.key                        public keys allowed to read
 
-libzmq encrypts every connection; a ZAP handler thread admits only listed keys and tags each
-message with its role as the User-Id, which the writer reads off the frames. A refused client
-gets no answer at all (it cannot tell a refusal from a dead server), so the server logs each
-refusal, once per key and address and at most a few lines a minute (`RefusalLog`).
+libzmq encrypts every connection; a ZAP handler thread admits only listed keys and tags every
+message with the client's public key as its User-Id. The server looks the key's role up again
+for each message (`role_of`), so a key removed or moved to learners/ loses what it had within a
+reload interval, on connections already open too; the writer then closes the sessions of a
+removed key and aborts the open segments of a demoted one. The directories are re-read every
+second by a thread of their own (never by a server's loop), skipping anything that is not a
+regular file; emptying them revokes every key. A refused client gets no answer at all (it cannot
+tell a refusal from a dead server), so the server logs each refusal, once per key and address
+and at most a few lines a minute (`RefusalLog`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import logging
 import os
-import shutil
+import re
+import stat
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -30,7 +40,10 @@ from zmq.utils import z85
 
 from h5replay.errors import ConfigError
 
-__all__ = ["generate_keys", "RoleAuthenticator", "RefusalLog", "handshake_failure", "server_keys", "ACTOR", "LEARNER"]
+__all__ = [
+    "generate_keys", "RoleAuthenticator", "RefusalLog", "handshake_failure", "server_keys", "read_public_key", "ACTOR",
+    "LEARNER",
+]
 
 ACTOR, LEARNER = "actor", "learner"
 log = logging.getLogger("h5replay.server")
@@ -40,8 +53,31 @@ _LINES_PER_MINUTE = 10  # refusal lines at most; the rest are counted and the co
 _REMEMBERED = 10_000  # (what, from where) pairs remembered; forgotten all at once past this
 
 
+def _write_certificate(path: str, public: bytes, secret: bytes | None) -> None:
+    """A certificate file in pyzmq's format, created with its final permissions from its first byte
+    (0600 for a secret, never readable by others even for an instant) under a temporary name, then
+    renamed into place."""
+    lines = [f"#   ****  Generated on {datetime.datetime.now()} by h5replay  ****", "", "metadata", "curve",
+             f'    public-key = "{public.decode("ascii")}"']
+    if secret is not None:
+        lines.append(f'    secret-key = "{secret.decode("ascii")}"')
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if secret is not None else 0o644)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write("\n".join(lines) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
 def generate_keys(directory: str | os.PathLike[str]) -> list[str]:
     """Create server, actor and learner key pairs in `directory`; returns the files written.
+    Secret keys are created 0600 (see `_write_certificate`), in a directory made 0700 if new.
 
     Raises:
         ConfigError: the directory already holds a server key (never overwrite keys).
@@ -49,17 +85,19 @@ def generate_keys(directory: str | os.PathLike[str]) -> list[str]:
     root = os.fspath(directory)
     if os.path.exists(os.path.join(root, "server.key_secret")):
         raise ConfigError(f"{root!r} already holds keys; remove them or choose another directory")
-    os.makedirs(root, exist_ok=True)
+    os.makedirs(root, mode=0o700, exist_ok=True)
     written = []
     for name in ("server", ACTOR, LEARNER):
-        public, secret = zmq.auth.create_certificates(root, name)
-        os.chmod(secret, 0o600)
-        written += [public, secret]
-    for role, sub in _ROLE_DIRS.items():
-        os.makedirs(os.path.join(root, sub), exist_ok=True)
-        target = os.path.join(root, sub, f"{role}.key")
-        shutil.copyfile(os.path.join(root, f"{role}.key"), target)
-        written.append(target)
+        public, secret = zmq.curve_keypair()
+        base = os.path.join(root, name)
+        _write_certificate(base + ".key", public, None)
+        _write_certificate(base + ".key_secret", public, secret)
+        written += [base + ".key", base + ".key_secret"]
+        if name in _ROLE_DIRS:
+            os.makedirs(os.path.join(root, _ROLE_DIRS[name]), exist_ok=True)
+            target = os.path.join(root, _ROLE_DIRS[name], f"{name}.key")
+            _write_certificate(target, public, None)
+            written.append(target)
     return written
 
 
@@ -75,24 +113,51 @@ def server_keys(directory: str | os.PathLike[str]) -> tuple[bytes, bytes]:
     return public, secret
 
 
+_KEY_LINE = re.compile(rb'^\s*public-key\s*=\s*["\']?([0-9A-Za-z.\-:+=^!/*?&<>()\[\]{}@%$#]{40})["\']?\s*$', re.M)
+_MAX_KEY_FILE = 64 * 1024
+
+
+def read_public_key(path: str) -> bytes | None:
+    """The public key (Z85) in a certificate file, never blocking: anything but a regular file (a
+    FIFO, a device) is skipped (None), as is a file without a key or bigger than 64 KiB.
+
+    Raises:
+        OSError: the file cannot be opened or read.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO opens at once, unread
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > _MAX_KEY_FILE:
+            return None
+        data = os.read(fd, _MAX_KEY_FILE + 1)
+    finally:
+        os.close(fd)
+    match = _KEY_LINE.search(data)
+    return match.group(1) if match else None
+
+
 def _role_keys(directory: str) -> tuple[dict[bytes, str], list[str]]:
     """({public key: role}, [files that could not be read])."""
     keys: dict[bytes, str] = {}
     unreadable = []
     for role in (LEARNER, ACTOR):  # a key listed in both directories gets the actor role
         sub = os.path.join(directory, _ROLE_DIRS[role])
-        if not os.path.isdir(sub):
+        try:
+            names = sorted(os.listdir(sub))
+        except OSError:
             continue
-        for name in sorted(os.listdir(sub)):
+        for name in names:
             if not name.endswith(".key"):
                 continue
+            path = os.path.join(sub, name)
             try:
-                public, _ = zmq.auth.load_certificate(os.path.join(sub, name))
-            except (OSError, ValueError):  # a malformed file, or one still being copied in
-                unreadable.append(os.path.join(sub, name))
+                public = read_public_key(path)
+            except OSError:
+                public = None
+            if public is None:  # malformed, not a regular file, or still being copied in
+                unreadable.append(path)
                 continue
-            if public:
-                keys[public] = role
+            keys[public] = role
     return keys, unreadable
 
 
@@ -143,44 +208,74 @@ def handshake_failure(code: int, endpoint: str, directory: str) -> tuple[str, st
 
 
 class RoleAuthenticator(ThreadAuthenticator):
-    """Admits the keys listed under actors/ and learners/; the User-Id of a message is its role.
-    Refused keys are logged (`RefusalLog`) with the address they came from."""
+    """Admits the keys listed under actors/ and learners/ and tags each message with its key (the
+    User-Id); `role_of(key)` is the key's role now. Refused keys are logged (`RefusalLog`) with the
+    address they came from. `start()` also starts the thread that re-reads the directories every
+    `reload_interval` seconds; `generation` counts the reloads that changed something."""
 
-    def __init__(self, context: zmq.Context[Any], directory: str | os.PathLike[str]) -> None:
+    def __init__(self, context: zmq.Context[Any], directory: str | os.PathLike[str], reload_interval: float = 1.0) -> None:
         super().__init__(context)
         self.directory = os.fspath(directory)
+        self.reload_interval = reload_interval
         self._roles: dict[bytes, str] = {}
+        self.generation = 0
         self._reported: set[str] = set()
-        self._warned_empty = False
         self._address = "an unknown address"
         self._refusals = RefusalLog()
-        self.reload()
+        self._stop_reloading = threading.Event()
+        self._reloader: threading.Thread | None = None
+        self.reload(first=True)
         # pyzmq's own device for deciding on keys: it calls self.callback(domain, key) (below).
         self.configure_curve_callback("*", self)
 
-    def reload(self) -> int:
-        """Re-read the key directories (keys dropped in later are admitted); returns the count.
+    def start(self) -> None:
+        super().start()
+        self._reloader = threading.Thread(target=self._reload_forever, name="h5replay-keys", daemon=True)
+        self._reloader.start()
 
-        Unreadable files are skipped (and logged once). At start-up no usable key is an error;
-        later, an empty or unreadable directory keeps the keys already admitted.
+    def stop(self) -> None:
+        self._stop_reloading.set()
+        if self._reloader is not None:
+            self._reloader.join(5)
+            self._reloader = None
+        super().stop()
+
+    def _reload_forever(self) -> None:
+        while not self._stop_reloading.wait(self.reload_interval):
+            try:
+                self.reload()
+            except Exception:  # a key directory gone wrong must not stop the reloads (nor the server)
+                log.exception("re-reading the key directories under %s failed", self.directory)
+
+    def role_of(self, key: str | bytes | None) -> str | None:
+        """The role of a client key (Z85, as the User-Id of its messages) now, or None when the
+        key is not (or no longer) listed."""
+        if key is None:
+            return None
+        return self._roles.get(key.encode("ascii") if isinstance(key, str) else key)
+
+    def reload(self, first: bool = False) -> int:
+        """Re-read the key directories; returns the count of keys admitted. Unreadable files and
+        anything but regular files are skipped (and logged once). Keys no longer listed are
+        revoked at once; emptying the directories revokes every key (fail closed).
 
         Raises:
             ConfigError: at the first load, no client key could be read.
         """
         roles, unreadable = _role_keys(self.directory)
         for path in set(unreadable) - self._reported:
-            log.warning("skipping the unreadable key file %s", path)
+            log.warning("skipping the key file %s: not a readable key (or not a regular file)", path)
         self._reported = set(unreadable)
-        if not roles:
-            if not self._roles:
-                raise ConfigError(f"no client keys under {self.directory!r}/actors or /learners")
-            if not self._warned_empty:
-                log.warning("no readable client keys under %s any more; keeping the %d admitted before",
-                            self.directory, len(self._roles))
-                self._warned_empty = True
-            return len(self._roles)
-        self._warned_empty = False
-        self._roles = roles  # one assignment: the authenticator thread sees the old dict or the new one
+        if first and not roles:
+            raise ConfigError(f"no client keys under {self.directory!r}/actors or /learners")
+        if roles != self._roles:
+            removed = [k for k in self._roles if k not in roles]
+            demoted = [k for k, r in self._roles.items() if r == ACTOR and roles.get(k) == LEARNER]
+            if not first and (removed or demoted):
+                log.warning("key directories changed: %d key(s) revoked, %d moved to learners%s", len(removed),
+                            len(demoted), "; no client key is admitted any more" if not roles else "")
+            self._roles = roles  # one assignment: the other threads see the old dict or the new one
+            self.generation += 1
         return len(roles)
 
     async def handle_zap_message(self, msg: list[bytes]) -> None:
@@ -201,4 +296,5 @@ class RoleAuthenticator(ThreadAuthenticator):
         return False
 
     def curve_user_id(self, client_public_key: bytes) -> str:
-        return self._roles.get(z85.encode(client_public_key), LEARNER)
+        # The key itself, not its role: the server asks for the role of every message.
+        return z85.encode(client_public_key).decode("ascii")

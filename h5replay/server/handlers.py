@@ -21,6 +21,8 @@ import numpy as np
 from h5replay import __version__
 from h5replay import protocol as P
 from h5replay.errors import (
+    AccessDeniedError,
+    DiskFullError,
     LimitExceededError,
     ProtocolError,
     RateLimitedError,
@@ -40,14 +42,21 @@ log = logging.getLogger("h5replay.server")
 
 @dataclass
 class Session:
-    """One connected client, known by its ZeroMQ routing id."""
+    """One connected client, known by its ZeroMQ routing id (and, under --auth, bound to the key
+    of its first message: no other key may use that routing id while the session lasts)."""
 
     identity: bytes
-    role: str = "actor"
-    granted_role: str | None = None  # set by authentication; a client cannot claim more
+    claimed_role: str = "actor"  # what its hello asked for; a client may ask for less than granted
+    granted_role: str | None = None  # what its key may do now (under --auth), looked up per message
+    key: str | None = None
     name: str = ""
     last_seen: float = field(default_factory=time.monotonic)
     segments: dict[int, SegmentWriter] = field(default_factory=dict)
+
+    @property
+    def role(self) -> str:
+        """'learner' when the key or the hello says so, else 'actor'."""
+        return "learner" if "learner" in (self.claimed_role, self.granted_role) else "actor"
 
 
 @dataclass
@@ -155,8 +164,8 @@ SAMPLE_KINDS = (P.Sample, P.SampleSequences)
 _WAITING_PER_CLIENT = 4  # requests one client may have waiting for the rate limit, on average
 _WAITING_BYTES = 256 << 20  # rows of waiting push_episode requests held in memory, at most
 
-#: (identity, request, granted role): a request waiting for the rate limit.
-Parked = tuple[bytes, P.Request, str | None]
+#: (identity, request, granted role, key): a request waiting for the rate limit.
+Parked = tuple[bytes, P.Request, str | None, str | None]
 
 
 class Service:
@@ -171,8 +180,27 @@ class Service:
         fsync: bool = False,
         extra_stats: Callable[[], dict[str, Any]] | None = None,
         instance_id: str = "",
+        min_free_bytes: int = 0,
+        max_clients_per_key: int | None = None,
+        actor_slots: int = 0,
+        reads_elsewhere: bool = False,
     ) -> None:
         self.buffer = buffer
+        # Quotas (under --auth): sessions one key may hold, and slots of max_clients only actor
+        # keys may take (so learners can never lock actors out).
+        self.max_clients_per_key = max_clients_per_key
+        self.actor_slots = actor_slots
+        # True while reader processes run: reads sent here are refused, naming where to read.
+        self.reads_elsewhere = reads_elsewhere
+        #: Under --auth, a key's role now (set by `revoke`): requests that waited are checked again.
+        self.role_of: Callable[[str], str | None] | None = None
+        # New rows are refused (DiskFullError) while the disk has less than this free; nothing is
+        # written then, so no write fails and the server does not go read-only.
+        self.min_free_bytes = min_free_bytes
+        path = buffer.storage.filename
+        self._disk = os.path.dirname(os.path.abspath(path)) if path else None
+        self._free = 0
+        self._free_read = -1.0
         self.instance_id = instance_id
         self.limits = limits
         self.read_endpoint = read_endpoint
@@ -186,8 +214,10 @@ class Service:
         self._extra_stats = extra_stats
         self._rng = np.random.default_rng()
         # Segment ids are unique for the life of this process, whoever asks: a client that lost its
-        # session (silence, reconnect) can never reach a segment of its new one with an old id.
-        self._next_segment_id = 1
+        # session (silence, reconnect) can never reach a segment of its new one with an old id. They
+        # start at random, so that a request a client queued for the server before a restart (its
+        # socket keeps what it could not send) cannot land in a segment of the new server either.
+        self._next_segment_id = 1 + int.from_bytes(os.urandom(5), "big")
         self._segment_owner: dict[int, bytes] = {}
         self._handlers: dict[type[P.Request], Callable[[Any, Session], P.Reply]] = {
             P.Hello: self.hello,
@@ -231,7 +261,8 @@ class Service:
             return "sample", request.batch_size * request.length
         return None
 
-    def submit(self, identity: bytes, request: P.Request, granted_role: str | None = None) -> P.Reply | None:
+    def submit(self, identity: bytes, request: P.Request, granted_role: str | None = None,
+               key: str | None = None) -> P.Reply | None:
         """`handle`, through the rate limit: a sample or commit it holds back waits (None is
         returned; `released` gives its reply later), first come first served, at most the
         request's `timeout`; one that could never go ahead, or may not wait, is refused.
@@ -241,21 +272,20 @@ class Service:
         """
         gate = self._gate(identity, request)
         if gate is None:
-            return self.handle(identity, request, granted_role)
+            return self.handle(identity, request, granted_role, key)
         side, rows = gate
         nbytes = sum(a.nbytes for a in request.arrays.values()) if isinstance(request, P.PushEpisode) else 0
         if nbytes and self._waiting_bytes + nbytes > _WAITING_BYTES and self.waiting.queues["insert"]:
             raise RateLimitedError(f"the rate limit holds inserts back and {self._waiting_bytes} bytes of episodes "
                                    "already wait in this server's memory; stream long episodes through segments")
         timeout = float(getattr(request, "timeout", 0.0))
-        status, why = self.waiting.admit(side, rows, timeout, (identity, request, granted_role))
+        self.session(identity, key, granted_role)  # a client refused a session waits for nothing
+        status, why = self.waiting.admit(side, rows, timeout, (identity, request, granted_role, key))
         if status == "go":
-            return self.handle(identity, request, granted_role)
+            return self.handle(identity, request, granted_role, key)
         if status == "refused":
-            self.session(identity)  # counts the request as the client's
             raise RateLimitedError(f"{why} (the request's timeout: {timeout:g} s)")
         self._waiting_bytes += nbytes
-        self.session(identity)
         return None
 
     def released(self) -> list[tuple[bytes, P.Reply]]:
@@ -263,16 +293,20 @@ class Service:
         those whose timeout ended."""
         out: list[tuple[bytes, P.Reply]] = []
         while (ready := self.waiting.next_ready()) is not None:
-            identity, request, role = ready.payload
+            identity, request, role, key = ready.payload
             self._forget_bytes(request)
             try:
-                reply: P.Reply = self.handle(identity, request, role)
+                if key is not None and self.role_of is not None:  # the key's role now, not when it came
+                    role = self.role_of(key)
+                    if role is None:
+                        raise AccessDeniedError("this client's key is no longer listed in the server's key directories")
+                reply: P.Reply = self.handle(identity, request, role, key)
             except Exception as exc:  # the request's own refusal, as if it had not waited
                 self.stats.errors += 1
                 reply = P.ErrorReply.from_exception(request.request_id, exc)
             out.append((identity, reply))
         for late in self.waiting.expire():
-            identity, request, _ = late.payload
+            identity, request, _, _ = late.payload
             self._forget_bytes(request)
             self.stats.errors += 1
             waited = late.deadline - late.since
@@ -291,16 +325,43 @@ class Service:
             return True
         return self.writer_samples and isinstance(reply, (P.SampleReply, P.SampleSequencesReply))
 
-    def session(self, identity: bytes) -> Session:
-        """The session of `identity`, created on its first message (limited to max_clients)."""
+    def session(self, identity: bytes, key: str | None = None, granted_role: str | None = None) -> Session:
+        """The session of `identity`, created on its first message (within max_clients, the
+        per-key quota and the slots kept for actors). Under --auth `key` is the message's key.
+
+        Raises:
+            AccessDeniedError: the routing id is bound to another key.
+            LimitExceededError: a quota is full.
+        """
         session = self.sessions.get(identity)
-        if session is None:
-            if len(self.sessions) >= self.limits.max_clients:
+        if session is not None:
+            if session.key != key:
+                raise AccessDeniedError(
+                    f"routing id {identity.hex()} belongs to a client with another key; a client may not take over "
+                    "another's routing id (leave ZMQ_ROUTING_ID unset, or use one of your own)"
+                )
+        else:
+            limits = self.limits
+            if len(self.sessions) >= limits.max_clients:
                 raise LimitExceededError(
                     f"the server already has {len(self.sessions)} clients, the limit max_clients="
-                    f"{self.limits.max_clients}; close idle clients or raise the limit"
+                    f"{limits.max_clients}; close idle clients or raise the limit"
                 )
-            session = self.sessions[identity] = Session(identity)
+            if granted_role is not None and granted_role != "actor" and \
+                    len(self.sessions) >= limits.max_clients - self.actor_slots:
+                raise LimitExceededError(
+                    f"the server has {len(self.sessions)} clients; its last {self.actor_slots} slots of max_clients="
+                    f"{limits.max_clients} are kept for actor keys"
+                )
+            if key is not None and self.max_clients_per_key is not None:
+                same = sum(1 for other in self.sessions.values() if other.key == key)
+                if same >= self.max_clients_per_key:
+                    raise LimitExceededError(
+                        f"this key already has {same} clients on the server, the limit max_clients_per_key="
+                        f"{self.max_clients_per_key} (--max-clients-per-key); close some, or give each host a key"
+                    )
+            session = self.sessions[identity] = Session(identity, key=key)
+        session.granted_role = granted_role
         session.last_seen = time.monotonic()
         return session
 
@@ -321,15 +382,35 @@ class Service:
         self.stats.aborts += count
         return count
 
-    def expire(self, timeout: float) -> list[bytes]:
-        """Abort the segments of sessions silent for `timeout` seconds (a client waiting for the
-        rate limit is not silent); returns their identities."""
+    def expire(self, timeout: float, idle_timeout: float | None = None) -> list[tuple[bytes, int]]:
+        """Drop sessions silent for `timeout` seconds (their open segments are aborted) and, with
+        `idle_timeout`, sessions without an open segment silent that long (a client waiting for the
+        rate limit is not silent); returns (id, segments aborted) of each."""
         now = time.monotonic()
         waiting = {w.payload[0] for queue in self.waiting.queues.values() for w in queue}
-        expired = [s.identity for s in self.sessions.values() if now - s.last_seen > timeout and s.identity not in waiting]
-        for identity in expired:
-            self.drop_session(identity)
-        return expired
+        expired = [s.identity for s in self.sessions.values() if s.identity not in waiting
+                   and now - s.last_seen > (timeout if s.segments or idle_timeout is None else min(timeout, idle_timeout))]
+        return [(identity, self.drop_session(identity)) for identity in expired]
+
+    def revoke(self, role_of: Callable[[str], str | None]) -> tuple[list[bytes], list[bytes]]:
+        """Apply changed keys to live sessions: a key no longer listed loses its sessions (their
+        open segments are aborted), a key moved to learners its open segments. Returns (ids of the
+        sessions dropped, ids of the sessions demoted). Requests waiting for the rate limit are
+        checked again against `role_of` when they are let go (see `released`)."""
+        self.role_of = role_of
+        dropped, demoted = [], []
+        for identity, session in list(self.sessions.items()):
+            if session.key is None:
+                continue
+            role = role_of(session.key)
+            if role is None:
+                self.drop_session(identity)
+                dropped.append(identity)
+            elif role != "actor" and session.segments:
+                self._abort_all_of(session)
+                session.granted_role = role
+                demoted.append(identity)
+        return dropped, demoted
 
     def abort_everything(self) -> int:
         """Abort every open segment (shutdown)."""
@@ -341,22 +422,27 @@ class Service:
 
     # ------------------------------------------------------------------ dispatch
 
-    def handle(self, identity: bytes, request: P.Request, granted_role: str | None = None) -> P.Reply:
+    def handle(self, identity: bytes, request: P.Request, granted_role: str | None = None,
+               key: str | None = None) -> P.Reply:
         """The reply to one decoded request. Raises on refusal (the caller makes an error reply).
 
-        `granted_role` is what authentication proved ('actor' or 'learner'); without
-        authentication a client's role is what its hello claims.
+        `granted_role` is what authentication says `key` (the message's) may do now ('actor' or
+        'learner'), looked up for this very message; without authentication a client's role is
+        what its hello claims.
         """
         self.stats.requests += 1
-        session = self.session(identity)
-        if granted_role is not None and session.granted_role is None:
-            session.granted_role = session.role = granted_role
+        session = self.session(identity, key, granted_role)
         if isinstance(request, READ_KINDS):
-            if isinstance(request, SAMPLE_KINDS) and self.writer_samples:
+            if isinstance(request, SAMPLE_KINDS) and self.writer_samples:  # they change the buffer: drawn here
                 if self.write_failure is not None:
                     raise StorageError(f"this server stopped writing after a failed write ({self.write_failure}); "
                                        "samples change the buffer here (a rate limit, or removals), so none is served")
                 self.unpublished += 1  # the counters (and removals) are published before the reply leaves
+            elif self.reads_elsewhere:
+                raise ProtocolError(
+                    f"{request.KIND.value} is a read: this endpoint takes writes, hello, info, heartbeats and priority updates; reads go "
+                    f"to the read endpoint, {self.read_endpoint} (its hello names it; LearnerClient reads there)"
+                )
             reply = read_reply(self.buffer, request, self._rng, self.limits)
             self.stats.rows_out += reply_rows(reply)
             return reply
@@ -374,6 +460,8 @@ class Service:
             )
         try:
             return handler(request, session)
+        except DiskFullError:
+            raise  # refused before any write: nothing failed
         except StorageError as exc:
             self.write_failure = str(exc)
             log.error("a write to the file failed: %s; refusing writes from now on, serving reads", exc)
@@ -383,8 +471,7 @@ class Service:
 
     def hello(self, request: P.Hello, session: Session) -> P.HelloReply:
         session.name = request.client_name
-        # A client may ask for less than it was granted, never more.
-        session.role = "learner" if "learner" in (request.role, session.granted_role) else request.role
+        session.claimed_role = request.role  # less than granted, never more: see Session.role
         buffer = self.buffer
         sampling = {**buffer.sampling.describe(), "writer_samples": self.writer_samples}
         return P.HelloReply(
@@ -423,13 +510,46 @@ class Service:
         self._segment_owner[segment_id] = session.identity
         return P.OpenSegmentReply(request.request_id, segment_id)
 
+    def room_on_disk(self, incoming: int, what: str) -> None:
+        """Refuse `incoming` bytes of new rows while the disk would be left with less than the
+        reserve. The free space is read again every 50 ms (or when it looks short), so writes
+        resume by themselves once space is freed.
+
+        Raises:
+            DiskFullError: the disk is below the reserve; nothing was written.
+        """
+        if self.min_free_bytes <= 0 or self._disk is None:
+            return
+        now = time.monotonic()
+        if now - self._free_read > 0.05 or self._free - incoming < self.min_free_bytes:
+            try:
+                st = os.statvfs(self._disk)
+            except OSError:
+                return
+            self._free, self._free_read = st.f_bavail * st.f_frsize, now
+        if self._free - incoming < self.min_free_bytes:
+            raise DiskFullError(
+                f"refused to {what}: the disk holding {self.buffer.storage.filename} has {self._free} bytes free and this "
+                f"server keeps {self.min_free_bytes} free (--min-free-bytes); free some space and try again (writes "
+                "resume by themselves), or lower the reserve. Reads go on."
+            )
+        self._free -= incoming
+
     def _add_rows(self, writer: SegmentWriter, num_rows: int, arrays: P.Arrays, priorities: np.ndarray) -> None:
         if len(writer) + num_rows > self.limits.max_rows_per_segment:
             raise LimitExceededError(
                 f"the segment would have {len(writer) + num_rows} rows, over the limit max_rows_per_segment="
                 f"{self.limits.max_rows_per_segment}; commit it and start another"
             )
+        capacity = self.buffer.capacity
+        if capacity is not None and len(writer) + num_rows > capacity:
+            # It could never be committed: refused now, before the rows take disk or memory.
+            raise LimitExceededError(
+                f"the segment would have {len(writer) + num_rows} rows, more than the buffer's capacity of {capacity} "
+                "rows, so it could never be committed; commit episodes of at most the capacity"
+            )
         checked = self.buffer.schema.validate_stored(arrays, num_rows)
+        self.room_on_disk(num_rows * self.buffer.storage.row_bytes, f"stage {num_rows} rows")
         writer.extend_stored(checked, num_rows, priorities if len(priorities) else None)
         self.stats.rows_in += num_rows
         self.stats.bytes_in += sum(a.nbytes for a in checked.values())
@@ -457,6 +577,9 @@ class Service:
         return receipt.episode_id, receipt.first_row_id, receipt.length
 
     def commit(self, request: P.Commit, session: Session) -> P.CommitReply:
+        writer = self._writer(session, request.segment_id)
+        # Before the segment is closed: refused for a full disk, it stays open to commit later.
+        self.room_on_disk(len(writer) * self.buffer.storage.row_bytes, f"commit a segment of {len(writer)} rows")
         writer = self._close_segment(session, request.segment_id)
         return P.CommitReply(request.request_id, *self._commit(writer))
 

@@ -1,19 +1,34 @@
 """Reader processes: serve learners' reads from their own SWMR view of the file.
 
-A single reader binds the learners' endpoint itself. Several sit behind a ZeroMQ proxy thread in
-the writer process (ROUTER in front, DEALER behind, no Python in the path), which spreads the
-requests over them. Each reader opens the file as an SWMR reader, so reads never hold up the
-writer's loop; it sees exactly what the writer published.
+A single reader binds the learners' endpoint itself. Several sit behind a front process that
+binds the learners' endpoint and hands each request to a ready reader (round robin) and each
+reply back. Each reader opens the file as an SWMR reader, so reads never hold up the writer's
+loop; it sees exactly what the writer published.
+
+Why a front process in Python, not pyzmq's proxy device (`zmq.proxy_steerable` in a thread): the
+server must bound what each learner makes it hold (guard.py), which needs to know, message by
+message, which connection a request came from and a reply goes to. The C proxy cannot tell it:
+libzmq drops a message's metadata (its connection's descriptor) when it forwards or captures
+it. The front does that accounting; in its own process it costs the writer nothing.
+
+Behind the front, the readers connect to it (ipc, in the server's private directory) with a
+routing id the front can check: the reader's index and generation, signed with a secret only the
+server's processes know. The front sends requests to, and takes replies from, signed ids only: a
+process of the same user that connects there is ignored, and cannot slip a reply to a learner.
+
+Every process here stamps `beats[index]` (monotonic seconds) every poll; the writer replaces one
+that has not stamped for `reader_timeout` (stopped with SIGSTOP, or stuck).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import logging
 import multiprocessing as mp
 import os
 import signal
-import threading
 import time
 from typing import Any
 
@@ -22,16 +37,40 @@ import zmq
 
 from h5replay import protocol as P
 from h5replay.config import ServerConfig
-from h5replay.errors import ProtocolError
+from h5replay.errors import AccessDeniedError, ProtocolError, ServerUnavailableError
 from h5replay.server.auth import RoleAuthenticator, server_keys
+from h5replay.server.guard import MONITOR_EVENTS, Budgets, ConnectionGuard
 from h5replay.server.handlers import READ_KINDS, read_reply, reply_rows
 from h5replay.server.sockets import Started, bound_endpoint, configure_router
 from h5replay.storage.replay_buffer import ReplayBuffer
 
-__all__ = ["ReaderPool", "ReadProxy"]
+__all__ = ["ReaderPool", "front_endpoint", "reader_token"]
 
 log = logging.getLogger("h5replay.server")
 _POLL_MS = 100
+_QUEUED_FOR_FRONT = 4  # replies a reader behind the front may have waiting for it
+_FRONT_WAIT = 2.0  # seconds a reader waits for the front to take a reply
+_READY_EVERY = 1.0  # seconds between a reader's "ready" to the front (a replaced front learns of it)
+_READY = b""  # the frame a reader sends to say it is ready
+
+
+def front_endpoint(directory: str) -> str:
+    """The ipc endpoint the front binds for its readers, in the server's private directory."""
+    return f"ipc://{directory}/front"
+
+
+def reader_token(secret: bytes, index: int, generation: int) -> bytes:
+    """The routing id of reader `index` (its `generation`-th process) behind the front: index,
+    generation and their HMAC under the server's secret."""
+    head = index.to_bytes(2, "big") + generation.to_bytes(4, "big")
+    return head + hmac.new(secret, head, hashlib.sha256).digest()[:16]
+
+
+def token_is_valid(secret: bytes, token: bytes) -> bool:
+    """Whether a routing id is one `reader_token` signed with `secret`."""
+    if len(token) != 22:
+        return False
+    return hmac.compare_digest(hmac.new(secret, token[:6], hashlib.sha256).digest()[:16], token[6:])
 
 
 def answer(buffer: ReplayBuffer, request: P.Request, rng: np.random.Generator, config: ServerConfig,
@@ -51,50 +90,109 @@ def answer(buffer: ReplayBuffer, request: P.Request, rng: np.random.Generator, c
     raise ProtocolError(_not_a_read(request, config, served))  # e.g. a client given this endpoint, not the server's
 
 
+class _Learners:
+    """The learners' side of a process that binds the learners' endpoint: the ROUTER, its
+    authenticator under --auth, its connection guard."""
+
+    def __init__(self, ctx: zmq.Context[Any], config: ServerConfig, name: str) -> None:
+        self.auth: RoleAuthenticator | None = None
+        if config.auth_dir:
+            self.auth = RoleAuthenticator(ctx, config.auth_dir)
+            self.auth.start()
+        self.sock = ctx.socket(zmq.ROUTER)
+        configure_router(self.sock, config, server_keys(config.auth_dir) if config.auth_dir else None, mandatory=False)
+        self.guard = ConnectionGuard(Budgets(*config.byte_budgets()), name=name)
+        self.guard.watch(self.sock.get_monitor_socket(MONITOR_EVENTS))  # before the bind: every connection
+        self.guard.start()
+        _bind_when_free(self.sock, config.resolved_read_bind)
+        #: The learners' endpoint as bound (port 0 becomes a free port).
+        self.endpoint = bound_endpoint(self.sock)
+        self.sock.linger = 0
+
+    def admitted(self, frame: Any, fd: int) -> bool:
+        """Whether the key a message came with is listed now (always, without --auth); a client
+        whose key was removed is disconnected."""
+        if self.auth is None:
+            return True
+        try:
+            key = str(frame.get("User-Id"))
+        except (zmq.ZMQError, AttributeError):
+            return False
+        if self.auth.role_of(key) is not None:
+            return True
+        self.guard.disconnect(fd, "its key was removed from the key directories")
+        return False
+
+    def close(self) -> None:
+        self.guard.stop()
+        self.sock.close(0)
+        if self.auth is not None:
+            self.auth.stop()
+
+
+def _watchdog(beats: Any, index: int) -> Any:
+    def beat() -> None:
+        if beats is not None:
+            beats[index] = time.monotonic()
+
+    return beat
+
+
 def reader_main(
-    config: ServerConfig, endpoint: str, direct: bool, ready: Any, stop: Any, counters: Any, index: int,
-    instance_id: str = "",
+    config: ServerConfig, behind: tuple[str, bytes] | None, ready: Any, stop: Any, counters: Any, index: int,
+    instance_id: str = "", beats: Any = None,
 ) -> None:
     """Body of one reader process (spawned). Exits when `stop` is set or its parent dies.
 
-    `direct`: bind the learners' endpoint itself (a ROUTER, with its own authenticator under
-    --auth; `ready` is told the endpoint bound, a free port for port 0); otherwise connect a DEALER
-    to the writer's proxy at `endpoint`.
+    `behind` None: bind the learners' endpoint itself (with its own authenticator under --auth,
+    and a connection guard); else (the front's endpoint, this reader's routing id): connect to
+    the front and serve what it hands over.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the writer coordinates shutdown
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     parent = os.getppid()
+    beat = _watchdog(beats, index)
+    beat()
     limits = config.limits
-    buffer = ReplayBuffer.load_from(config.path, read_only=True, multiprocessing=True)
+    buffer = ReplayBuffer.load_from(config.path, read_only=True, multiprocessing=True, open_timeout=config.open_timeout)
     ctx = zmq.Context()
-    auth: RoleAuthenticator | None = None
-    if direct:
-        curve = server_keys(config.auth_dir) if config.auth_dir else None
-        if config.auth_dir:
-            auth = RoleAuthenticator(ctx, config.auth_dir)
-            auth.start()
-        sock = ctx.socket(zmq.ROUTER)
-        configure_router(sock, config, curve, mandatory=False)
-        _bind_when_free(sock, endpoint)
+    learners: _Learners | None = None
+    guard: ConnectionGuard | None = None
+    if behind is None:
+        learners = _Learners(ctx, config, f"reader {index}")
+        sock, guard = learners.sock, learners.guard
     else:
-        # DEALER, not REP: learners' DEALERs send no empty delimiter frame, so a REP would drop them.
         sock = ctx.socket(zmq.DEALER)
-        sock.connect(endpoint)
-    sock.linger = 0
+        sock.linger = 0
+        sock.routing_id = behind[1]
+        # Back-pressure towards the front: a few replies may wait for it, then the reader waits
+        # (and takes no more requests) rather than piling replies up in its own memory.
+        sock.sndhwm = _QUEUED_FOR_FRONT
+        sock.connect(behind[0])
     rng = np.random.default_rng()
-    served = bound_endpoint(sock) if direct else config.advertise_read or config.resolved_read_bind
-    ready.set((served,) if direct else None)
-    next_reload = time.monotonic() + 1.0
+    # Where learners reach this reader: the endpoint it bound (a free port for port 0), or the
+    # front's (the pool hands readers behind it a config naming the front's bound endpoint).
+    served = learners.endpoint if learners is not None else config.advertise_read or config.resolved_read_bind
+    ready.set((served,) if learners is not None else None)
+    next_ready = 0.0
     try:
         while not stop.is_set() and os.getppid() == parent:
-            if auth is not None and time.monotonic() >= next_reload:
-                auth.reload()  # it keeps the keys it had when a directory is empty or unreadable
-                next_reload = time.monotonic() + 1.0
+            beat()
+            if behind is not None and time.monotonic() >= next_ready:
+                with contextlib.suppress(zmq.Again):
+                    sock.send(_READY, zmq.NOBLOCK)
+                next_ready = time.monotonic() + _READY_EVERY
             if not sock.poll(_POLL_MS):
                 continue
             routed = sock.recv_multipart(copy=False)
-            route, frames = routed[:1], routed[1:]  # a ROUTER (ours or the proxy's) put the learner's id first
+            route, frames = routed[:1], routed[1:]  # the learner's routing id, from its ROUTER or the front's
+            fd = -1
+            if guard is not None and frames:
+                fd = guard.fd_of(frames[0])
+                guard.consumed(fd, sum(len(f) for f in frames), len(frames))
             try:
+                if learners is not None and frames and not learners.admitted(frames[0], fd):
+                    raise AccessDeniedError("this client's key is no longer listed in the server's key directories")
                 request = P.decode(frames, limits, expect=P.Request)
                 reply = answer(buffer, request, rng, config, instance_id, served)
                 counters[2 * index + 1] += reply_rows(reply)
@@ -103,14 +201,126 @@ def reader_main(
                 if reply.code == P.ErrorCode.INTERNAL.value:
                     log.exception("reader %d failed on a request", index)
             counters[2 * index] += 1
-            with contextlib.suppress(zmq.Again):  # a learner not reading its replies is not answered
-                sock.send_multipart([*route, *P.encode(reply)], flags=zmq.NOBLOCK, copy=False)
+            out = P.encode(reply)
+            if guard is not None:  # a learner not reading its replies is not answered (the guard cuts it)
+                with contextlib.suppress(zmq.Again):
+                    sock.send_multipart([*route, *out], flags=zmq.NOBLOCK, copy=False)
+                    guard.sent(fd, sum(len(f) for f in out))
+            else:
+                _send_to_front(sock, [*route, *out])
     finally:
-        sock.close(0)
-        if auth is not None:
-            auth.stop()
+        if learners is not None:
+            learners.close()
+        else:
+            sock.close(0)
         ctx.term()
         buffer.close()
+
+
+def _send_to_front(sock: zmq.Socket[Any], frames: list[Any]) -> None:
+    """Send a reply to the front, waiting while the few it may queue are still there (a front
+    that does not take them for `_FRONT_WAIT` seconds, or is gone, loses this one)."""
+    deadline = time.monotonic() + _FRONT_WAIT
+    while True:
+        try:
+            sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            return
+        except zmq.Again:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not sock.poll(int(remaining * 1000) + 1, zmq.POLLOUT):
+                return
+
+
+def front_main(config: ServerConfig, behind: tuple[str, bytes], ready: Any, stop: Any, counters: Any, index: int,
+               instance_id: str = "", beats: Any = None) -> None:
+    """Body of the front process (spawned) before several readers: it binds the learners'
+    endpoint and, behind, `behind[0]` where readers signed with the secret `behind[1]` connect;
+    hands each request to a ready reader (round robin) and each reply back, and counts both for
+    its connection guard. Exits when `stop` is set or its parent dies."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    parent = os.getppid()
+    beat = _watchdog(beats, index)
+    beat()
+    endpoint, secret = behind
+    ctx = zmq.Context()
+    learners = _Learners(ctx, config, "read front")
+    front, guard = learners.sock, learners.guard
+    back = ctx.socket(zmq.ROUTER)
+    back.linger = 0
+    back.router_mandatory = 1  # a reader that is gone raises: it leaves the ring
+    back.rcvhwm = 0  # replies are taken at once; what waits for learners is bounded by the guard
+    _bind_when_free(back, endpoint)
+    ring: list[bytes] = []  # ready readers' ids, in turn
+    turn = 0
+    fds: dict[bytes, int] = {}  # a learner's routing id -> its connection
+    poller = zmq.Poller()
+    poller.register(front, zmq.POLLIN)
+    poller.register(back, zmq.POLLIN)
+    ready.set((learners.endpoint,))
+
+    def hand_over(frames: list[Any]) -> bool:
+        nonlocal turn
+        for _ in range(len(ring)):
+            reader = ring[turn % len(ring)]
+            turn += 1
+            try:
+                back.send_multipart([reader, *frames], flags=zmq.NOBLOCK, copy=False)
+                return True
+            except zmq.Again:
+                continue  # that reader has plenty to do already
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EHOSTUNREACH:
+                    raise
+                ring.remove(reader)  # gone (replaced): its successor says it is ready under a new id
+        return False
+
+    try:
+        while not stop.is_set() and os.getppid() == parent:
+            beat()
+            events = dict(poller.poll(_POLL_MS))
+            for _ in range(256 if back in events else 0):
+                try:
+                    frames = back.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                reader = frames[0].bytes
+                if len(frames) < 2 or not token_is_valid(secret, reader):
+                    continue  # not one of ours: ignored, never forwarded
+                if len(frames) == 2 and len(frames[1]) == 0:  # "ready"
+                    if reader not in ring:
+                        ring.append(reader)
+                    continue
+                with contextlib.suppress(zmq.Again):  # a learner not reading its replies is not answered
+                    front.send_multipart(frames[1:], flags=zmq.NOBLOCK, copy=False)
+                    guard.sent(fds.get(frames[1].bytes, -1), sum(len(f) for f in frames[2:]))
+            for _ in range(256 if front in events else 0):
+                try:
+                    frames = front.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                if len(frames) < 2:
+                    continue
+                fd = guard.fd_of(frames[1])
+                guard.consumed(fd, sum(len(f) for f in frames[1:]), len(frames) - 1)
+                refusal: Exception | None = None
+                if not learners.admitted(frames[1], fd):
+                    refusal = AccessDeniedError("this client's key is no longer listed in the server's key directories")
+                else:
+                    if len(fds) > 100_000:
+                        fds.clear()
+                    fds[frames[0].bytes] = fd
+                    if not hand_over(frames):
+                        refusal = ServerUnavailableError("no reader process is ready (they are starting, or being "
+                                                         "replaced); try again in a moment")
+                if refusal is not None:
+                    reply = P.ErrorReply.from_exception(P.peek_request_id(frames[1:], config.limits), refusal)
+                    with contextlib.suppress(zmq.Again):
+                        front.send_multipart([frames[0], *P.encode(reply)], flags=zmq.NOBLOCK)
+    finally:
+        back.close(0)
+        learners.close()
+        ctx.term()
 
 
 def _not_a_read(request: P.Request, config: ServerConfig, served: str) -> str:
@@ -134,93 +344,53 @@ def _bind_when_free(sock: zmq.Socket[Any], endpoint: str, timeout: float = 10.0)
             time.sleep(0.05)
 
 
-class ReadProxy:
-    """A ROUTER (learners) <-> DEALER (readers) proxy running in a thread, in C, without the GIL."""
-
-    def __init__(self, ctx: zmq.Context[Any], front: str, back: str, configure: Any) -> None:
-        self._ctx = ctx
-        self._control_endpoint = f"inproc://h5replay-proxy-{id(self)}"
-        self._control = ctx.socket(zmq.PAIR)
-        self._control.linger = 0
-        self._control.bind(self._control_endpoint)
-        self._started = threading.Event()
-        self._error: BaseException | None = None
-        #: The learners' endpoint as bound (port 0 becomes a free port).
-        self.endpoint = front
-        self._thread = threading.Thread(target=self._run, args=(front, back, configure), daemon=True)
-        self._thread.start()
-        self._started.wait(10)
-        if self._error is not None:
-            raise self._error
-
-    def _run(self, front_endpoint: str, back_endpoint: str, configure: Any) -> None:
-        front = self._ctx.socket(zmq.ROUTER)
-        back = self._ctx.socket(zmq.DEALER)
-        control = self._ctx.socket(zmq.PAIR)
-        for sock in (front, back, control):
-            sock.linger = 0
-        try:
-            configure(front)
-            # A learner that left before its reply came back must not end the proxy: drop the reply.
-            front.router_mandatory = 0
-            front.bind(front_endpoint)
-            self.endpoint = bound_endpoint(front)
-            back.bind(back_endpoint)
-            control.connect(self._control_endpoint)
-        except BaseException as exc:
-            self._error = exc
-            self._started.set()
-            for sock in (front, back, control):
-                sock.close(0)
-            return
-        self._started.set()
-        try:
-            zmq.proxy_steerable(front, back, None, control)
-        except zmq.ZMQError as exc:
-            if exc.errno != zmq.ETERM:
-                log.error("the read proxy stopped: %s", exc)
-        finally:
-            for sock in (front, back, control):
-                sock.close(0)
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def stop(self) -> None:
-        if self._thread.is_alive():
-            with contextlib.suppress(zmq.ZMQError):
-                self._control.send(b"TERMINATE", zmq.NOBLOCK)
-            self._thread.join(5)
-        self._control.close(0)
-
-
 class ReaderPool:
-    """K reader processes; started after the writer holds the file in SWMR mode."""
+    """K reader processes, and a front process when K > 1; started after the writer holds the
+    file in SWMR mode. `directory`: the server's private directory (mode 0700), for the front's
+    endpoint, to which the readers connect."""
 
-    def __init__(self, config: ServerConfig, endpoint: str, direct: bool, instance_id: str = "") -> None:
+    def __init__(self, config: ServerConfig, directory: str, instance_id: str = "") -> None:
         self._ctx = mp.get_context("spawn")
-        self._config, self._direct = config, direct
-        #: Where the readers serve (direct) or connect: as bound once the first reader started, so
-        #: a replacement takes the same port even when the configured one was 0.
-        self.endpoint = endpoint
+        self._config = config
+        #: The learners' endpoint as bound by the front (or the single reader) once it started:
+        #: replacements bind the same port, even when the configured one was 0.
+        self.endpoint = config.resolved_read_bind
         self._instance_id = instance_id
-        self.counters = self._ctx.Array("q", 2 * max(1, config.num_readers), lock=False)
+        k = config.num_readers
+        self._endpoint = front_endpoint(directory)
+        self._secret = os.urandom(32)  # signs the readers' routing ids; known to the server's processes only
+        self._generations = [0] * (k + (1 if k > 1 else 0))  # the front is last
+        self.counters = self._ctx.Array("q", 2 * len(self._generations), lock=False)
+        self.beats = self._ctx.Array("d", len(self._generations), lock=False)
         self._procs: list[Any] = []
-        # Each reader's (ready, stop) events, kept as long as the reader: a replacement does not
+        # Each process's (ready, stop) events, kept as long as the process: a replacement does not
         # wait for its start, and an event the parent let go of is gone before the child loads it.
         self._events: list[tuple[Any, Any]] = []
-        for index in range(config.num_readers):
+        for index in range(len(self._generations) - 1, -1, -1):  # the front first: readers connect to it
             self._spawn(index)
 
+    def _name(self, index: int) -> str:
+        return "the read front" if index == self._config.num_readers else f"reader process {index}"
+
     def _spawn(self, index: int, wait: bool = True) -> None:
-        """Start reader `index`; with `wait`, until it is ready (at server start). A replacement
+        """Start process `index`; with `wait`, until it is ready (at server start). A replacement
         does not wait: the writer loop must not stall while a new interpreter imports numpy."""
         ready, stop = Started(self._ctx), self._ctx.Event()
+        self.beats[index] = time.monotonic()
+        self._generations[index] += 1
+        k = self._config.num_readers
+        front = index == k
+        behind: tuple[str, bytes] | None
+        if front:
+            target: Any = front_main
+            behind = (self._endpoint, self._secret)
+        else:
+            target = reader_main
+            behind = None if k == 1 else (self._endpoint, reader_token(self._secret, index, self._generations[index]))
         proc = self._ctx.Process(
-            target=reader_main,
-            args=(self._config, self.endpoint, self._direct, ready, stop, self.counters, index, self._instance_id),
-            name=f"h5replay-reader-{index}",
+            target=target,
+            args=(self._config, behind, ready, stop, self.counters, index, self._instance_id, self.beats),
+            name="h5replay-read-front" if front else f"h5replay-reader-{index}",
             daemon=True,
         )
         proc.start()
@@ -228,21 +398,30 @@ class ReaderPool:
         while wait and not ready.wait(0.1):
             if not proc.is_alive() or time.monotonic() > deadline:
                 proc.kill()
-                raise RuntimeError(f"reader process {index} failed to start (exit code {proc.exitcode})")
-        if wait and self._direct:
+                raise RuntimeError(f"{self._name(index)} failed to start (exit code {proc.exitcode})")
+        if wait and index == (k if k > 1 else 0):  # the process that binds the learners' endpoint
             (self.endpoint,) = ready.endpoints(timeout=10)
-        if index < len(self._procs):
-            self._procs[index], self._events[index] = proc, (ready, stop)
-        else:
-            self._procs.append(proc)
-            self._events.append((ready, stop))
+            self._config = self._config.replace(read_bind=self.endpoint)
+        while len(self._procs) <= index:
+            self._procs.append(None)
+            self._events.append((None, None))
+        self._procs[index], self._events[index] = proc, (ready, stop)
 
     def revive(self) -> int:
-        """Restart readers that died; returns how many were restarted."""
+        """Restart processes that died, and replace those that stopped answering (no beat for
+        `reader_timeout` seconds: stopped, or stuck); returns how many were restarted."""
         restarted = 0
+        now = time.monotonic()
         for index, proc in enumerate(self._procs):
+            silent = now - self.beats[index]
+            if proc.is_alive() and silent > self._config.reader_timeout:
+                log.warning("%s has not looked at its socket for %.0f s (stopped, or stuck); replacing it",
+                            self._name(index), silent)
+                proc.kill()
+                proc.join(1)
+            elif not proc.is_alive():
+                log.warning("%s exited with code %s; restarting it", self._name(index), proc.exitcode)
             if not proc.is_alive():
-                log.warning("reader process %d exited with code %s; restarting it", index, proc.exitcode)
                 self._spawn(index, wait=False)
                 restarted += 1
         return restarted
@@ -253,9 +432,12 @@ class ReaderPool:
 
     def stop(self, timeout: float = 5.0) -> None:
         for _, stop in self._events:
-            stop.set()
+            if stop is not None:
+                stop.set()
         deadline = time.monotonic() + timeout
         for proc in self._procs:
+            if proc is None:
+                continue
             proc.join(max(0.0, deadline - time.monotonic()))
             if proc.is_alive():
                 proc.kill()

@@ -1,10 +1,12 @@
 """The writer process: owns the HDF5 file and the actors' socket, runs one single-threaded loop.
 
 Concurrency comes from ownership, not locks: this one loop is the only code that writes the file
-(h5py serialises HDF5 calls anyway, so threads would buy nothing). Reads are served elsewhere,
-by reader processes holding SWMR views of the file: one reader binds the learners' endpoint
-itself; with several, a proxy thread (C code, no GIL) spreads the learners' requests over them.
-With no reader process (`--readers 0`) this loop serves reads too. Control goes by flag: SIGTERM / SIGINT or `stop()` end the loop, which then
+(h5py serialises HDF5 calls anyway, so threads would buy nothing). Reads are served elsewhere:
+reader processes hold SWMR views of the file (one binds the learners' endpoint; several sit
+behind a front process, see readers.py); with no reader process (`--readers 0`) this loop serves
+reads too, after the writes of each pass. Two helper threads never touch the file: the
+connection guard (guard.py: byte budgets per client, below ZeroMQ) and, under --auth, the
+authenticator. Control goes by flag: SIGTERM / SIGINT or `stop()` end the loop, which then
 aborts open segments, publishes and closes the file, and stops the readers.
 
 Liveness: the ROUTER socket runs ZMTP heartbeats, so libzmq drops a peer that dies or goes
@@ -15,6 +17,7 @@ client's open segments are aborted.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import logging
@@ -26,20 +29,21 @@ import signal
 import tempfile
 import threading
 import time
+import typing
 import uuid
 from typing import Any
 
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
 from h5replay import protocol as P
 from h5replay.config import ServerConfig
-from h5replay.errors import ConfigError
+from h5replay.errors import AccessDeniedError, ConfigError
 from h5replay.sampling import SamplingConfig
 from h5replay.server.auth import RefusalLog, RoleAuthenticator, handshake_failure, server_keys
-from h5replay.server.handlers import READ_KINDS, Service
+from h5replay.server.guard import MONITOR_EVENTS, Budgets, ConnectionGuard
+from h5replay.server.handlers import READ_KINDS, WRITE_KINDS, Service
 from h5replay.server.metrics import Metrics
-from h5replay.server.readers import ReaderPool, ReadProxy
+from h5replay.server.readers import ReaderPool
 from h5replay.server.sockets import Started, bound_endpoint, configure_router
 from h5replay.storage.replay_buffer import ReplayBuffer
 
@@ -49,18 +53,30 @@ log = logging.getLogger("h5replay.server")
 _POLL_MS = 50
 _BATCH = 256  # messages handled per poll before housekeeping gets a turn
 _PROBE = P.HeartbeatReply(0)
+_MAX_WAITING_READS = 256  # reads the writer takes off its socket before it has answered them
+_READ_SHARE = 0.02  # seconds of a pass the writer spends on reads (--readers 0) after its writes
+_WRITE_GRACE_MS = 1  # before a read, the writer waits this long for a write to come first
+_READ_MAX_WAIT = 0.1  # a read that waited this long is served even while writes keep coming
 _READ_PORT_WAIT = 5.0  # seconds a restart waits for a taken read port (a killed server's reader lets go in < 1 s)
 
 
 def open_buffer(config: ServerConfig) -> ReplayBuffer:
-    """Reopen the file, or create it when it does not exist (then space and capacity are needed).
+    """Reopen the file, or create it when it does not exist (then space and capacity are needed);
+    its segment writers share `config.staging_memory_bytes` of memory.
 
     Raises:
         ConfigError: the file exists with another space or capacity than the config gives.
     """
+    buffer = _open_buffer(config)
+    buffer.storage.segment_memory_bytes = config.staging_memory_bytes
+    return buffer
+
+
+def _open_buffer(config: ServerConfig) -> ReplayBuffer:
     if os.path.exists(config.path):
         buffer = ReplayBuffer.load_from(
-            config.path, read_only=False, multiprocessing=config.multiprocessing, **config.storage_kwargs
+            config.path, read_only=False, multiprocessing=config.multiprocessing, open_timeout=config.open_timeout,
+            **config.storage_kwargs,
         )
         differences = []
         if config.sampling is not None and config.sampling != buffer.sampling:
@@ -80,8 +96,8 @@ def open_buffer(config: ServerConfig) -> ReplayBuffer:
     sampling = config.sampling or SamplingConfig()
     return ReplayBuffer.create(
         config.space, config.capacity, config.path, multiprocessing=config.multiprocessing,
-        sampler=sampling.sampler, rate_limit=sampling.rate_limit, max_times_sampled=sampling.max_times_sampled,
-        **config.storage_kwargs,
+        open_timeout=config.open_timeout, sampler=sampling.sampler, rate_limit=sampling.rate_limit,
+        max_times_sampled=sampling.max_times_sampled, **config.storage_kwargs,
     )
 
 
@@ -95,9 +111,13 @@ class Server:
         self._stop = threading.Event()
         self._curve: tuple[bytes, bytes] | None = server_keys(config.auth_dir) if config.auth_dir else None
         self._metrics: Metrics | None = None
-        self._proxy: ReadProxy | None = None
         self._deferred: list[tuple[bytes, P.Reply]] = []  # commit replies waiting for the pass's publish
-        self._proxy_args: tuple[Any, ...] = ()
+        self._guard: ConnectionGuard | None = None
+        self._fds: dict[bytes, int] = {}  # a client's routing id -> its connection (for the guard)
+        # Reads waiting for the writes (--readers 0): (id, frames, request, role, key, since).
+        self._last_read = self._last_write = 0.0
+        self._reads: collections.deque[tuple[bytes, list[zmq.Frame], Any, str | None, str | None, float]] = \
+            collections.deque()
         #: This server process's UUID (hello, info): tells a restarted server from the same one.
         self.instance_id = uuid.uuid4().hex
         # The metrics thread never reads the loop's live structures (a scrape must not iterate
@@ -125,43 +145,40 @@ class Server:
                 signal.signal(sig, lambda *_: self._stop.set())
             # A file-size limit must fail the write (an error reply), not kill the server.
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        created = [path for path in (config.path, config.path + ".lock") if not os.path.exists(path)]
+        created = [config.path] if not os.path.exists(config.path) else []
         buffer: ReplayBuffer | None = None
         ctx = zmq.Context()
         tmpdir = tempfile.mkdtemp(prefix="h5replay-")
         readers: ReaderPool | None = None
         sock = ctx.socket(zmq.ROUTER)
-        monitor = None
         auth: RoleAuthenticator | None = None
         broken = serving = False
+        refusals = RefusalLog()
+
+        def refused(code: int, endpoint: str) -> None:  # a handshake refused before any key was looked at
+            if auth is not None:
+                kind, message = handshake_failure(code, endpoint, auth.directory)
+                refusals.refused(kind, endpoint, message)
+
+        guard = self._guard = ConnectionGuard(Budgets(*config.byte_budgets()), name="writer", refused=refused)
         try:
             if config.auth_dir is not None:  # before the bind: no connection may skip the key check
                 auth = RoleAuthenticator(ctx, config.auth_dir)
                 auth.start()
             self._configure(sock)
+            guard.watch(sock.get_monitor_socket(MONITOR_EVENTS))  # before the bind: it sees every connection
+            guard.start()
             # The endpoints before the file: a taken port fails at once, with nothing created.
             _bind(sock, config.bind, "the actors' endpoint, --bind")
             bind = bound_endpoint(sock)
             if config.num_readers and not _any_port(config.resolved_read_bind):  # a restart may find a reader
                 # of the killed server still on the port
                 _check_free(ctx, config.resolved_read_bind, wait=0.0 if config.path in created else _READ_PORT_WAIT)
-            events = zmq.EVENT_DISCONNECTED
-            if auth is not None:  # handshakes refused before any key was looked at: logged in the loop
-                events |= zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-            monitor = sock.get_monitor_socket(events)
             buffer = open_buffer(config)
             bound_config = config.replace(bind=bind)  # what readers name when a client comes to the wrong door
-            if config.num_readers == 1:  # the reader binds the learners' endpoint itself: no hop
-                readers = ReaderPool(bound_config, config.resolved_read_bind, direct=True, instance_id=self.instance_id)
+            if config.num_readers:  # one binds the learners' endpoint, or a front before several
+                readers = ReaderPool(bound_config, tmpdir, instance_id=self.instance_id)
                 read_bound = readers.endpoint
-            elif config.num_readers > 1:  # a proxy thread (C, no GIL) spreads requests over the readers
-                backend = f"ipc://{tmpdir}/readers"
-                self._proxy_args = (ctx, config.resolved_read_bind, backend)
-                self._proxy = self._start_proxy()
-                read_bound = self._proxy.endpoint
-                self._proxy_args = (ctx, read_bound, backend)  # a restarted proxy takes the same port
-                readers = ReaderPool(bound_config.replace(read_bind=read_bound), backend, direct=False,
-                                     instance_id=self.instance_id)
             else:
                 read_bound = bind  # the writer serves reads itself, on its own endpoint
             self.endpoints = (bind, read_bound)
@@ -169,6 +186,10 @@ class Server:
             service = Service(
                 buffer, config.limits, read_endpoint, fsync=config.fsync,
                 extra_stats=readers.totals if readers else None, instance_id=self.instance_id,
+                min_free_bytes=config.resolved_min_free_bytes(),
+                max_clients_per_key=config.max_clients_per_key if auth is not None else None,
+                actor_slots=config.resolved_actor_slots if auth is not None else 0,
+                reads_elsewhere=readers is not None,
             )
             log.info(
                 "h5replay serving %s (%d rows, capacity %s) on %s; reads on %s by %d reader process(es)%s",
@@ -185,7 +206,7 @@ class Server:
             elif ready is not None:
                 ready.set()
             serving = True
-            self._loop(sock, monitor, service, readers, auth)
+            self._loop(sock, service, readers, auth)
             aborted = service.abort_everything()
             broken = service.write_failure is not None
             if broken:
@@ -194,12 +215,8 @@ class Server:
             else:
                 log.info("h5replay stopping: aborted %d open segment(s), flushing %s", aborted, config.path)
         finally:
-            if monitor is not None:
-                sock.disable_monitor()
-                monitor.close(0)
+            guard.stop()
             sock.close(linger=int(1000))
-            if self._proxy is not None:
-                self._proxy.stop()
             if auth is not None:
                 auth.stop()
             if self._metrics is not None:
@@ -210,7 +227,7 @@ class Server:
                 buffer.close()
             ctx.term()
             shutil.rmtree(tmpdir, ignore_errors=True)
-            if not serving:  # a failed start: remove the file (and lock) it made, still empty
+            if not serving:  # a failed start: remove the file it made, still empty
                 for path in created:
                     with contextlib.suppress(OSError):
                         os.unlink(path)
@@ -228,56 +245,69 @@ class Server:
     def _configure(self, sock: zmq.Socket[Any]) -> None:
         configure_router(sock, self.config, self._curve, mandatory=True)
 
-    def _loop(
-        self, sock: zmq.Socket[Any], monitor: zmq.Socket[Any], service: Service, readers: ReaderPool | None,
-        auth: RoleAuthenticator | None,
-    ) -> None:
+    def _loop(self, sock: zmq.Socket[Any], service: Service, readers: ReaderPool | None,
+              auth: RoleAuthenticator | None) -> None:
         config = self.config
+        guard = typing.cast("ConnectionGuard", self._guard)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
-        poller.register(monitor, zmq.POLLIN)
         next_probe = next_expire = time.monotonic()
-        refusals = RefusalLog()
+        keys_seen = auth.generation if auth is not None else 0
         while not self._stop.is_set():
-            events = dict(poller.poll(_POLL_MS))
+            events = dict(poller.poll(0 if self._reads else _POLL_MS))
             if sock in events:
+                # Writes first: reads (only with --readers 0) wait for the end of the pass, and get
+                # a bounded share of it, so that reads cannot starve ingest.
                 for _ in range(_BATCH):
+                    if len(self._reads) >= _MAX_WAITING_READS:
+                        break  # the rest waits in the socket, where the guard counts it
                     try:
                         frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
-                    self._serve(sock, service, frames)
+                    self._serve(sock, service, frames, auth)
                 self._release(sock, service)
                 self._publish(sock, service)
             elif service.waiting:
                 self._release(sock, service)  # timeouts end while nothing arrives
                 self._publish(sock, service)
+            if self._reads:
+                self._serve_reads(sock, service)
             now = time.monotonic()
-            if monitor in events:
-                while monitor.poll(0):
-                    event = parse_monitor_message(monitor.recv_multipart())
-                    if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and auth is not None:
-                        kind, message = handshake_failure(int(event["value"]), config.bind, auth.directory)
-                        refusals.refused(kind, config.bind, message)
+            if auth is not None and auth.generation != keys_seen:
+                keys_seen = auth.generation
+                self._revoke(service, auth)
+            if guard.disconnects.is_set():
+                guard.disconnects.clear()
                 next_probe = min(next_probe, now + 0.05)  # let libzmq finish dropping the peer first
             if now >= next_probe:
                 self._probe(sock, service)
                 next_probe = now + config.heartbeat_interval
             if now >= next_expire:
-                for identity in service.expire(config.session_timeout):
-                    log.warning("client %s was silent for %.0f s: its segments were aborted", identity.hex(), config.session_timeout)
+                for identity, aborted in service.expire(config.session_timeout, config.idle_timeout):
+                    self._fds.pop(identity, None)
+                    if aborted:
+                        log.warning("client %s was silent for %.0f s: its %d open segment(s) were aborted",
+                                    identity.hex(), config.session_timeout, aborted)
                 if readers is not None:
                     readers.revive()
-                    if self._proxy is not None and not self._proxy.alive:  # it logged why; learners must not stay cut off
-                        self._proxy.stop()
-                        self._proxy = self._start_proxy()
-                if auth is not None:
-                    auth.reload()  # keys dropped into actors/ or learners/ are admitted
                 next_expire = now + 1.0
             if not self._figure_requests.empty():
                 self._figures = service.snapshot()
                 while not self._figure_requests.empty():
                     self._figure_requests.get_nowait().set()
+
+    def _revoke(self, service: Service, auth: RoleAuthenticator) -> None:
+        """Keys changed: close the sessions (and connections) of removed keys, abort the open
+        segments of keys moved to learners/."""
+        dropped, demoted = service.revoke(auth.role_of)
+        guard = typing.cast("ConnectionGuard", self._guard)
+        for identity in dropped:
+            guard.disconnect(self._fds.pop(identity, -1), "its key was removed from the key directories")
+            log.warning("client %s: its key was removed; its session is closed and its open segments aborted",
+                        identity.hex())
+        for identity in demoted:
+            log.warning("client %s: its key was moved to learners; its open segments were aborted", identity.hex())
 
     def _publish(self, sock: zmq.Socket[Any], service: Service) -> None:
         """Publish the commits of this pass, then send their replies: a commit is acknowledged only
@@ -308,29 +338,88 @@ class Server:
         else:
             self._send(sock, service, identity, reply)
 
-    def _serve(self, sock: zmq.Socket[Any], service: Service, frames: list[zmq.Frame]) -> None:
+    def _serve(self, sock: zmq.Socket[Any], service: Service, frames: list[zmq.Frame],
+               auth: RoleAuthenticator | None = None) -> None:
         identity = frames[0].bytes
         body = frames[1:]
+        if body and self._guard is not None:
+            fd = self._guard.fd_of(body[0])
+            self._guard.consumed(fd, sum(len(f) for f in body), len(body))
+            if len(self._fds) > 4 * service.limits.max_clients and identity not in self._fds:
+                self._fds.clear()  # ids of clients long gone: forget them all at once
+            self._fds[identity] = fd
         started = time.perf_counter()
         kind = "invalid"
         try:
             request = P.decode(body, service.limits, expect=P.Request)
             kind = request.KIND.value
+            key = self._key(body)
+            role = auth.role_of(key) if auth is not None else None
+            if auth is not None and role is None:  # listed at its handshake, removed since
+                self._guard_disconnect(identity, "its key was removed from the key directories")
+                raise AccessDeniedError("this client's key is no longer listed in the server's key directories")
+            if isinstance(request, READ_KINDS) and not service.reads_elsewhere:
+                self._reads.append((identity, body, request, role, key, time.monotonic()))  # after the writes
+                return
+            if isinstance(request, WRITE_KINDS):
+                self._last_write = time.monotonic()
             if service.unpublished and isinstance(request, READ_KINDS):
                 self._publish(sock, service)  # a read must not see a commit before it is acknowledged
-            answer = service.submit(identity, request, self._granted_role(body))
+            answer = service.submit(identity, request, role, key)
         except Exception as exc:  # the boundary: every refusal becomes an error reply
-            service.stats.errors += 1
-            answer = P.ErrorReply.from_exception(P.peek_request_id(body, service.limits), exc)
-            if answer.code == P.ErrorCode.INTERNAL.value:
-                log.exception("internal error while serving a request")
-        if answer is not None:  # None: it waits for the rate limit (see _release)
-            self._reply(sock, service, identity, answer)
-            if service.waiting and isinstance(answer, (P.CommitReply, P.PushEpisodeReply, P.SampleReply,
-                                                       P.SampleSequencesReply)):
-                self._release(sock, service)  # the counters moved: a waiting request may go now
+            answer = self._refusal(service, body, exc)
+        self._answer(sock, service, identity, answer)
         if self._metrics is not None:
             self._metrics.observe(kind, time.perf_counter() - started)
+
+    def _answer(self, sock: zmq.Socket[Any], service: Service, identity: bytes, answer: P.Reply | None) -> None:
+        if answer is None:
+            return  # it waits for the rate limit (see _release)
+        self._reply(sock, service, identity, answer)
+        if service.waiting and isinstance(answer, (P.CommitReply, P.PushEpisodeReply, P.SampleReply,
+                                                   P.SampleSequencesReply)):
+            self._release(sock, service)  # the counters moved: a waiting request may go now
+
+    def _serve_reads(self, sock: zmq.Socket[Any], service: Service) -> None:
+        """Answer waiting reads (the writer serves reads only with --readers 0), in the gaps
+        between writes: before each read the writer waits a moment (`_WRITE_GRACE_MS`, while writes
+        come) for a write, and goes back to its socket if one comes. When no read was served for
+        `_READ_MAX_WAIT`, one is served anyway, so that reads are slowed, never starved; and reads
+        take at most `_READ_SHARE` seconds of a pass."""
+        deadline = time.perf_counter() + _READ_SHARE
+        while self._reads and time.perf_counter() < deadline:
+            identity, body, request, role, key, since = self._reads[0]
+            now = time.monotonic()
+            # The grace only while writes come (an actor's next write follows its reply closely);
+            # a server that only serves reads serves them without a wait.
+            grace = _WRITE_GRACE_MS if now - self._last_write < _READ_MAX_WAIT else 0
+            if now - max(since, self._last_read) < _READ_MAX_WAIT and sock.poll(grace):
+                return  # writes first
+            self._reads.popleft()
+            self._last_read = time.monotonic()
+            started = time.perf_counter()
+            if service.unpublished:
+                self._publish(sock, service)  # a read must not see a commit before it is acknowledged
+            answer: P.Reply | None
+            try:
+                answer = service.submit(identity, request, role, key)
+            except Exception as exc:
+                answer = self._refusal(service, body, exc)
+            self._answer(sock, service, identity, answer)
+            if self._metrics is not None:
+                self._metrics.observe(request.KIND.value, time.perf_counter() - started)
+
+    @staticmethod
+    def _refusal(service: Service, body: list[zmq.Frame], exc: Exception) -> P.ErrorReply:
+        service.stats.errors += 1
+        reply = P.ErrorReply.from_exception(P.peek_request_id(body, service.limits), exc)
+        if reply.code == P.ErrorCode.INTERNAL.value:
+            log.exception("internal error while serving a request")
+        return reply
+
+    def _guard_disconnect(self, identity: bytes, why: str) -> None:
+        if self._guard is not None:
+            self._guard.disconnect(self._fds.get(identity, -1), why)
 
     def _ask_figures(self) -> dict[str, Any]:
         """The service's figures, taken by the loop between two passes (called by the metrics
@@ -340,25 +429,25 @@ class Server:
         taken.wait(1.0)
         return self._figures
 
-    def _start_proxy(self) -> ReadProxy:
-        ctx, front, back = self._proxy_args
-        return ReadProxy(ctx, front, back, self._configure)
-
-    def _granted_role(self, body: list[zmq.Frame]) -> str | None:
-        """The role authentication gave the sender (the ZAP User-Id), or None without --auth."""
+    def _key(self, body: list[zmq.Frame]) -> str | None:
+        """The CURVE key the message came with (its ZAP User-Id), or None without --auth."""
         if self._curve is None or not body:
             return None
         return str(body[0].get("User-Id"))
 
     def _send(self, sock: zmq.Socket[Any], service: Service, identity: bytes, reply: P.Reply) -> bool:
+        frames = P.encode(reply)
         try:
-            sock.send_multipart([identity, *P.encode(reply)], flags=zmq.NOBLOCK, copy=False)
+            sock.send_multipart([identity, *frames], flags=zmq.NOBLOCK, copy=False)
+            if self._guard is not None:
+                self._guard.sent(self._fds.get(identity, -1), sum(len(f) for f in frames))
         except zmq.Again:
             return True  # the client is not reading; it stays known, the reply is lost to it
         except zmq.ZMQError as exc:
             if exc.errno != errno.EHOSTUNREACH:
                 raise
             aborted = service.drop_session(identity)
+            self._fds.pop(identity, None)
             if aborted:
                 log.warning("client %s went away: aborted %d open segment(s)", identity.hex(), aborted)
             return False

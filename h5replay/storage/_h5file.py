@@ -7,15 +7,24 @@ the caller's `prepare` adds (the replay journal). A new file is built under a te
 renamed into place, then reopened by its final name: a crash never leaves a half-made file at the
 path, and everything downstream (the memory-mapped read path included) sees the real name.
 
+Opening is bounded: an SWMR reader retries a metadata block whose checksum fails (it may be
+half-written by the writer), and HDF5's default of 100 attempts with a doubling back-off never
+ends on a damaged file. Readers here make at most `METADATA_READ_ATTEMPTS` (under a second per
+block), and `opening()` gives up after a deadline, or at SIGTERM / SIGINT, with a clear error.
+
 This module owns no rows and no bookkeeping; it hands open `h5py.File`s to `hdf5.py`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
+import logging
 import os
+import signal
 import tempfile
+import threading
 import traceback
 import uuid
 from collections.abc import Callable, Iterator
@@ -26,12 +35,21 @@ import h5py
 from h5replay.errors import ConfigError, FormatVersionError, StorageError
 from h5replay.spaces import LeafSpace, Space, TextSpace, space_from_json
 from h5replay.storage import _layout
-from h5replay.storage.recovery import WriterLock, clear_status_flags, status_flags
+from h5replay.storage.recovery import (
+    WriterLock,
+    clear_status_flags,
+    restore_status_flags,
+    status_flags,
+    superblock_end,
+)
 
 __all__ = [
     "FORMAT_VERSION", "ATTR_FORMAT", "ATTR_SPACE", "ATTR_CAPACITY", "ATTR_REPLAY_ID", "INTERNAL_GROUP",
     "STAGING_GROUP", "h5_errors", "h5_dtype", "libver", "read_header", "create_file", "open_file", "Prepare",
+    "Verify", "opening", "recover", "DEFAULT_OPEN_TIMEOUT", "METADATA_READ_ATTEMPTS",
 ]
+
+log = logging.getLogger("h5replay.storage")
 
 #: Version 2 added the replay id and the journal's fixed state row (version 1 files are upgraded
 #: in place the first time they are opened for writing, and read as they are otherwise).
@@ -50,6 +68,16 @@ _LIBVER = ("v110", "v114")
 
 #: Adds objects to a file before SWMR starts (a new file, or an old one being upgraded).
 Prepare = Callable[[h5py.File], None]
+#: Checks, before anything is written, that whatever the file published lies below the given
+#: byte length (a file found shorter than its superblock says); raises StorageError otherwise.
+Verify = Callable[[h5py.File, int], None]
+
+#: Seconds an open may take before it gives up (a damaged file can keep HDF5 retrying for hours).
+DEFAULT_OPEN_TIMEOUT = 30.0
+#: Metadata read attempts of an SWMR reader (HDF5's default is 100, with a back-off that doubles
+#: from 1 ns: 100 attempts never end, 28 take about 0.27 s). A block the writer is rewriting is
+#: whole again within microseconds; one still failing after this is damaged.
+METADATA_READ_ATTEMPTS = 28
 
 
 def _raised_by_h5py(exc: BaseException) -> bool:
@@ -165,23 +193,25 @@ def create_staging(f: h5py.File, leaves: list[tuple[str, LeafSpace]]) -> None:
 
 def create_file(
     path: str, space: Space, capacity: int | None, layouts: dict[str, dict[str, Any]],
-    leaves: list[tuple[str, LeafSpace]], prepare: Prepare | None, h5kw: dict[str, Any],
-) -> None:
-    """Build a complete new file under a temporary name next to `path`, then rename it into place.
+    leaves: list[tuple[str, LeafSpace]], prepare: Prepare | None, h5kw: dict[str, Any], *, overwrite: bool = False,
+) -> WriterLock:
+    """Build a complete new file under a temporary name next to `path`, then move it into place.
+    Returns the writer lock of the new file, taken before the file had a name anyone else knew.
 
-    The caller holds the file's WriterLock and reopens the file by its final name.
+    Without `overwrite` the file is linked into place, which fails if `path` appeared meanwhile;
+    with it, the file replaces `path` (the caller holds the old file's lock).
 
     Raises:
-        ConfigError: an h5py.File option is invalid.
+        ConfigError: an h5py.File option is invalid, or `path` exists (without overwrite).
         StorageError: HDF5 failed; nothing is left at `path`.
     """
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".h5replay-", suffix=".tmp", dir=directory)
-    os.close(fd)
+    lock = WriterLock(path).adopt(fd)
     try:
         try:
-            f = h5py.File(tmp, "w", libver=libver(), **h5kw)
+            f = h5py.File(tmp, "w", libver=libver(), **{**h5kw, "locking": False})
         except TypeError as exc:
             raise ConfigError(f"invalid h5py.File option: {exc}") from exc
         try:
@@ -194,11 +224,115 @@ def create_file(
                     prepare(f)
         finally:
             f.close()
-        os.replace(tmp, path)
+        if overwrite:
+            os.replace(tmp, path)
+        else:
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                raise ConfigError(f"{path!r} already exists; open it with load_from, or pass overwrite=True") from None
+            os.unlink(tmp)
     except BaseException:
+        lock.release()
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+    return lock
+
+
+def _hdf5_library() -> Any:
+    """The HDF5 library h5py runs on, as a ctypes handle (None when it cannot be found)."""
+    names = []
+    with contextlib.suppress(OSError):
+        with open("/proc/self/maps") as maps:
+            names = sorted({line.split()[-1] for line in maps if "/libhdf5" in line and "_hl" not in line.split("/")[-1]})
+    for name in names:
+        with contextlib.suppress(OSError, AttributeError):
+            lib = ctypes.CDLL(name)
+            lib.H5Pset_metadata_read_attempts.argtypes = [ctypes.c_int64, ctypes.c_uint]
+            return lib
+    return None
+
+
+_HDF5: list[Any] = []
+
+
+@contextlib.contextmanager
+def _bounded_metadata_reads() -> Iterator[None]:
+    """Files opened inside this block make at most METADATA_READ_ATTEMPTS metadata read attempts
+    (an SWMR reader's setting; h5py has no keyword for it, so its file access property list is
+    amended as h5py makes it). Without the HDF5 symbol this does nothing."""
+    from h5py._hl import files as _files
+
+    if not _HDF5:
+        _HDF5.append(_hdf5_library())
+    lib, make_fapl = _HDF5[0], getattr(_files, "make_fapl", None)
+    if lib is None or make_fapl is None:
+        yield
+        return
+
+    def bounded(*args: Any, **kwargs: Any) -> Any:
+        plist = make_fapl(*args, **kwargs)
+        lib.H5Pset_metadata_read_attempts(plist.id, METADATA_READ_ATTEMPTS)
+        return plist
+
+    _files.make_fapl = bounded
+    try:
+        yield
+    finally:
+        _files.make_fapl = make_fapl
+
+
+class _Interrupted(BaseException):
+    """Raised by opening()'s signal handlers; turned into StorageError at its exit."""
+
+
+_opening = threading.local()
+
+
+@contextlib.contextmanager
+def opening(path: str, timeout: float | None) -> Iterator[None]:
+    """Give up opening `path` after `timeout` seconds, or at SIGTERM / SIGINT, with a
+    StorageError saying so (the previous handlers run too). Only the main thread can take
+    signals; elsewhere, and inside another opening() block, this does nothing more.
+
+    HDF5 runs to the end of its current call first; with bounded metadata reads that is at most
+    about a second.
+    """
+    if threading.current_thread() is not threading.main_thread() or getattr(
+            _opening, "active", False):
+        yield
+        return
+    previous: dict[int, Any] = {int(sig): signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGALRM)}
+
+    def interrupt(signum: int, frame: Any) -> None:
+        handler = previous.get(signum)
+        if callable(handler) and signum != signal.SIGALRM and handler is not signal.default_int_handler:
+            handler(signum, frame)  # e.g. the server's: it remembers that it must stop
+        raise _Interrupted(signum)
+
+    _opening.active = True
+    old_timer = signal.getitimer(signal.ITIMER_REAL)
+    try:
+        for sig in previous:
+            signal.signal(sig, interrupt)
+        if timeout is not None:
+            signal.setitimer(signal.ITIMER_REAL, max(1e-3, float(timeout)))
+        yield
+    except _Interrupted as exc:
+        signum = int(exc.args[0])
+        if signum == signal.SIGALRM:
+            raise StorageError(
+                f"opening {path!r} took more than {timeout} s, and HDF5 was still retrying: its metadata is damaged "
+                "(a checksum that never matches), or the disk does not answer. Copy out what is readable with "
+                f"`h5replay export {path} OUT.h5`, or allow more time (--open-timeout)") from None
+        raise StorageError(f"opening {path!r} was interrupted by {signal.Signals(signum).name}; nothing was changed") from None
+    finally:
+        if timeout is not None:
+            signal.setitimer(signal.ITIMER_REAL, *old_timer)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        _opening.active = False
 
 
 def open_file(
@@ -206,10 +340,11 @@ def open_file(
 ) -> tuple[h5py.File, bool, dict[str, Any]]:
     """Open `path`; returns (file, whether it is an SWMR reader, the h5py options used).
 
-    A writer must hold the file's WriterLock: then status flags left by a killed writer are
-    stale and are cleared first (as `h5clear -s` would). A plain reader refused because a live or
-    killed SWMR writer marked the file is reopened as an SWMR reader, which sees exactly what the
-    writer published.
+    A writer must hold the file's WriterLock (HDF5's own locking is off for it: see WriterLock):
+    then status flags left by a killed writer are stale and are cleared first (as `h5clear -s`
+    would). A plain reader refused because a live or killed SWMR writer marked the file is
+    reopened as an SWMR reader, which sees exactly what the writer published. SWMR readers make
+    at most METADATA_READ_ATTEMPTS attempts at a metadata block.
 
     Raises:
         ConfigError: an h5py.File option is invalid.
@@ -218,11 +353,14 @@ def open_file(
     kwargs = dict(h5kw)
     if writable:
         kwargs.setdefault("libver", libver())  # SWMR writing needs the v110 format bounds
+        kwargs["locking"] = False  # our WriterLock holds the file; an HDF5 lock would collide with it
     elif multiprocessing:
         kwargs["swmr"] = True
-        kwargs.setdefault("locking", False)
+    # Readers too: HDF5 refuses to open a file twice in one process with other locking flags, and
+    # the superblock's consistency flags already keep plain readers off a file being written.
+    kwargs.setdefault("locking", False)
     mode = "r+" if writable else "r"
-    with h5_errors(f"opening {path}"):
+    with h5_errors(f"opening {path}"), _bounded_metadata_reads():
         try:
             return h5py.File(path, mode, **kwargs), multiprocessing and not writable, kwargs
         except TypeError as exc:
@@ -234,11 +372,101 @@ def open_file(
         return h5py.File(path, mode, **kwargs), True, kwargs
 
 
-def recover(path: str, lock: WriterLock) -> bool:
-    """Clear the status flags a killed writer left; True when there were any. Needs `lock` held."""
+def recover(path: str, lock: WriterLock) -> tuple[int, int | None]:
+    """Make a file whose writer died openable again; needs `lock` held. Returns (the status flags
+    that were cleared, 0 for none; the file's length when it was found shorter than its
+    superblock says, else None). `unrecover` puts the file back as it was found.
+
+    A file cut short (a write that failed on a full disk, or a copy or disk that lost its end) is
+    lengthened back to its recorded end, so that HDF5 opens it; the caller must then check with
+    a `Verify` hook that nothing published lay in the missing part, and `unrecover` it if so.
+    Zeros may only ever stand in for bytes that were never published.
+
+    Raises:
+        StorageError: the lock is not held, or the superblock is damaged.
+    """
     if not lock.held:
         raise StorageError(f"recovering {path!r} needs its writer lock")
-    return clear_status_flags(path)
+    cleared = clear_status_flags(path)
+    end, size = superblock_end(path)
+    if end <= size:
+        return cleared, None
+    with open(path, "r+b") as f:
+        os.ftruncate(f.fileno(), end)
+    return cleared, size
+
+
+def unrecover(path: str, cleared: int, length: int | None) -> None:
+    """Undo `recover` on a file that is then refused: its length and status flags as found."""
+    with contextlib.suppress(OSError, StorageError):
+        if length is not None:
+            with open(path, "r+b") as f:
+                os.ftruncate(f.fileno(), length)
+        restore_status_flags(path, cleared)
+
+
+def missing_bytes(path: str, length: int) -> int:
+    """How many bytes a file of `length` bytes lacks to reach the end its superblock records."""
+    end, _ = superblock_end(path)
+    return max(0, end - length)
+
+
+def data_end(ds: h5py.Dataset, first: int, stop: int) -> int:
+    """The byte after the last byte of the file that rows [first, stop) of `ds` occupy (0: none
+    allocated). Contiguous data sits at one offset; chunked data chunk by chunk."""
+    if stop <= first:
+        return 0
+    with h5_errors(f"locating the data of {ds.name}"):
+        if ds.chunks is None:
+            offset = ds.id.get_offset()
+            if offset is None:
+                return 0
+            row_bytes = ds.dtype.itemsize * int(max(1, _prod(ds.shape[1:])))
+            return int(offset) + stop * int(row_bytes)
+        rows = ds.chunks[0]
+        end = 0
+        zeros = (0,) * (len(ds.shape) - 1)
+        for chunk in range(first // rows, (stop - 1) // rows + 1):
+            if chunk * rows >= ds.shape[0]:
+                break
+            info = ds.id.get_chunk_info_by_coord((chunk * rows, *zeros))
+            if info.byte_offset is not None:
+                end = max(end, int(info.byte_offset) + int(info.size))
+        return end
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    out = 1
+    for n in shape:
+        out *= int(n)
+    return out
+
+
+def verify_all_within(f: h5py.File, length: int) -> None:
+    """The `Verify` of a file without a journal: every row of every leaf counts as published."""
+    for name, obj in _walk(f):
+        if isinstance(obj, h5py.Dataset) and not name.startswith(INTERNAL_GROUP) and obj.shape:
+            end = data_end(obj, 0, obj.shape[0])
+            if end > length:
+                raise published_beyond(f.filename, length, end)
+
+
+def _walk(f: h5py.File) -> list[tuple[str, Any]]:
+    found: list[tuple[str, Any]] = []
+    f.visititems(lambda name, obj: found.append((name, obj)))
+    return found
+
+
+def published_beyond(path: str, length: int, end: int) -> StorageError:
+    """The error for a file that lost published data: it is refused, and nothing is zero-filled."""
+    missing = missing_bytes(path, length) or max(0, end - length)
+    error = StorageError(
+        f"{path!r} is {missing} bytes shorter than its HDF5 superblock records ({length} bytes on disk), and rows it "
+        f"published lie in the missing part (up to byte {end}): serving it would hand out zeros as data, so it is "
+        f"refused. The file was cut (a copy or a disk that lost its end); copy out what is readable with "
+        f"`h5replay export {path} OUT.h5` and serve the copy")
+    error.cut_short = True  # type: ignore[attr-defined]  # tells it from other failures of a Verify hook
+    return error
 
 
 def start_swmr(f: h5py.File) -> None:

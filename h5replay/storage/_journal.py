@@ -35,7 +35,18 @@ import numpy as np
 from h5replay.errors import ConfigError, StorageError
 from h5replay.records import NO_EPISODE
 from h5replay.sampling import SamplingConfig
-from h5replay.storage._h5file import INTERNAL_GROUP, Prepare, h5_errors, replay_id, upgrade_header
+from h5replay.spaces import named_leaves
+from h5replay.storage._h5file import (
+    INTERNAL_GROUP,
+    Prepare,
+    data_end,
+    h5_errors,
+    published_beyond,
+    read_header,
+    replay_id,
+    upgrade_header,
+    verify_all_within,
+)
 from h5replay.storage._rowio import read_slice, write_rows
 from h5replay.storage._sampling_file import SamplingFile
 from h5replay.storage.fastread import MappedChunk
@@ -248,6 +259,19 @@ class EpisodeTable:
         return out
 
 
+def _pieces(first: int, count: int, capacity: int | None) -> list[tuple[int, int]]:
+    """The physical [first, stop) ranges of `count` slots from `first`, wrapped at `capacity`."""
+    if count <= 0:
+        return []
+    if capacity is None:
+        return [(first, first + count)]
+    start = first % capacity
+    count = min(count, capacity)
+    if start + count <= capacity:
+        return [(start, start + count)]
+    return [(start, capacity), (0, start + count - capacity)]
+
+
 class JournalStore(Protocol):
     """Where a ReplayBuffer keeps its state and episode records (the file's journal, or a test's
     memory): read and publish the state, write one episode record, fill a table."""
@@ -330,6 +354,42 @@ class Journal:
         group.create_dataset(_JOURNAL, data=state.to_row(), maxshape=(_ROW,), chunks=(_ROW,))
         del group[_LEGACY_STATE]
         upgrade_header(f)
+
+    @staticmethod
+    def verify(f: h5py.File, length: int) -> None:
+        """The `Verify` hook of a writable open: refuse a file found `length` bytes long (shorter
+        than its superblock records) when a published row, episode record or the state row lay
+        in the missing part. Rows never published (a staging block, rows past the published end)
+        may be missing: a write that failed on a full disk leaves such a file.
+
+        Raises:
+            StorageError: published data lay past `length` (the message says how much is missing).
+        """
+        space, capacity = read_header(f)
+        group = f.get(REPLAY_GROUP)
+        if space is None or group is None:
+            verify_all_within(f, length)
+            return
+        state_ds = group[_JOURNAL] if _JOURNAL in group else group[_LEGACY_STATE]
+        end = data_end(state_ds, 0, state_ds.shape[0])
+        if end > length:
+            raise published_beyond(f.filename, length, end)
+        row = state_ds[...]
+        if _JOURNAL in group:
+            state = State.from_row(row, repr(f.filename), capacity)
+        else:
+            begin, stop, ep_begin, ep_end, open_start, seq = (int(x) for x in row[1:7])
+            state = State(seq=seq, begin=begin, end=stop, ep_begin=ep_begin, ep_end=ep_end, open_start=open_start)
+        for first, stop in _pieces(state.begin - (state.origin if capacity is None else 0),
+                                   state.end - state.begin, capacity):
+            for path, _ in named_leaves(space):
+                end = max(end, data_end(f[path], first, stop))
+        episodes = group[_EPISODES]
+        for first, stop in _pieces(state.ep_begin - (state.ep_origin if capacity is None else 0),
+                                   state.ep_end - state.ep_begin, capacity):
+            end = max(end, data_end(episodes, first, min(stop, episodes.shape[0])))
+        if end > length:
+            raise published_beyond(f.filename, length, end)
 
     # ------------------------------------------------------------------ the state row
 

@@ -8,19 +8,21 @@ or an error never leaves a half-made file at the target.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from h5replay.errors import ConfigError
+from h5replay.errors import ConfigError, StorageError
 from h5replay.storage import _h5file
 from h5replay.storage.replay_buffer import ReplayBuffer
 
 __all__ = ["export_buffer", "export_file", "compact_file"]
 
 _BLOCK_BYTES = 64 << 20  # rows are copied in blocks of about this size
+log = logging.getLogger("h5replay.storage")
 
 
 def export_buffer(
@@ -36,6 +38,10 @@ def export_buffer(
     their ids, priorities, sampling settings and rate-limit counters (not how often each row was
     sampled: the copy starts those at 0); `storage_kwargs` go to `HDF5Storage.create`.
 
+    A file cut short (see `ReplayBuffer.load_from`) is copied from the newest row back to the
+    newest row that lies in its missing part, left out with everything older (a warning says how
+    many rows): ids stay consecutive, and nothing that was lost is made up.
+
     Raises:
         ConfigError: `path` exists (without overwrite) or `capacity` is below the rows held.
         EvictedError: a writer overwrote rows of a live buffer while they were being copied.
@@ -43,29 +49,35 @@ def export_buffer(
     target = _h5file.file_path(path)
     if os.path.exists(target) and not overwrite:
         raise ConfigError(f"{target!r} already exists; pass --overwrite (overwrite=True) to replace it")
+    spans = _spans(buffer)
+    view = buffer.last_view  # the state the episode table came from
+    lo, hi = _readable_run(buffer, spans)
+    if (lo, hi) != (0, len(spans)):
+        kept = sum(stop - first for first, stop, _, _ in spans[lo:hi])
+        log.warning("%s is cut short: the copy keeps the longest run of whole episodes lying outside the missing part, "
+                    "%d of the %d rows held (ids %s); the rest is left out", buffer.storage.filename, kept, view.length,
+                    f"{spans[lo][0]}..{spans[hi - 1][1] - 1}" if hi > lo else "none")
+        spans = spans[lo:hi]
+    first_row = spans[0][0] if spans else view.end
+    total = sum(stop - first for first, stop, _, _ in spans)
     new_capacity = buffer.capacity if capacity == "same" else capacity
-    table = buffer.episode_table()  # (episode id, first row id, length) of complete episodes
-    view = buffer.last_view
-    total = view.length
     if new_capacity is not None and int(new_capacity) < total:
         raise ConfigError(f"capacity {new_capacity} cannot hold the {total} rows this buffer holds")
     partial = target + ".partial"
     if os.path.exists(partial):
         os.unlink(partial)
-    first_episode = int(table[0, 0]) if len(table) else view.ep_end
+    episode_ids = [episode for _, _, _, episode in spans if episode is not None]
     sampling = buffer.sampling
     copy = type(buffer).create(
-        buffer.space, new_capacity, partial, first_row_id=view.begin,  # type: ignore[arg-type]
-        first_episode_id=first_episode, sampler=sampling.sampler, rate_limit=sampling.rate_limit,
-        max_times_sampled=sampling.max_times_sampled, **storage_kwargs,
+        buffer.space, new_capacity, partial, first_row_id=first_row,  # type: ignore[arg-type]
+        first_episode_id=episode_ids[0] if episode_ids else view.ep_end, sampler=sampling.sampler,
+        rate_limit=sampling.rate_limit, max_times_sampled=sampling.max_times_sampled, **storage_kwargs,
     )
     copy.carry_over(inserted=view.inserted, sampled=view.sampled, limit_inserts=False)
     try:
         block = max(1, _BLOCK_BYTES // max(1, buffer.storage.row_bytes))
         done = 0
-
-        def rows(first: int, stop: int, record: bool | None) -> None:
-            nonlocal done
+        for first, stop, record, _ in spans:
             for lo in range(first, stop, block):
                 hi = min(stop, lo + block)
                 ids = np.arange(lo, hi, dtype=np.int64)
@@ -75,18 +87,6 @@ def export_buffer(
                     progress(done, total)
             if record is not None:
                 copy.end_episode(record=record)
-
-        cursor = view.begin
-        for _, start, length in table.tolist():
-            if start > cursor:
-                rows(cursor, start, record=False)  # rows of no complete episode
-            rows(start, start + length, record=True)
-            cursor = start + length
-        open_start = view.open_start if view.open_start >= max(cursor, view.begin) else view.end
-        if cursor < open_start:
-            rows(cursor, open_start, record=False)
-        if open_start < view.end:
-            rows(open_start, view.end, record=None)  # the open episode stays open in the copy
         copy.carry_over(inserted=view.inserted, sampled=view.sampled, limit_inserts=True)
         copy.close()
         os.replace(partial, target)
@@ -95,17 +95,79 @@ def export_buffer(
         with contextlib.suppress(OSError):
             os.unlink(partial)
         raise
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(partial + ".lock")
+
+
+Span = tuple[int, int, "bool | None", "int | None"]
+
+
+def _spans(buffer: ReplayBuffer) -> list[Span]:
+    """(first row id, stop, record, episode id) of the runs of rows held, oldest first: complete
+    episodes (record True), rows of no complete episode (False), the open episode (None)."""
+    table = buffer.episode_table()
+    view = buffer.last_view  # the state the table came from
+    spans: list[Span] = []
+    cursor = view.begin
+    for episode, start, length in table.tolist():
+        if start > cursor:
+            spans.append((cursor, start, False, None))  # rows of no complete episode
+        spans.append((start, start + length, True, int(episode)))
+        cursor = start + length
+    open_start = view.open_start if view.open_start >= max(cursor, view.begin) else view.end
+    if cursor < open_start:
+        spans.append((cursor, open_start, False, None))
+    if open_start < view.end:
+        spans.append((open_start, view.end, None, None))  # the open episode stays open in the copy
+    return spans
+
+
+def _readable_run(buffer: ReplayBuffer, spans: list[Span]) -> tuple[int, int]:
+    """The [lo, hi) of the longest run of consecutive spans whose rows all lie within the file,
+    for a file cut short (the newest run of the longest length); all spans for a whole file."""
+    storage = buffer.storage
+    path = storage.filename
+    if path is None or not storage.multiprocessing:
+        return 0, len(spans)  # a plain open of a cut file fails; only an SWMR reader sees it at all
+    length = os.path.getsize(path)
+    if _h5file.missing_bytes(path, length) == 0:
+        return 0, len(spans)
+    capacity, origin = buffer.capacity, buffer.last_view.origin
+
+    def readable(first: int, stop: int) -> bool:
+        pieces = _physical(first - (origin if capacity is None else 0), stop - first, capacity)
+        return all(_h5file.data_end(storage.dataset(leaf), a, b) <= length for leaf, _ in storage.leaves for a, b in pieces)
+
+    best, start = (0, 0), 0
+    for k, (first, stop, _, _) in enumerate(spans):
+        if not readable(first, stop):
+            start = k + 1
+            continue
+        rows = spans[k][1] - spans[start][0]
+        if rows >= (spans[best[1] - 1][1] - spans[best[0]][0] if best[1] > best[0] else 0):
+            best = (start, k + 1)
+    return best
+
+
+def _physical(first: int, count: int, capacity: int | None) -> list[tuple[int, int]]:
+    if capacity is None:
+        return [(first, first + count)]
+    start = first % capacity
+    if start + count <= capacity:
+        return [(start, start + count)]
+    return [(start, capacity), (0, start + count - capacity)]
 
 
 def _open_any(path: str, writable: bool) -> ReplayBuffer:
-    """A buffer over a replay file, or over a plain h5py file (rows, no episodes)."""
+    """A buffer over a replay file, or over a plain h5py file (rows, no episodes). A file cut
+    short (which HDF5 refuses to open plainly) is read as an SWMR reader, which does not check
+    the file's length: `export_buffer` then leaves out what lay in the missing part."""
     try:
         return ReplayBuffer.load_from(path, read_only=not writable)
     except ConfigError:
         return ReplayBuffer.from_raw_hdf5(path)
+    except StorageError:
+        if writable or not os.path.isfile(path) or _h5file.missing_bytes(path, os.path.getsize(path)) == 0:
+            raise
+        return ReplayBuffer.load_from(path, read_only=True, multiprocessing=True)
 
 
 def export_file(source: str | os.PathLike[str], target: str | os.PathLike[str], **kwargs: Any) -> None:

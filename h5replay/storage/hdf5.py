@@ -34,7 +34,7 @@ import numpy as np
 from h5replay.errors import ClosedError, ConfigError, ReadOnlyError, SpaceMismatchError, StorageError
 from h5replay.spaces import DEFAULT_KEY, DictSpace, LeafSpace, Schema, Space, TextSpace, space_from_json
 from h5replay.storage import _h5file, _layout
-from h5replay.storage._h5file import INTERNAL_GROUP, STAGING_GROUP, Prepare, h5_errors
+from h5replay.storage._h5file import DEFAULT_OPEN_TIMEOUT, INTERNAL_GROUP, STAGING_GROUP, Prepare, Verify, h5_errors
 from h5replay.storage._indices import normalize_index
 from h5replay.storage._rawfile import infer_space
 from h5replay.storage._rowio import read_slice, read_sorted_unique_rows, write_rows, write_sorted_unique_rows
@@ -127,6 +127,9 @@ class HDF5Storage:
         self._staging: Staging | None = None
         self._writer_lock: WriterLock | None = None
         self.segment_buffer_bytes = self.DEFAULT_SEGMENT_BUFFER_BYTES
+        #: Memory all segment writers of this storage together may buffer (None: no limit); set
+        #: it before the first writer opens.
+        self.segment_memory_bytes: int | None = None
         #: Flatten / validate / encode / decode of this storage's rows (the one implementation).
         self.schema = Schema(single_instance_space)
         self._leaves = list(self.schema.leaves)
@@ -161,6 +164,9 @@ class HDF5Storage:
                 try:
                     ds = root[path]
                 except KeyError as exc:
+                    if "checksum" in str(exc):  # the object is there, but its header is damaged
+                        raise StorageError(f"{root.file.filename!r} is damaged: the dataset of field '{path}' cannot "
+                                           f"be read ({exc.args[0] if exc.args else exc})") from exc
                     raise SpaceMismatchError(f"the file has no dataset for field '{path}'") from exc
             if not isinstance(ds, h5py.Dataset):
                 raise SpaceMismatchError(f"'{path}' in the file is a group, but the space has a leaf there")
@@ -338,6 +344,7 @@ class HDF5Storage:
         overwrite: bool = False,
         segment_buffer_bytes: int | None = None,
         prepare: Prepare | None = None,
+        open_timeout: float | None = DEFAULT_OPEN_TIMEOUT,
         **kwargs: Any,
     ) -> HDF5Storage:
         """Create a new file at `cache_path` and return a writable storage over it.
@@ -384,12 +391,14 @@ class HDF5Storage:
             for p, leaf in leaves
         }
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        lock = WriterLock(path).acquire()
+        # Replacing a file: no writer may have it open (whatever name it opened it by).
+        old = WriterLock(path).acquire() if overwrite and os.path.exists(path) else None
         try:
-            _h5file.create_file(path, single_instance_space, capacity, layouts, leaves, prepare, kwargs)
-        except BaseException:
-            lock.release()
-            raise
+            lock = _h5file.create_file(path, single_instance_space, capacity, layouts, leaves, prepare, kwargs,
+                                       overwrite=overwrite)
+        finally:
+            if old is not None:
+                old.release()
         try:
             return cls._open_locked(
                 path, single_instance_space, capacity, lock, multiprocessing=multiprocessing,
@@ -397,8 +406,9 @@ class HDF5Storage:
                 known_space=True,
             )
         except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(path)  # ours, just made, never used: leave nothing behind
+            if lock.same_file(path):
+                with contextlib.suppress(OSError):
+                    os.unlink(path)  # ours, just made, never used: leave nothing behind
             lock.release()
             raise
 
@@ -414,6 +424,8 @@ class HDF5Storage:
         reduce_io: bool = True,
         segment_buffer_bytes: int | None = None,
         prepare: Prepare | None = None,
+        verify: Verify | None = None,
+        open_timeout: float | None = DEFAULT_OPEN_TIMEOUT,
         **kwargs: Any,
     ) -> HDF5Storage:
         """Open an existing file. The space and capacity are read from the file when it has them.
@@ -422,47 +434,75 @@ class HDF5Storage:
         `read_only=True, multiprocessing=True` opens it as an SWMR reader that sees rows the
         writer flushed (call `refresh()` to pick up new ones). A writer takes the file's writer
         lock and recovers a file whose writer was killed. `prepare` is given the file before SWMR
-        starts when it is opened for writing (to upgrade what the caller keeps in it).
+        starts when it is opened for writing (to upgrade what the caller keeps in it); `verify`,
+        before that, when the file was found shorter than its superblock says (default: every
+        leaf row must lie within what is on disk).
+
+        Blocks until the file is open, at most `open_timeout` seconds (None: no limit); SIGTERM
+        and SIGINT stop the wait (in the main thread).
 
         Raises:
             FileNotFoundError: no file at `path`.
             FormatVersionError: the file was written by an unknown h5replay format.
             SpaceMismatchError: the file does not hold `single_instance_space`.
             ConfigError: `capacity` differs from the file's, or a layout SWMR cannot write.
-            StorageError: HDF5 cannot open the file, or another process writes it.
+            StorageError: HDF5 cannot open the file (damaged, or it did not open within the timeout),
+                another process writes it, or it lost published rows (cut short).
         """
         path = os.fspath(path)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"no HDF5 file at {path!r}")
-        if read_only:
-            return cls._open_locked(
-                path, single_instance_space, capacity, None, multiprocessing=multiprocessing,
-                reduce_io=reduce_io, segment_buffer_bytes=segment_buffer_bytes, prepare=None, h5kw=kwargs,
-            )
-        lock = WriterLock(path).acquire()
-        try:
-            if _h5file.recover(path, lock):
-                log.warning("%s was not closed cleanly (its writer died); cleared its status flags and reopening "
-                            "it at its last published state", path)
-            return cls._open_locked(
-                path, single_instance_space, capacity, lock, multiprocessing=multiprocessing,
-                reduce_io=reduce_io, segment_buffer_bytes=segment_buffer_bytes, prepare=prepare, h5kw=kwargs,
-            )
-        except BaseException:
-            lock.release()
-            raise
+        with _h5file.opening(path, open_timeout):
+            if read_only:
+                return cls._open_locked(
+                    path, single_instance_space, capacity, None, multiprocessing=multiprocessing,
+                    reduce_io=reduce_io, segment_buffer_bytes=segment_buffer_bytes, prepare=None, h5kw=kwargs,
+                )
+            lock = WriterLock(path).acquire()
+            cleared, short = 0, None
+            try:
+                cleared, short = _h5file.recover(path, lock)
+                if cleared:
+                    log.warning("%s was not closed cleanly (its writer died); cleared its status flags and reopening "
+                                "it at its last published state", path)
+                return cls._open_locked(
+                    path, single_instance_space, capacity, lock, multiprocessing=multiprocessing,
+                    reduce_io=reduce_io, segment_buffer_bytes=segment_buffer_bytes, prepare=prepare, h5kw=kwargs,
+                    verify=(verify or _h5file.verify_all_within) if short is not None else None, short=short,
+                )
+            except BaseException:
+                # Refused: the file stays as it was found (zeros never stand in for published rows).
+                _h5file.unrecover(path, cleared, short)
+                lock.release()
+                raise
 
     @classmethod
     def _open_locked(
         cls, path: str, expected_space: Space | None, expected_capacity: int | None, lock: WriterLock | None, *,
         multiprocessing: bool, reduce_io: bool, segment_buffer_bytes: int | None, prepare: Prepare | None,
-        h5kw: dict[str, Any], known_space: bool = False,
+        h5kw: dict[str, Any], known_space: bool = False, verify: Verify | None = None, short: int | None = None,
     ) -> HDF5Storage:
         """Open `path` (writable when `lock` is held), check it, start SWMR writing if asked.
-        `known_space`: the file was just made from `expected_space` (use it as it is)."""
+        `known_space`: the file was just made from `expected_space` (use it as it is). `verify` is
+        called with the length `short` the file had before recovery lengthened it."""
         writable = lock is not None
-        f, swmr_reader, h5kw = _h5file.open_file(path, writable=writable, multiprocessing=multiprocessing, h5kw=h5kw)
         try:
+            f, swmr_reader, h5kw = _h5file.open_file(path, writable=writable, multiprocessing=multiprocessing, h5kw=h5kw)
+        except StorageError as exc:
+            if short is not None:  # its metadata was in the part that is missing
+                raise _h5file.published_beyond(path, short, short + _h5file.missing_bytes(path, short)) from exc
+            raise
+        try:
+            if verify is not None and short is not None:
+                try:
+                    verify(f, short)
+                except StorageError as exc:
+                    if getattr(exc, "cut_short", False):
+                        raise
+                    raise _h5file.published_beyond(path, short, short + _h5file.missing_bytes(path, short)) from exc
+                log.warning("%s was %d bytes shorter than its superblock records (a write that failed, on a full "
+                            "disk perhaps): only rows never published were missing; reopening it at its last "
+                            "published state", path, _h5file.missing_bytes(path, short))
             space, capacity = _h5file.read_header(f)
             if space is None:
                 _, capacity, space = infer_space(f)
@@ -832,7 +872,7 @@ class HDF5Storage:
             with h5_errors("opening the staging area"):
                 group = self.file[STAGING_GROUP]
                 datasets = {path: group[path] for path, _ in self._leaves}
-            self._staging = Staging(datasets, self._leaves, self.segment_buffer_bytes)
+            self._staging = Staging(datasets, self._leaves, self.segment_buffer_bytes, self.segment_memory_bytes)
         writer = SegmentWriter(self, self._staging)
         self._writers.add(writer)
         return writer

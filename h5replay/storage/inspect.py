@@ -10,6 +10,7 @@ import h5py
 
 from h5replay.errors import ConfigError, StorageError
 from h5replay.spaces import BinarySpace, BoxSpace, DictSpace, Space, TextSpace
+from h5replay.storage._h5file import DEFAULT_OPEN_TIMEOUT, opening
 from h5replay.storage._journal import REPLAY_GROUP
 from h5replay.storage.hdf5 import HDF5Storage
 from h5replay.storage.replay_buffer import ReplayBuffer
@@ -17,17 +18,24 @@ from h5replay.storage.replay_buffer import ReplayBuffer
 __all__ = ["describe_file", "format_description", "space_tree"]
 
 
-def _open(path: str) -> HDF5Storage:
+def _open(path: str, open_timeout: float | None) -> HDF5Storage:
     try:
-        return HDF5Storage.load_from(path, None, read_only=True)
+        return HDF5Storage.load_from(path, None, read_only=True, open_timeout=open_timeout)
     except StorageError:
         # A running server holds the file in SWMR write mode: read it as an SWMR reader.
-        return HDF5Storage.load_from(path, None, read_only=True, multiprocessing=True)
+        return HDF5Storage.load_from(path, None, read_only=True, multiprocessing=True, open_timeout=open_timeout)
 
 
-def describe_file(path: str) -> dict[str, Any]:
-    """A JSON-ready description of the file at `path`."""
-    storage = _open(path)
+def describe_file(path: str, open_timeout: float | None = DEFAULT_OPEN_TIMEOUT) -> dict[str, Any]:
+    """A JSON-ready description of the file at `path`. Gives up after `open_timeout` seconds
+    (a damaged file), or at SIGTERM / SIGINT, with a StorageError.
+    """
+    with opening(path, open_timeout):
+        return _describe(path, open_timeout)
+
+
+def _describe(path: str, open_timeout: float | None) -> dict[str, Any]:
+    storage = _open(path, open_timeout)
     try:
         description: dict[str, Any] = {
             "path": os.path.abspath(path),

@@ -1,10 +1,13 @@
 """Writer lock and crash recovery for one HDF5 file.
 
-A writer (server or local) holds an exclusive `flock` on `<file>.lock` for as long as the file is
-open for writing. HDF5's own lock cannot serve: an SWMR writer drops it right after opening. So
-when we hold our lock, no other writer is alive, and status flags left in the superblock by a
+A writer (server or local) holds an exclusive `flock` on the HDF5 file itself, on a descriptor of
+its own, for as long as the file is open for writing. The lock belongs to the file (its inode),
+not to a name: a second writer reaching the same file by a symlink, a hard link or another mount
+path meets the same lock. HDF5's own lock cannot serve: an SWMR writer drops it right after
+opening, so the writer opens the file with HDF5's locking off and relies on this one. When we
+hold the lock no other h5replay writer is alive, and status flags left in the superblock by a
 writer that was killed are stale: `clear_status_flags` clears them, as `h5clear -s` would,
-without needing the HDF5 command-line tools.
+without needing the HDF5 command-line tools. The kernel drops the lock when its holder dies.
 
 The superblock (format versions 2 and 3, which SWMR files use) is: signature (8 bytes), version,
 size of offsets, size of lengths, status flags, four addresses, then a Jenkins lookup3 checksum
@@ -20,7 +23,9 @@ from typing import IO
 
 from h5replay.errors import StorageError
 
-__all__ = ["WriterLock", "clear_status_flags", "status_flags", "lookup3"]
+__all__ = [
+    "WriterLock", "clear_status_flags", "restore_status_flags", "status_flags", "superblock_end", "lock_holder", "lookup3",
+]
 
 _SIGNATURE = b"\x89HDF\r\n\x1a\n"
 _MASK = 0xFFFFFFFF
@@ -96,68 +101,115 @@ def status_flags(path: str | os.PathLike[str]) -> int:
     return 0 if stored < 0 else body[11]
 
 
-def clear_status_flags(path: str | os.PathLike[str]) -> bool:
-    """Clear the status flags a killed writer left (like `h5clear -s`). True when there were any.
+def superblock_end(path: str | os.PathLike[str]) -> tuple[int, int]:
+    """(end of file the superblock records, actual length of the file) for a v2/v3 superblock;
+    (-1, length) for older superblocks, which record no checked end."""
+    with open(path, "rb") as f:
+        _, body, stored = _read_superblock(f)
+        size = os.fstat(f.fileno()).st_size
+    if stored < 0:
+        return -1, size
+    size_of_offsets = body[9]
+    base = int.from_bytes(body[12 : 12 + size_of_offsets], "little")
+    end_field = 12 + 2 * size_of_offsets
+    return base + int.from_bytes(body[end_field : end_field + size_of_offsets], "little"), size
 
-    Also restores the file's length to the end the superblock records, when a write that failed
-    (a full disk, a size limit) left the file shorter: HDF5 refuses such a file as truncated. The
-    missing bytes were never published, so zeros stand in for them.
+
+def clear_status_flags(path: str | os.PathLike[str]) -> int:
+    """Clear the status flags a killed writer left (like `h5clear -s`); returns the flags that
+    were set (0: none, nothing written).
 
     Only call this while holding the file's WriterLock: clearing the flags of a live writer's
-    file would let a second writer in.
+    file would let a second writer in. The file's length is not touched (a file shorter than its
+    superblock says is the caller's business: see `_h5file.recover`).
 
     Raises:
         StorageError: the superblock's checksum does not match (the file is damaged).
     """
+    return _write_status_flags(path, 0)
+
+
+def restore_status_flags(path: str | os.PathLike[str], flags: int) -> None:
+    """Put back flags `clear_status_flags` cleared (a file that is then refused stays as found)."""
+    if flags:
+        _write_status_flags(path, flags)
+
+
+def _write_status_flags(path: str | os.PathLike[str], flags: int) -> int:
     with open(path, "r+b") as f:
         offset, body, stored = _read_superblock(f)
-        if stored < 0 or body[11] == 0:
-            return False
+        if stored < 0 or body[11] == flags:
+            return 0  # no flags in a v0/v1 superblock, or nothing to change
         if lookup3(bytes(body)) != stored:
             raise StorageError(f"{os.fspath(path)!r} has a damaged superblock (checksum mismatch); it cannot be recovered here")
-        size_of_offsets = body[9]
-        base = int.from_bytes(body[12 : 12 + size_of_offsets], "little")
-        end_field = 12 + 2 * size_of_offsets
-        end_of_file = base + int.from_bytes(body[end_field : end_field + size_of_offsets], "little")
-        if os.fstat(f.fileno()).st_size < end_of_file:
-            os.ftruncate(f.fileno(), end_of_file)
-        body[11] = 0
+        old = int(body[11])
+        body[11] = flags
         f.seek(offset)
         f.write(bytes(body) + lookup3(bytes(body)).to_bytes(4, "little"))
         f.flush()
         os.fsync(f.fileno())
-    return True
+    return old
+
+
+def lock_holder(fd: int) -> str:
+    """The pid holding a flock on the file open as `fd` (from /proc/locks), or 'unknown'."""
+    st = os.fstat(fd)
+    where = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        with open("/proc/locks") as locks:
+            for line in locks:
+                fields = line.split()
+                # "1: FLOCK  ADVISORY  WRITE 12345 fe:00:2146868 0 EOF" (a "->" marks a waiter)
+                if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == where and fields[4].isdigit():
+                    return fields[4]
+    except OSError:
+        pass
+    return "unknown"
 
 
 class WriterLock:
-    """An exclusive lock on `<path>.lock`, held while one process writes the file.
+    """An exclusive flock on the HDF5 file itself, held while one process writes it.
 
-    The kernel drops it when the holder dies, so a crashed writer never blocks the next one.
+    The lock is taken on a descriptor of its own, so it follows the file, whatever name reaches
+    it. The kernel drops it when the holder dies, so a crashed writer never blocks the next one.
+    HDF5 must open the file with its own locking off (`locking=False`): an HDF5 lock taken on
+    another descriptor of the same file would collide with this one.
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = os.fspath(path) + ".lock"
+        self.path = os.fspath(path)
         self._fd: int | None = None
 
     def acquire(self) -> WriterLock:
-        """Take the lock now or raise StorageError naming the holder."""
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        """Take the lock now or raise StorageError naming the holder.
+
+        Raises:
+            FileNotFoundError: there is no file at the path.
+            StorageError: another process holds the lock.
+        """
+        return self.adopt(os.open(self.path, os.O_RDONLY | os.O_CLOEXEC))
+
+    def adopt(self, fd: int) -> WriterLock:
+        """Take the lock through `fd`, an open descriptor of the file, which the lock then owns
+        (closed on failure). Used for a file just made under a temporary name: the lock follows
+        it through the rename."""
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            holder = lock_holder(fd)
             os.close(fd)
             raise StorageError(
-                f"{self.path[:-5]!r} is already open for writing by another process (pid {holder}); "
+                f"{self.path!r} is already open for writing by another process (pid {holder}); "
                 "stop it first, or open the file read-only"
             ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except BaseException:
+            os.close(fd)
+            raise
         self._fd = fd
         return self
 
     def release(self) -> None:
-        """Drop the lock (the file stays, empty of meaning). Safe to call twice."""
+        """Drop the lock. Safe to call twice."""
         if self._fd is None:
             return
         with contextlib.suppress(OSError):
@@ -168,3 +220,12 @@ class WriterLock:
     @property
     def held(self) -> bool:
         return self._fd is not None
+
+    def same_file(self, path: str | os.PathLike[str]) -> bool:
+        """Whether `path` names the file this lock holds (a rename may have replaced it)."""
+        if self._fd is None:
+            return False
+        try:
+            return os.path.samestat(os.fstat(self._fd), os.stat(path))
+        except OSError:
+            return False

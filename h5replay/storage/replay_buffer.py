@@ -177,16 +177,24 @@ class ReplayBuffer:
     @classmethod
     def load_from(cls, path: str | os.PathLike[str], read_only: bool = True, **storage_kwargs: Any) -> ReplayBuffer:
         """Reopen a buffer exactly as it was last published (closed, flushed or committed). A file
-        of an older format is upgraded in place when opened for writing."""
-        storage = HDF5Storage.load_from(
-            _h5file.file_path(path), None, read_only=read_only, prepare=None if read_only else Journal.upgrade,
-            **storage_kwargs,
-        )
-        try:
-            return cls(storage)
-        except BaseException:
-            storage.close()
-            raise
+        of an older format is upgraded in place when opened for writing. Opening gives up after
+        `open_timeout` seconds (default 30; a storage keyword), or at SIGTERM / SIGINT.
+
+        Raises:
+            StorageError: the file is damaged, did not open in time, is written by another
+                process, or lost published rows (a file cut short: export what is readable).
+        """
+        file = _h5file.file_path(path)
+        with _h5file.opening(file, storage_kwargs.get("open_timeout", _h5file.DEFAULT_OPEN_TIMEOUT)):
+            storage = HDF5Storage.load_from(
+                file, None, read_only=read_only, prepare=None if read_only else Journal.upgrade,
+                verify=None if read_only else Journal.verify, **storage_kwargs,
+            )
+            try:
+                return cls(storage)
+            except BaseException:
+                storage.close()
+                raise
 
     @classmethod
     def from_raw_hdf5(cls, path: str | os.PathLike[str]) -> ReplayBuffer:

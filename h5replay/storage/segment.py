@@ -1,14 +1,18 @@
 """SegmentWriter: streams one segment into the file and publishes it at commit.
 
-A writer keeps at most one block of rows in memory (about `segment_buffer_bytes`). When the
-block fills it is written to a free block of the file's hidden staging datasets
-(`/_h5replay/staging/<leaf>`), so memory stays flat however long the episode grows. `commit`
-copies the staged blocks and the in-memory tail to their final rows; until then nothing of the
-segment is visible through `get`. `abort` returns the blocks to the free list.
+A writer keeps at most one block of rows in memory (about `segment_buffer_bytes`). That block
+starts small (about 64 KiB of rows) and doubles as rows come, while the staging's memory budget
+(`memory_bytes`, shared by every writer of the storage) allows; when it is full, or may not
+grow, its rows are written to a free block of the file's hidden staging datasets
+(`/_h5replay/staging/<leaf>`), so memory stays flat however long the episode grows and however
+many segments are open. `commit` copies the staged blocks and the in-memory tail to their final
+rows; until then nothing of the segment is visible through `get`. `abort` returns the blocks to
+the free list.
 
 The staging datasets are created with the file (SWMR forbids new objects later) and only ever
-grow; a block is a range of `block_rows` rows in every staging dataset. Blocks are handed out
-per process: staging contents do not survive a reopen, and need not.
+grow; a block is a range of `block_rows` rows in every staging dataset, of which a spill may
+fill only the first ones. Blocks are handed out per process: staging contents do not survive a
+reopen, and need not.
 """
 
 from __future__ import annotations
@@ -29,15 +33,24 @@ from h5replay.storage._rowio import read_slice, write_rows
 __all__ = ["SegmentWriter", "Staging", "StagingArea", "SegmentTarget"]
 
 _SPARE_BUFFERS = 2
+_FIRST_BLOCK_BYTES = 64 * 1024  # a writer's first block in memory; it doubles up to block_rows
 
 
 class StagingArea(Protocol):
-    """Where a segment writer keeps its rows until commit: blocks of `block_rows` rows."""
+    """Where a segment writer keeps its rows until commit: blocks of `block_rows` rows, and in
+    memory a block per writer that grows from `first_rows` rows while the budget allows (`reserve`;
+    `in_memory` bytes of `row_bytes` a row are counted against it)."""
 
     block_rows: int
+    first_rows: int
+    row_bytes: int
+    in_memory: int
     names: tuple[str, ...]
 
-    def take_buffers(self) -> dict[str, np.ndarray]: ...
+    def reserve(self, rows: int) -> bool: ...
+    def unreserve(self, rows: int) -> None: ...
+    def take_buffers(self, rows: int) -> dict[str, np.ndarray]: ...
+    def take_spare(self) -> dict[str, np.ndarray] | None: ...
     def give_buffers(self, buffers: dict[str, np.ndarray]) -> None: ...
     def allocate(self) -> int: ...
     def release(self, blocks: list[int]) -> None: ...
@@ -59,28 +72,53 @@ class SegmentTarget(Protocol):
 
 
 class Staging:
-    """The free list of staging blocks of one open storage, over its staging datasets."""
+    """The free list of staging blocks of one open storage, over its staging datasets, and the
+    memory budget of its writers' blocks (`memory_bytes`; None: no limit)."""
 
-    def __init__(self, datasets: dict[str, h5py.Dataset], leaves: list[tuple[str, LeafSpace]], buffer_bytes: int) -> None:
+    def __init__(self, datasets: dict[str, h5py.Dataset], leaves: list[tuple[str, LeafSpace]], buffer_bytes: int,
+                 memory_bytes: int | None = None) -> None:
         self.datasets = datasets
         self.names = tuple(datasets)
         self._leaves = leaves
-        row_bytes = sum(leaf.row_bytes for _, leaf in leaves)
-        self.block_rows = max(1, buffer_bytes // max(1, row_bytes))
+        self.row_bytes = max(1, sum(leaf.row_bytes for _, leaf in leaves))
+        self.block_rows = max(1, buffer_bytes // self.row_bytes)
+        self.first_rows = max(1, min(self.block_rows, _FIRST_BLOCK_BYTES // self.row_bytes))
+        self.memory_bytes = memory_bytes
+        self.in_memory = 0  # bytes of writers' blocks held now (spares included)
         rows = min(ds.shape[0] for ds in datasets.values())
         self.num_blocks = rows // self.block_rows
         self._free = list(range(self.num_blocks - 1, -1, -1))
-        # Writers' memory blocks, kept for the next writer: fresh pages cost a fault each to touch.
+        # Full-size blocks kept for the next writer: fresh pages cost a fault each to touch.
         self._spare_buffers: list[dict[str, np.ndarray]] = []
 
-    def take_buffers(self) -> dict[str, np.ndarray]:
-        """One block of rows per leaf, in memory, for a writer."""
-        if self._spare_buffers:
+    def reserve(self, rows: int) -> bool:
+        """Count `rows` more rows of a writer's block against the budget; False when over it."""
+        size = rows * self.row_bytes
+        if self.memory_bytes is not None and self.in_memory + size > self.memory_bytes:
+            return False
+        self.in_memory += size
+        return True
+
+    def unreserve(self, rows: int) -> None:
+        self.in_memory = max(0, self.in_memory - rows * self.row_bytes)
+
+    def take_buffers(self, rows: int) -> dict[str, np.ndarray]:
+        """A block of `rows` rows per leaf, in memory (already reserved by the caller)."""
+        if rows == self.block_rows and self._spare_buffers:
+            self.unreserve(rows)  # a spare was counted already
             return self._spare_buffers.pop()
-        return {path: np.empty((self.block_rows, *leaf.shape), dtype=leaf.storage_dtype) for path, leaf in self._leaves}
+        return {path: np.empty((rows, *leaf.shape), dtype=leaf.storage_dtype) for path, leaf in self._leaves}
+
+    def take_spare(self) -> dict[str, np.ndarray] | None:
+        """A full-size block kept from a writer that ended (still counted), or None."""
+        return self._spare_buffers.pop() if self._spare_buffers else None
 
     def give_buffers(self, buffers: dict[str, np.ndarray]) -> None:
-        if len(self._spare_buffers) < _SPARE_BUFFERS:
+        """Take back a writer's block: kept as a spare when full-size, else freed."""
+        rows = next(iter(buffers.values())).shape[0] if buffers else 0
+        if rows != self.block_rows or len(self._spare_buffers) >= _SPARE_BUFFERS:
+            self.unreserve(rows)
+        else:
             self._spare_buffers.append(buffers)
 
     def allocate(self) -> int:
@@ -98,6 +136,7 @@ class Staging:
         self._free.extend(reversed(blocks))
 
     def write(self, block: int, arrays: Mapping[str, np.ndarray]) -> None:
+        """Write rows at the start of `block` (a spill may fill only part of it)."""
         with h5_errors("staging segment rows"):
             for path, arr in arrays.items():
                 ds = self.datasets[path]
@@ -121,10 +160,10 @@ class SegmentWriter:
     def __init__(self, storage: SegmentTarget, staging: StagingArea) -> None:
         self.storage = storage
         self._staging = staging
-        self._block_rows = staging.block_rows
         self._buffers: dict[str, np.ndarray] | None = None
+        self._capacity = 0  # rows the block in memory holds (0: none yet)
         self._buffered = 0
-        self._blocks: list[int] = []
+        self._blocks: list[tuple[int, int]] = []  # (staging block, rows written in it), in order
         self.length = 0
         self.is_finished = False
         self._state = "open"  # open | committed | aborted | invalid
@@ -190,20 +229,18 @@ class SegmentWriter:
         if given is not None or self._priorities is not None:
             self._keep_priorities(self.length, given, 1)
         # The per-step hot path: one row straight into the block, no batch bookkeeping.
-        buffers = self._buffers
-        if buffers is None:
-            buffers = self._buffers = self._staging.take_buffers()
+        if self._buffered == self._capacity:
+            try:
+                self._make_room()
+            except StorageError:
+                self.abort()
+                raise
+        buffers = typing.cast("dict[str, np.ndarray]", self._buffers)
         row = self._buffered
         for path, arr in encoded.items():
             buffers[path][row] = arr[0]
         self._buffered = row + 1
         self.length += 1
-        if self._buffered == self._block_rows:
-            try:
-                self._spill()
-            except StorageError:
-                self.abort()
-                raise
 
     def extend(self, batch: Any, priorities: Any = None) -> None:
         """Add a batch of samples (a leading axis on every leaf), with one priority per row if
@@ -227,33 +264,58 @@ class SegmentWriter:
     def _push(self, encoded: Mapping[str, np.ndarray], n: int, priorities: np.ndarray | None = None) -> None:
         if priorities is not None or self._priorities is not None:
             self._keep_priorities(self.length, priorities, n)
-        if self._buffers is None:
-            self._buffers = self._staging.take_buffers()
         offset = 0
         try:
             while offset < n:
-                take = min(n - offset, self._block_rows - self._buffered)
+                if self._buffered == self._capacity:
+                    self._make_room()
+                buffers = typing.cast("dict[str, np.ndarray]", self._buffers)
+                take = min(n - offset, self._capacity - self._buffered)
                 for path, arr in encoded.items():
-                    self._buffers[path][self._buffered : self._buffered + take] = arr[offset : offset + take]
+                    buffers[path][self._buffered : self._buffered + take] = arr[offset : offset + take]
                 self._buffered += take
                 offset += take
                 self.length += take
-                if self._buffered == self._block_rows:
-                    self._spill()
         except StorageError:
             # The file could not take the rows: the segment cannot be completed faithfully.
             self.abort()
             raise
 
+    def _make_room(self) -> None:
+        """The block in memory is full (or there is none): grow it, within the memory budget, or
+        spill its rows to the file."""
+        staging = self._staging
+        if self._buffers is None:
+            spare = staging.take_spare()
+            if spare is not None:
+                self._buffers, self._capacity = spare, staging.block_rows
+                return
+        if self._capacity < staging.block_rows:
+            grown = min(staging.block_rows, max(staging.first_rows, 2 * self._capacity))
+            if staging.reserve(grown):
+                new = staging.take_buffers(grown)
+                if self._buffers is not None:
+                    for path, old in self._buffers.items():
+                        new[path][: self._buffered] = old[: self._buffered]
+                    staging.give_buffers(self._buffers)
+                self._buffers, self._capacity = new, grown
+                return
+            if self._buffers is None:  # over budget: even so a writer needs a row to work with
+                staging.in_memory += staging.row_bytes
+                self._buffers, self._capacity = staging.take_buffers(1), 1
+                return
+        self._spill()
+
     def _spill(self) -> None:
-        buffers = typing.cast("dict[str, np.ndarray]", self._buffers)  # _push allocated them
+        buffers = typing.cast("dict[str, np.ndarray]", self._buffers)  # _make_room allocated them
         block = self._staging.allocate()
+        rows = self._buffered
         try:
-            self._staging.write(block, buffers)
+            self._staging.write(block, {path: b[:rows] for path, b in buffers.items()})
         except StorageError:
             self._staging.release([block])
             raise
-        self._blocks.append(block)
+        self._blocks.append((block, rows))
         self._buffered = 0
 
     # ------------------------------------------------------------------ ending
@@ -288,13 +350,14 @@ class SegmentWriter:
         try:
             if capacity is None and start + n > len(self.storage):
                 self.storage.extend_length(start + n - len(self.storage))
-            for k, block in enumerate(self._blocks):
-                first, stop = k * self._block_rows, (k + 1) * self._block_rows
-                if stop <= skip:
-                    continue
-                lo = max(first, skip) - first
-                self.storage.write_ring(start + first + lo, self._staging.read(block, lo, self._block_rows))
-            tail_first = len(self._blocks) * self._block_rows
+            first = 0
+            for block, rows in self._blocks:
+                stop = first + rows
+                if stop > skip:
+                    lo = max(first, skip) - first
+                    self.storage.write_ring(start + first + lo, self._staging.read(block, lo, rows))
+                first = stop
+            tail_first = first
             if self._buffered and self._buffers is not None:
                 lo = max(tail_first, skip) - tail_first
                 arrays = {p: b[lo : self._buffered] for p, b in self._buffers.items()}
@@ -317,17 +380,19 @@ class SegmentWriter:
 
     def _release(self) -> None:
         if self._blocks:
-            self._staging.release(self._blocks)
+            self._staging.release([block for block, _ in self._blocks])
         if self._buffers is not None:
             self._staging.give_buffers(self._buffers)
         self._blocks = []
         self._buffers = None
+        self._capacity = 0
         self._buffered = 0
 
     def _invalidate(self, reason: str) -> None:
         if self._state == "open":
             self._blocks = []
             self._buffers = None
+            self._capacity = 0
             self._state = "invalid"
             self._why_invalid = reason
 

@@ -298,14 +298,22 @@ def test_a_learner_may_not_write(live):
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("where", ["writer", "reader"])
-def test_index_out_of_range(live, where):
-    refused(live, P.encode(P.Get(1, 0, np.array([0, 10**6]))), IndexError, "index 1000000", "out of range", where=where)
-    refused(live, P.encode(P.Get(1, 0, np.array([-(10**6)]))), IndexError, "out of range", where=where)
+def test_index_out_of_range(live):
+    refused(live, P.encode(P.Get(1, 0, np.array([0, 10**6]))), IndexError, "index 1000000", "out of range",
+            where="reader")
+    refused(live, P.encode(P.Get(1, 0, np.array([-(10**6)]))), IndexError, "out of range", where="reader")
     with LearnerClient(live.endpoint, timeout=5) as learner:
         with pytest.raises(IndexError, match="out of range"):
             learner.get([0, 123_456])
         assert learner.get([0])["step"].tolist() == [0]
+
+
+@pytest.mark.timeout(30)
+def test_reads_on_the_writer_endpoint_are_refused_naming_the_read_endpoint(live):
+    """While reader processes run, the writer serves writes, hello, info and heartbeats only
+    (issue 14, case 9): a read sent there is refused with the endpoint to read from."""
+    refused(live, P.encode(P.Get(1, 0, np.array([0]))), ProtocolError, "get is a read", live.read_endpoint)
+    refused(live, P.encode(P.Sample(1, 4)), ProtocolError, "sample is a read", live.read_endpoint)
 
 
 @pytest.mark.timeout(30)

@@ -8,12 +8,14 @@ connection that records the bytes: with CURVE nothing of a message shows, withou
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import stat
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +37,7 @@ from service_helpers import (
 from h5replay import protocol as P
 from h5replay.client import ActorClient, LearnerClient
 from h5replay.config import ServerConfig
-from h5replay.errors import ConfigError, ReadOnlyError, ServerUnavailableError
+from h5replay.errors import AccessDeniedError, ConfigError, ReadOnlyError, ServerUnavailableError
 from h5replay.sampling import Prioritized, SamplingConfig
 from h5replay.server import ServerProcess
 from h5replay.server.auth import generate_keys
@@ -303,30 +305,51 @@ def test_cli_serve_with_auth(tmp_path, keys):
 # ------------------------------------------------------------------------- changing the key dir
 
 
-def _server_survives_key_change(tmp_path: Path, change) -> None:
+@contextlib.contextmanager
+def _server_with_keys(tmp_path: Path) -> Iterator[tuple[ServerProcess, Path]]:
+    """A server under --auth with fresh keys, and an episode pushed with the actor key."""
     keys = tmp_path / "keys"
     generate_keys(keys)
     server = ServerProcess(server_config(tmp_path / "rb.h5", auth_dir=str(keys), num_readers=0), timeout=60)
     try:
         with ActorClient(server.endpoint, timeout=10, **actor_keys(keys)) as actor:
             actor.push_episode(episode_rows(13, 0, 5))
-            change(keys)
-            time.sleep(2.5)  # the server re-reads the key directories every second
-            assert server.process.is_alive(), f"the server died (exit code {server.process.exitcode})"
-            assert actor.push_episode(episode_rows(13, 1, 5)).length == 5  # connected clients go on
+        yield server, keys
     finally:
         server.stop(30)
 
 
 @pytest.mark.timeout(60)
 def test_a_broken_key_file_dropped_in_does_not_stop_the_server(tmp_path):
-    _server_survives_key_change(tmp_path, lambda keys: (keys / "actors" / "broken.key").write_text("not a key\n"))
+    with _server_with_keys(tmp_path) as (server, keys), \
+            ActorClient(server.endpoint, timeout=10, **actor_keys(keys)) as actor:
+        (keys / "actors" / "broken.key").write_text("not a key\n")
+        time.sleep(2.5)  # the server re-reads the key directories every second
+        assert server.process.is_alive(), f"the server died (exit code {server.process.exitcode})"
+        assert actor.push_episode(episode_rows(13, 1, 5)).length == 5  # connected clients go on
 
 
 @pytest.mark.timeout(60)
-def test_emptying_the_key_dirs_does_not_stop_the_server(tmp_path):
-    def remove_all(keys: Path) -> None:
-        (keys / "actors" / "actor.key").unlink()
-        (keys / "learners" / "learner.key").unlink()
+def test_emptying_the_key_dirs_revokes_every_key_and_the_server_goes_on(tmp_path):
+    """Issue 14, case 7: deleting every key kept every key admitted before (fail open). Now every
+    key is revoked (fail closed); the server runs on, and admits keys copied back in."""
+    with _server_with_keys(tmp_path) as (server, keys):
+        with ActorClient(server.endpoint, timeout=3, **actor_keys(keys)) as actor:
+            actor.push_episode(episode_rows(13, 1, 5))
+            saved = (keys / "actors" / "actor.key").read_bytes()
+            (keys / "actors" / "actor.key").unlink()
+            (keys / "learners" / "learner.key").unlink()
+            time.sleep(2.5)  # the keys are re-read every second
+            assert server.process.is_alive(), f"the server died (exit code {server.process.exitcode})"
+            with pytest.raises((ServerUnavailableError, AccessDeniedError)):
+                actor.push_episode(episode_rows(13, 2, 5))
+        (keys / "actors" / "actor.key").write_bytes(saved)
+        assert wait_until(lambda: _pushes(server.endpoint, keys), timeout=10)
 
-    _server_survives_key_change(tmp_path, remove_all)
+
+def _pushes(endpoint: str, keys: Path) -> bool:
+    try:
+        with ActorClient(endpoint, timeout=1.0, **actor_keys(keys)) as actor:
+            return actor.push_episode(episode_rows(13, 3, 5)).length == 5
+    except ServerUnavailableError:
+        return False

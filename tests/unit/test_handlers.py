@@ -16,6 +16,7 @@ from memory_backend import MemoryJournal, memory_replay_buffer
 
 from h5replay import protocol as P
 from h5replay.errors import (
+    AccessDeniedError,
     LimitExceededError,
     NotEnoughDataError,
     ReadOnlyError,
@@ -43,9 +44,10 @@ class Harness:
         self.service = Service(self.buffer, P.Limits(**limits), "tcp://127.0.0.1:9", instance_id="i")
         self.rid = 0
 
-    def call(self, identity: bytes, cls: Any, *fields: Any, role: str | None = None) -> Any:
+    def call(self, identity: bytes, cls: Any, *fields: Any, role: str | None = None, key: str | None = None) -> Any:
+        """`role` and `key`: what authentication says of this message (None: no --auth)."""
         self.rid += 1
-        return self.service.handle(identity, cls(self.rid, *fields), role)
+        return self.service.handle(identity, cls(self.rid, *fields), role, key)
 
     @property
     def journal(self) -> MemoryJournal:
@@ -108,13 +110,25 @@ def test_rows_that_do_not_fit_the_space_are_refused_before_anything_is_written(h
 
 def test_a_learner_may_not_write_and_cannot_claim_more_than_it_was_granted(h: Harness) -> None:
     with pytest.raises(ReadOnlyError, match="learner may not open segment"):
-        h.call(B, P.OpenSegment, role="learner")
-    h.call(B, P.Hello, "sneaky", "actor")  # asks for more than authentication gave it
+        h.call(B, P.OpenSegment, role="learner", key="kb")
+    h.call(B, P.Hello, "sneaky", "actor", role="learner", key="kb")  # asks for more than its key gives
     with pytest.raises(ReadOnlyError):
-        h.call(B, P.PushEpisode, 1, wire([1]))
-    h.call(A, P.Hello, "modest", "learner")  # an actor may ask for less
+        h.call(B, P.PushEpisode, 1, wire([1]), role="learner", key="kb")
+    h.call(A, P.Hello, "modest", "learner", role="actor", key="ka")  # an actor may ask for less
     with pytest.raises(ReadOnlyError):
-        h.call(A, P.OpenSegment)
+        h.call(A, P.OpenSegment, role="actor", key="ka")
+
+
+def test_roles_are_those_of_each_message_and_a_routing_id_keeps_its_key(h: Harness) -> None:
+    """Issue 14, cases 6 and 7: the role is the key's now (a key moved to learners/ writes no
+    more), and another key cannot use a routing id bound to a session."""
+    C = b"actor-c"
+    h.call(C, P.OpenSegment, role="actor", key="kc")
+    with pytest.raises(ReadOnlyError):
+        h.call(C, P.OpenSegment, role="learner", key="kc")
+    with pytest.raises(AccessDeniedError, match="another key"):
+        h.call(C, P.PushEpisode, 1, wire([1]), role="actor", key="kd")
+    assert h.service.stats.commits == 0
 
 
 def test_silent_or_departed_clients_lose_their_open_segments(h: Harness) -> None:
@@ -122,7 +136,7 @@ def test_silent_or_departed_clients_lose_their_open_segments(h: Harness) -> None
     h.call(A, P.Append, segment, 2, wire([1, 2]))
     h.call(B, P.OpenSegment)
     h.service.sessions[A].last_seen = time.monotonic() - 100
-    assert h.service.expire(50) == [A] and h.service.open_segments == 1
+    assert h.service.expire(50) == [(A, 1)] and h.service.open_segments == 1
     assert h.service.drop_session(B) == 1 and h.service.open_segments == 0
     assert h.service.stats.aborts == 2 and len(h.buffer) == 0
 
@@ -178,3 +192,40 @@ def test_reads_answer_from_a_view_and_refuse_what_cannot_be(h: Harness) -> None:
         read_reply(h.buffer, P.Get(3, 0, np.zeros(5000, np.int64)), rng, limits)
     h.call(B, P.Info)
     assert h.service.snapshot()["clients"] == 2 and h.service.snapshot()["replay_id"] == "memory"
+
+
+def test_quotas_keep_slots_for_actor_keys_and_bound_one_keys_clients() -> None:
+    """Issue 14, case 8: one learner key filled every client slot. Now a key holds at most
+    max_clients_per_key sessions, the last actor_slots slots take actor keys only, and a session
+    without an open segment expires after the idle timeout."""
+    h = Harness(max_clients=6)
+    h.service.max_clients_per_key, h.service.actor_slots = 3, 2
+    for k in range(3):
+        h.call(b"l%d" % k, P.Heartbeat, role="learner", key="learner-1")
+    with pytest.raises(LimitExceededError, match="max_clients_per_key=3"):
+        h.call(b"l3", P.Heartbeat, role="learner", key="learner-1")
+    h.call(b"m0", P.Heartbeat, role="learner", key="learner-2")
+    with pytest.raises(LimitExceededError, match="kept for actor keys"):
+        h.call(b"m1", P.Heartbeat, role="learner", key="learner-2")
+    h.call(b"a0", P.OpenSegment, role="actor", key="actor-1")
+    h.call(b"a1", P.Heartbeat, role="actor", key="actor-1")
+    with pytest.raises(LimitExceededError, match="max_clients=6"):
+        h.call(b"a2", P.Heartbeat, role="actor", key="actor-1")
+    for session in h.service.sessions.values():
+        session.last_seen -= 10
+    expired = h.service.expire(300, idle_timeout=5)
+    assert sorted(identity for identity, _ in expired) == [b"a1", b"l0", b"l1", b"l2", b"m0"]
+    assert list(h.service.sessions) == [b"a0"]  # its open segment keeps it, up to the session timeout
+
+
+def test_a_removed_or_demoted_key_loses_its_sessions_or_its_segments() -> None:
+    """Issue 14, case 7, in the service: `revoke` drops the sessions of keys no longer listed and
+    aborts the open segments of keys that are learners now."""
+    h = Harness()
+    for identity, key in ((b"a", "gone"), (b"b", "demoted"), (b"c", "kept")):
+        segment = h.call(identity, P.OpenSegment, role="actor", key=key).segment_id
+        h.call(identity, P.Append, segment, 1, wire([1]), role="actor", key=key)
+    roles = {"demoted": "learner", "kept": "actor"}
+    dropped, demoted = h.service.revoke(roles.get)
+    assert (dropped, demoted) == ([b"a"], [b"b"])
+    assert set(h.service.sessions) == {b"b", b"c"} and h.service.open_segments == 1

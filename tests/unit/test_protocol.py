@@ -11,8 +11,10 @@ import pytest
 
 from h5replay import protocol as P
 from h5replay.errors import (
+    AccessDeniedError,
     ClosedError,
     ConfigError,
+    DiskFullError,
     EvictedError,
     LimitExceededError,
     NotEnoughDataError,
@@ -451,7 +453,7 @@ def test_encode_checks_limits_when_given() -> None:
 
 def test_limits_defaults_and_json() -> None:
     limits = P.Limits()
-    assert limits.max_message_bytes == 256 << 20 and limits.max_frames == 1024
+    assert limits.max_message_bytes == 32 << 20 and limits.max_frames == 1024
     assert P.Limits.from_json(limits.to_json()) == limits
     assert P.Limits.from_json({"max_frames": 9, "max_from_the_future": 3}) == P.Limits(max_frames=9)
     with pytest.raises(ConfigError, match="max_frames"):
@@ -474,7 +476,7 @@ CLASS_OF_CODE = {
     "bad_request": ProtocolError, "unsupported_version": UnsupportedVersionError,
     "limit_exceeded": LimitExceededError, "space_mismatch": SpaceMismatchError,
     "index_out_of_range": IndexError, "evicted": EvictedError, "not_enough_data": NotEnoughDataError, "rate_limited": RateLimitedError, "unknown_segment": SegmentStateError, "read_only": ReadOnlyError,
-    "storage_error": StorageError, "busy": ServerUnavailableError, "shutting_down": ServerUnavailableError,
+    "access_denied": AccessDeniedError, "storage_error": StorageError, "disk_full": DiskFullError, "busy": ServerUnavailableError, "shutting_down": ServerUnavailableError,
     "internal": RemoteError,
 }
 
