@@ -79,16 +79,23 @@ class Connection:
         if os.getpid() != self._pid:
             raise ClosedError("a client cannot be used across fork; create it in the child process")
 
-    def send(self, request_factory: Any) -> int:
-        """Send `request_factory(request_id)`; returns the id. Blocks at most `timeout` when the
-        socket's queue is full (flow control), then raises ServerUnavailableError."""
+    def send(self, request_factory: Any, timeout: float | None = None) -> int:
+        """Send `request_factory(request_id)`; returns the id. Blocks at most `timeout` (the
+        client's by default) when the socket's queue is full (flow control) or no server is
+        connected, then raises ServerUnavailableError."""
+        timeout = self.config.timeout if timeout is None else timeout
         with self._lock:
             self._check()
             request_id = next(self._ids)
             frames = P.encode(request_factory(request_id), self.limits)
-            if not self._sock.poll(int(self.config.timeout * 1000), zmq.POLLOUT):
-                raise ServerUnavailableError(self._no_answer(self.config.timeout))
-            self._sock.send_multipart(frames, copy=False)
+            if not self._sock.poll(int(timeout * 1000), zmq.POLLOUT):
+                raise ServerUnavailableError(self._no_answer(timeout))
+            try:
+                # Never block here: the connection can vanish between the poll and the send, and
+                # a blocking send would then wait for a server that may never come back.
+                self._sock.send_multipart(frames, flags=zmq.DONTWAIT, copy=False)
+            except zmq.Again as exc:
+                raise ServerUnavailableError(self._no_answer(timeout)) from exc
             self._outstanding.add(request_id)
             return request_id
 
@@ -128,9 +135,33 @@ class Connection:
                 "(a server started with --auth: pass secret_key= and server_key=, or --secret-key/--server-key)")
 
     def request(self, request_factory: Any, timeout: float | None = None) -> P.Reply:
-        """Send and wait for the reply."""
+        """Send and wait for the reply, `timeout` for each (the client's by default)."""
         with self._lock:
-            return self.wait(self.send(request_factory), timeout)
+            return self.wait(self.send(request_factory, timeout), timeout)
+
+    def request_again(self, request_factory: Any, timeout: float, attempts: int) -> P.Reply:
+        """Send, and when no reply comes within the client's timeout, send the same request again:
+        up to `attempts` sends in all, within `timeout` in all (the last attempt waits for whatever
+        is left). Only for requests that take effect once however often they arrive: a commit or
+        push with its idempotency key.
+
+        Raises:
+            ServerUnavailableError: no attempt got a reply within `timeout`.
+        """
+        deadline = time.monotonic() + timeout
+        left = max(1, attempts)
+        while True:
+            start = time.monotonic()
+            remaining = max(0.0, deadline - start)
+            share = remaining if left == 1 else min(self.config.timeout, remaining)
+            try:
+                return self.request(request_factory, share)
+            except ServerUnavailableError as exc:
+                left -= 1
+                if left <= 0 or time.monotonic() >= deadline:
+                    raise ServerUnavailableError(f"{exc} ({attempts} attempt(s) within {timeout:g} s)") from exc
+                # A refusal that came at once (busy, shutting down): wait out this attempt's share.
+                time.sleep(max(0.0, start + share - time.monotonic()))
 
     def forget(self, request_id: int) -> None:
         """Drop a reply that arrived (or will arrive) for a request the caller gave up on."""

@@ -113,8 +113,9 @@ class ActorClient:
 
     @property
     def in_doubt(self) -> list[InDoubt]:
-        """Over several servers: episodes whose commit reply was lost with a shard and that were
-        pushed again on another (they may be held twice until idempotency keys settle them)."""
+        """Over several servers: episodes whose commit reply was lost with a shard that did not
+        answer again within the timeout, and that were pushed again on another (they may be held
+        on both; a shard that answers again settles a lost commit by its idempotency key)."""
         return list(self._router.in_doubt) if self._router is not None else []
 
     def segment(self) -> ActorSegment | ShardedSegment:
@@ -128,7 +129,9 @@ class ActorClient:
     def push_episode(self, batch: Any, priorities: Any = None) -> Receipt:
         """Send one whole episode (a leading axis on every leaf), with one priority per step if
         given (a prioritized server), and wait for its commit. Returns the global ids the server
-        gave it; an empty episode records nothing: Receipt(-1, -1, 0).
+        gave it; an empty episode records nothing: Receipt(-1, -1, 0). Blocks at most `timeout` +
+        `rate_limit_timeout`; a push whose reply does not come is sent again with the same
+        idempotency key (`commit_attempts` in all): the server never stores it twice.
 
         Raises:
             RateLimitedError: the server's rate limit held the commit back for `rate_limit_timeout`.
@@ -140,9 +143,9 @@ class ActorClient:
         if n == 0:
             return Receipt(-1, -1, 0)
         if n <= self.rows_per_message:
-            limit = self.config.rate_limit_timeout
-            return _receipt(self._conn.request(
-                lambda rid: P.PushEpisode(rid, n, encoded, limit, given), timeout=self.config.timeout + limit))
+            limit, key = self.config.rate_limit_timeout, os.urandom(P.IDEMPOTENCY_KEY_BYTES)
+            return _receipt(self._conn.request_again(lambda rid: P.PushEpisode(rid, n, encoded, limit, given, key),
+                                                     self.config.timeout + limit, self.config.commit_attempts))
         with self.segment() as seg:
             seg.extend_encoded(encoded, n, given)
         return seg.receipt  # type: ignore[return-value]
@@ -189,8 +192,10 @@ class ActorSegment:
     fits in one message travels as a single push at commit (one round trip in all).
     """
 
-    def __init__(self, client: ActorClient) -> None:
+    def __init__(self, client: ActorClient, key: bytes | None = None) -> None:
         self._client = client
+        #: The episode's idempotency key (`key`, or 16 random bytes), sent with every commit attempt.
+        self.key = key if key is not None else os.urandom(P.IDEMPOTENCY_KEY_BYTES)
         self._conn = client.connection
         self._config = client.config
         self.segment_id: int | None = None  # assigned by the server when the first batch leaves
@@ -297,7 +302,9 @@ class ActorSegment:
 
     def commit(self) -> Receipt:
         """Send what is buffered, wait for every append, then commit. Returns after the server has
-        the episode in the file, flushed. Raises and aborts if any part was refused.
+        the episode in the file, flushed. Raises and aborts if any part was refused. A commit
+        whose reply does not come is sent again with the episode's key (see `_conclude`); the
+        server answers a retry of an applied commit with its receipt, never storing it twice.
 
         Raises:
             RateLimitedError: the server's rate limit held the commit back for the client's
@@ -309,13 +316,15 @@ class ActorSegment:
         self._send_buffered()
         while self._pending:
             self._settle_oldest()
-        segment_id, limit = self.segment_id, self._config.rate_limit_timeout
-        return self._conclude(lambda rid: P.Commit(rid, segment_id, limit))
+        segment_id, limit, key = self.segment_id, self._config.rate_limit_timeout, self.key
+        return self._conclude(lambda rid: P.Commit(rid, segment_id, limit, key))
 
     def _conclude(self, request: Any) -> Receipt:
-        """Send the request that commits the episode; its reply is the receipt."""
+        """Send the request that commits the episode, again with the same key when no reply comes
+        (`commit_attempts` in all, within timeout + rate_limit_timeout); its reply is the receipt."""
+        config = self._config
         try:
-            reply = self._conn.request(request, timeout=self._config.timeout + self._config.rate_limit_timeout)
+            reply = self._conn.request_again(request, config.timeout + config.rate_limit_timeout, config.commit_attempts)
         except RateLimitedError:
             raise  # still open: the server keeps the segment (a push's rows stay here); commit again
         except BaseException:
@@ -335,8 +344,8 @@ class ActorSegment:
             return self.receipt
         arrays = {path: rows[:n] for path, rows in batch.items()}
         priorities = self._priorities[:n] if self._priorities is not None else _NO_PRIORITIES
-        limit = self._config.rate_limit_timeout
-        receipt = self._conclude(lambda rid: P.PushEpisode(rid, n, arrays, limit, priorities))
+        limit, key = self._config.rate_limit_timeout, self.key
+        receipt = self._conclude(lambda rid: P.PushEpisode(rid, n, arrays, limit, priorities, key))
         self._batch, self._priorities, self._buffered_rows = None, None, 0
         return receipt
 
