@@ -19,7 +19,11 @@ from h5replay import protocol as P
 from h5replay.config import ClientConfig
 from h5replay.errors import ClosedError, ConfigError, ProtocolError, ServerUnavailableError
 
-__all__ = ["Connection", "curve_keys", "say_hello"]
+__all__ = ["Connection", "NotSentError", "curve_keys", "say_hello"]
+
+
+class NotSentError(ServerUnavailableError):
+    """A request that never left this client (no server connected in time): not in doubt."""
 
 
 def curve_keys(secret_key: str | os.PathLike[str] | None, server_key: str | os.PathLike[str] | None) -> dict[str, bytes] | None:
@@ -143,25 +147,43 @@ class Connection:
         """Send, and when no reply comes within the client's timeout, send the same request again:
         up to `attempts` sends in all, within `timeout` in all (the last attempt waits for whatever
         is left). Only for requests that take effect once however often they arrive: a commit or
-        push with its idempotency key.
+        push with its idempotency key. A first send that cannot leave (no server connected within
+        the client's timeout) raises at once: that request is not in doubt.
 
         Raises:
+            NotSentError: the request could not be sent (a ServerUnavailableError).
             ServerUnavailableError: no attempt got a reply within `timeout`.
         """
         deadline = time.monotonic() + timeout
-        left = max(1, attempts)
-        while True:
-            start = time.monotonic()
-            remaining = max(0.0, deadline - start)
-            share = remaining if left == 1 else min(self.config.timeout, remaining)
+        with self._lock:
             try:
-                return self.request(request_factory, share)
+                request_id = self.send(request_factory, min(self.config.timeout, timeout))
             except ServerUnavailableError as exc:
-                left -= 1
-                if left <= 0 or time.monotonic() >= deadline:
-                    raise ServerUnavailableError(f"{exc} ({attempts} attempt(s) within {timeout:g} s)") from exc
-                # A refusal that came at once (busy, shutting down): wait out this attempt's share.
-                time.sleep(max(0.0, start + share - time.monotonic()))
+                raise NotSentError(str(exc)) from exc
+            left = max(1, attempts)
+            while True:
+                start = time.monotonic()
+                remaining = max(0.0, deadline - start)
+                share = remaining if left == 1 else min(self.config.timeout, remaining)
+                try:
+                    return self.wait(request_id, share)
+                except ServerUnavailableError as exc:
+                    left -= 1
+                    if left <= 0 or time.monotonic() >= deadline:
+                        raise ServerUnavailableError(f"{exc} ({attempts} attempt(s) within {timeout:g} s)") from exc
+                    # A refusal that came at once (busy, shutting down): wait out this attempt's share.
+                    time.sleep(max(0.0, start + share - time.monotonic()))
+                    # Sent again: the server may have restarted, or lost the first on a broken connection.
+                    request_id = self._send_again(request_factory, deadline)
+
+    def _send_again(self, request_factory: Any, deadline: float) -> int:
+        """Send a retry, waiting for a connection until `deadline` at most."""
+        while True:
+            try:
+                return self.send(request_factory, min(self.config.timeout, max(0.0, deadline - time.monotonic())))
+            except ServerUnavailableError:
+                if time.monotonic() >= deadline:
+                    raise
 
     def forget(self, request_id: int) -> None:
         """Drop a reply that arrived (or will arrive) for a request the caller gave up on."""

@@ -17,10 +17,10 @@ from typing import Any
 import numpy as np
 
 from h5replay import protocol as P
-from h5replay.client._connection import Connection, curve_keys, say_hello
+from h5replay.client._connection import Connection, NotSentError, curve_keys, say_hello
 from h5replay.client._shards import InDoubt, ShardedActor, ShardedSegment
 from h5replay.config import DEFAULT_ENDPOINT, ClientConfig
-from h5replay.errors import ClosedError, RateLimitedError, SegmentStateError
+from h5replay.errors import ClosedError, RateLimitedError, SegmentStateError, ServerUnavailableError
 from h5replay.records import Receipt
 from h5replay.sampling import check_priorities
 from h5replay.spaces import Schema, Space, space_from_json
@@ -208,6 +208,9 @@ class ActorSegment:
         self._buffered_since = 0.0
         self.length = 0
         self.receipt: Receipt | None = None
+        #: Whether the commit (or push) was sent and no reply came: the server may have applied
+        #: it. Commit the same rows again with `key` to settle it without storing it twice.
+        self.in_doubt = False
         self._state = "open"
 
     def __len__(self) -> int:
@@ -327,8 +330,12 @@ class ActorSegment:
             reply = self._conn.request_again(request, config.timeout + config.rate_limit_timeout, config.commit_attempts)
         except RateLimitedError:
             raise  # still open: the server keeps the segment (a push's rows stay here); commit again
-        except BaseException:
+        except NotSentError:
             self._state = "failed"
+            raise
+        except BaseException as exc:
+            self._state = "failed"
+            self.in_doubt = isinstance(exc, ServerUnavailableError)
             raise
         self._state = "committed"
         self.receipt = _receipt(reply)

@@ -20,9 +20,11 @@ import numpy as np
 import pytest
 import zmq
 from service_helpers import EPISODE_SPACE, SPAWN, RawClient, episode_rows, file_episodes, running_server, server_config
+from shard_helpers import episodes_by_shard, running_shards
 
 from h5replay import protocol as P
 from h5replay.client import ActorClient
+from h5replay.client._shards import home_shard
 from h5replay.config import ClientConfig
 from h5replay.errors import SegmentStateError
 from h5replay.storage import ReplayBuffer
@@ -221,3 +223,19 @@ def test_after_sigkill_a_reopened_buffer_remembers_exactly_the_published_keys(tm
             buffer.receipt_for(published, 5)
     finally:
         buffer.close()
+
+
+def test_a_sharded_actor_settles_an_episode_in_doubt_on_the_same_shard_before_moving_on(tmp_path: Path) -> None:
+    """Every attempt of a push to shard 0 loses its reply (the shard applied the first): the actor
+    asks shard 0 again with the episode's key, gets the original receipt, and never pushes the
+    episode to shard 1."""
+    name = next(f"doubter-{i}" for i in range(100) if home_shard(f"doubter-{i}", 2) == 0)
+    with running_shards(tmp_path, 2) as shards, reply_dropper(shards.endpoints[0], drops=3) as relay:
+        config = ClientConfig(timeout=1.0, rate_limit_timeout=2.0, name=name, shard_retry_interval=0.2)
+        with ActorClient(config=config, endpoints=[relay.endpoint, shards.endpoints[1]]) as actor:
+            receipt = actor.push_episode(episode_rows(0, 0, 6))
+            assert relay.dropped == ["push_episode"] * 3
+            assert receipt == (0, 0, 6) and actor.shard == 0 and actor.in_doubt == []
+        for i in range(2):
+            assert shards.stop(i) == 0
+    assert episodes_by_shard(shards.paths) == ([(0, 0, 0)], [])

@@ -393,8 +393,7 @@ class ShardedSegment:
             if self._actor.closed:
                 raise exc  # the user closed the actor
             return  # the actor closed that connection (its shard was lost or restarted): open it again
-        # "failed" is the state of a segment whose commit (or push) was sent without a reply.
-        if isinstance(exc, ServerUnavailableError) and inner is not None and getattr(inner, "_state", None) == "failed":
+        if isinstance(exc, ServerUnavailableError) and inner is not None and inner.in_doubt:
             first_time = index not in self.in_doubt_on
             self.in_doubt_on.append(index)
             if first_time:
