@@ -117,7 +117,7 @@ class Connection:
                         break
                     self._outstanding.discard(request_id)
                     raise ServerUnavailableError(self._no_answer(timeout))
-                frames = self._sock.recv_multipart(copy=False)
+                frames = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)  # the poll said one is there
                 reply = P.decode(frames, self.limits or P.DEFAULT_LIMITS, expect=P.Reply)
                 # Keep replies someone waits for; drop liveness probes (id 0) and late answers.
                 if reply.request_id in self._outstanding:
