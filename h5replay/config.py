@@ -72,6 +72,9 @@ class ServerConfig:
     # Sampler, rate limit and max_times_sampled of a new file (None: uniform, no limit); for an
     # existing file, when given, they must be the file's own.
     sampling: SamplingConfig | None = None
+    # Refuse Box values outside the space's bounds, and NaN, as gymnasium's `contains` would
+    # (`serve --no-check-bounds` turns it off: then the server stores what fits the dtype and shape).
+    check_bounds: bool = True
 
     def __post_init__(self) -> None:
         if self.num_readers < 0:

@@ -60,7 +60,8 @@ def open_buffer(config: ServerConfig) -> ReplayBuffer:
     """
     if os.path.exists(config.path):
         buffer = ReplayBuffer.load_from(
-            config.path, read_only=False, multiprocessing=config.multiprocessing, **config.storage_kwargs
+            config.path, read_only=False, multiprocessing=config.multiprocessing, check_bounds=config.check_bounds,
+            **config.storage_kwargs,
         )
         differences = []
         if config.sampling is not None and config.sampling != buffer.sampling:
@@ -81,7 +82,7 @@ def open_buffer(config: ServerConfig) -> ReplayBuffer:
     return ReplayBuffer.create(
         config.space, config.capacity, config.path, multiprocessing=config.multiprocessing,
         sampler=sampling.sampler, rate_limit=sampling.rate_limit, max_times_sampled=sampling.max_times_sampled,
-        **config.storage_kwargs,
+        check_bounds=config.check_bounds, **config.storage_kwargs,
     )
 
 

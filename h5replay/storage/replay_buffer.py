@@ -145,7 +145,8 @@ class ReplayBuffer:
     def create(
         cls, space: Space, capacity: int | None, cache_path: str | os.PathLike[str], *, first_row_id: int = 0,
         first_episode_id: int = 0, sampler: Sampler | None = None, rate_limit: RateLimit | None = None,
-        max_times_sampled: int = 0, idempotency_window: int = DEFAULT_KEY_WINDOW, **storage_kwargs: Any,
+        max_times_sampled: int = 0, idempotency_window: int = DEFAULT_KEY_WINDOW, check_bounds: bool = True,
+        **storage_kwargs: Any,
     ) -> ReplayBuffer:
         """A new, empty buffer in a new file (`cache_path`, or `<cache_path>/storage.hdf5` when it is
         a directory). `storage_kwargs` go to `HDF5Storage.create` (multiprocessing, chunks, ...).
@@ -158,7 +159,9 @@ class ReplayBuffer:
         is removed; 0: never). See `h5replay.storage.sampling`.
 
         `idempotency_window`: how many of the latest episodes keep the idempotency key they were
-        committed with (see `commit_segment`), recorded in the file.
+        committed with (see `commit_segment`), recorded in the file. `check_bounds`: refuse Box
+        values outside the space's bounds, and NaN (`SpaceMismatchError`), as gymnasium's
+        `contains` would; a setting of this open buffer (`buffer.storage.check_bounds`).
 
         Raises:
             ConfigError: an invalid setting (nothing is created).
@@ -176,6 +179,7 @@ class ReplayBuffer:
             space, capacity, _h5file.file_path(cache_path), prepare=Journal.create_tables(capacity, initial, config, idempotency_window),
             **storage_kwargs,
         )
+        storage.check_bounds = check_bounds
         try:
             return cls(storage)
         except BaseException:
@@ -183,13 +187,17 @@ class ReplayBuffer:
             raise
 
     @classmethod
-    def load_from(cls, path: str | os.PathLike[str], read_only: bool = True, **storage_kwargs: Any) -> ReplayBuffer:
+    def load_from(
+        cls, path: str | os.PathLike[str], read_only: bool = True, *, check_bounds: bool = True, **storage_kwargs: Any,
+    ) -> ReplayBuffer:
         """Reopen a buffer exactly as it was last published (closed, flushed or committed). A file
-        of an older format is upgraded in place when opened for writing."""
+        of an older format is upgraded in place when opened for writing. `check_bounds` as in
+        `create`."""
         storage = HDF5Storage.load_from(
             _h5file.file_path(path), None, read_only=read_only, prepare=None if read_only else Journal.upgrade,
             **storage_kwargs,
         )
+        storage.check_bounds = check_bounds
         try:
             return cls(storage)
         except BaseException:
