@@ -57,7 +57,7 @@ def export_buffer(
     copy = type(buffer).create(
         buffer.space, new_capacity, partial, first_row_id=view.begin,  # type: ignore[arg-type]
         first_episode_id=first_episode, sampler=sampling.sampler, rate_limit=sampling.rate_limit,
-        max_times_sampled=sampling.max_times_sampled, **storage_kwargs,
+        max_times_sampled=sampling.max_times_sampled, check_bounds=False, **storage_kwargs,  # copy what is held
     )
     copy.carry_over(inserted=view.inserted, sampled=view.sampled, limit_inserts=False)
     try:
