@@ -224,6 +224,8 @@ class Service:
             writer = session.segments.get(request.segment_id) if session is not None else None
             return ("insert", len(writer)) if writer is not None and len(writer) else None
         if isinstance(request, P.PushEpisode):
+            if self._committed(request.idempotency_key, None) is not None:
+                return None  # a retry of a push already applied: answered at once, never held back
             return ("insert", request.num_rows) if request.num_rows else None
         if isinstance(request, P.Sample) and self.writer_samples:
             return "sample", request.batch_size
