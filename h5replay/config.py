@@ -124,9 +124,10 @@ class ClientConfig:
     # Over several servers (endpoints=[...]): a shard that did not answer is probed again (in the
     # background) this often, and used again once it answers.
     shard_retry_interval: float = 2.0
-    # A commit or push whose reply does not come is sent again with the same idempotency key (the
-    # server answers a retry of a commit it already applied with the original receipt): this many
-    # sends in all: each after `timeout` without a reply, all within timeout + rate_limit_timeout.
+    # A commit or push whose reply does not come within `timeout` is sent again with the same
+    # idempotency key (the server answers a retry of a commit it applied with the original
+    # receipt): this many sends in all, the last one also waiting out `rate_limit_timeout` when
+    # the server has a rate limit.
     commit_attempts: int = 3
 
     def __post_init__(self) -> None:

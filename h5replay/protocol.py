@@ -63,7 +63,7 @@ reply              server       answers any request                  on error: c
 "view" is the four fields seq, generation, begin, end.
 
 ``idempotency_key`` (16 bytes, msgpack bin; left out of the fields when there is none, so messages
-without it are those of earlier version 3 clients): made by the client once per episode and sent
+without it are those of earlier version 3 clients, which may leave out ``timeout`` too: 0): made by the client once per episode and sent
 again with every retry of that commit or push. A server that already committed an episode with
 that key (one of its last `idempotency_window` episodes, see h5replay/storage/_keys.py) answers
 with that episode's receipt and commits nothing; a key whose episode has another length is
@@ -85,7 +85,7 @@ import re
 import reprlib
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from enum import Enum
 from functools import lru_cache
 from typing import Any, Callable, ClassVar, TypeVar, overload
@@ -760,8 +760,9 @@ _SCALAR_CHECKS: dict[str, Callable[[Any, str, Limits], Any]] = {
     "instance_id": _text, "min_seq": _uint, "seq": _uint, "generation": _uint, "begin": _uint, "end": _uint,
     "with_rows": _bool, "timeout": _seconds, "ignored": _uint, "sampling": _stats, "idempotency_key": _key,
 }
-# Fields a message may leave out when they are None (added within a version: older peers omit them).
-_OPTIONAL_SCALARS = frozenset({"idempotency_key"})
+# Fields added within version 3, which earlier version 3 peers leave out: decoded as the message's
+# default when absent. `encode` leaves one out only when it is None.
+_OPTIONAL_SCALARS = frozenset({"idempotency_key", "timeout"})
 
 
 @dataclass(frozen=True)
@@ -802,7 +803,8 @@ def _layout(cls: type[Message]) -> _Layout:
         header_keys |= {"ok", "for"} if cls.ok else {"ok"}
     return _Layout(
         scalars=tuple(n for n in names if n in _SCALAR_CHECKS),
-        required=frozenset(n for n in names if n in _SCALAR_CHECKS and n not in _OPTIONAL_SCALARS),
+        required=frozenset(f.name for f in fields(cls) if f.name in _SCALAR_CHECKS and (
+            f.name not in _OPTIONAL_SCALARS or (f.default is MISSING and f.default_factory is MISSING))),
         array_fields=tuple(n for n in names if n in _ARRAY_FIELDS),
         has_leaves="arrays" in names,
         header_keys=frozenset(header_keys),
@@ -1074,7 +1076,8 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS, *, expect: ty
         optional = sorted(_OPTIONAL_SCALARS.intersection(layout.scalars))
         also = f" (optional: {optional})" if optional else ""
         raise ProtocolError(f"{cls.__name__} needs fields {sorted(layout.required)}{also}, got {got}")
-    values = {name: _SCALAR_CHECKS[name](wire_fields.get(name), name, limits) for name in layout.scalars}
+    values = {name: _SCALAR_CHECKS[name](wire_fields[name], name, limits) for name in layout.scalars
+              if name in wire_fields}  # an optional field left out takes the message's default
 
     entries = header["arrays"]
     if type(entries) is not list or len(entries) != len(views) - 1:

@@ -87,6 +87,10 @@ class ActorClient:
         self.server_version = hello.server_version
         self.replay_id: str = hello.replay_id
         self.instance_id: str = hello.instance_id
+        # How long a commit may take in all: `commit_attempts` sends, each waiting `timeout` for its
+        # reply, and the rate limit's hold when the server has one (else it never holds commits).
+        holds = self.config.rate_limit_timeout if hello.sampling.get("writer_samples") else 0.0
+        self.commit_timeout = self.config.commit_attempts * self.config.timeout + holds
         self.schema = Schema(self.space)
         self._row_bytes = self.schema.row_bytes
         # Rows per message: the client's batching settings, within the server's message limits
@@ -105,6 +109,7 @@ class ActorClient:
         self.limits, self.space, self.capacity = shard.limits, shard.space, shard.capacity
         self.server_version, self.replay_id, self.instance_id = shard.server_version, shard.replay_id, shard.instance_id
         self.schema, self._row_bytes, self.rows_per_message = shard.schema, shard._row_bytes, shard.rows_per_message
+        self.commit_timeout = shard.commit_timeout
 
     @property
     def shard(self) -> int:
@@ -129,9 +134,10 @@ class ActorClient:
     def push_episode(self, batch: Any, priorities: Any = None) -> Receipt:
         """Send one whole episode (a leading axis on every leaf), with one priority per step if
         given (a prioritized server), and wait for its commit. Returns the global ids the server
-        gave it; an empty episode records nothing: Receipt(-1, -1, 0). Blocks at most `timeout` +
-        `rate_limit_timeout`; a push whose reply does not come is sent again with the same
-        idempotency key (`commit_attempts` in all): the server never stores it twice.
+        gave it; an empty episode records nothing: Receipt(-1, -1, 0). Blocks at most
+        `commit_timeout`: a push whose reply does not come within `timeout` is sent again with the
+        same idempotency key (`commit_attempts` sends in all, plus `rate_limit_timeout` when the
+        server has a rate limit): the server never stores it twice.
 
         Raises:
             RateLimitedError: the server's rate limit held the commit back for `rate_limit_timeout`.
@@ -145,7 +151,7 @@ class ActorClient:
         if n <= self.rows_per_message:
             limit, key = self.config.rate_limit_timeout, os.urandom(P.IDEMPOTENCY_KEY_BYTES)
             return _receipt(self._conn.request_again(lambda rid: P.PushEpisode(rid, n, encoded, limit, given, key),
-                                                     self.config.timeout + limit, self.config.commit_attempts))
+                                                     self.commit_timeout, self.config.commit_attempts))
         with self.segment() as seg:
             seg.extend_encoded(encoded, n, given)
         return seg.receipt  # type: ignore[return-value]
@@ -324,10 +330,11 @@ class ActorSegment:
 
     def _conclude(self, request: Any) -> Receipt:
         """Send the request that commits the episode, again with the same key when no reply comes
-        (`commit_attempts` in all, within timeout + rate_limit_timeout); its reply is the receipt."""
+        within `timeout` (`commit_attempts` in all, within the client's `commit_timeout`); its
+        reply is the receipt."""
         config = self._config
         try:
-            reply = self._conn.request_again(request, config.timeout + config.rate_limit_timeout, config.commit_attempts)
+            reply = self._conn.request_again(request, self._client.commit_timeout, config.commit_attempts)
         except RateLimitedError:
             raise  # still open: the server keeps the segment (a push's rows stay here); commit again
         except NotSentError:
