@@ -95,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--readers", type=_non_negative_int, default=1, metavar="K",
                        help="reader processes serving learners (default 1; 0: the writer serves reads)")
     serve.add_argument("--fsync", action="store_true", help="fsync every commit (survives power loss; slower)")
+    serve.add_argument("--no-check-bounds", dest="check_bounds", action="store_false",
+                       help="store Box values outside the space's low/high bounds, and NaN (by default they are "
+                            "refused as gymnasium's Box.contains would: NaN even where the bounds are infinite)")
     serve.add_argument("--metrics-port", type=_positive_int, metavar="P",
                        help="serve Prometheus metrics on http://ADDRESS:P/metrics (needs h5replay[metrics])")
     serve.add_argument("--metrics-address", default="127.0.0.1", help="address of the metrics port (default 127.0.0.1)")
@@ -333,6 +336,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_clients_per_key=args.max_clients_per_key,
         actor_slots=args.actor_slots,
         sampling=_sampling_config(args),
+        check_bounds=args.check_bounds,
     )
     return Server(config).run()
 

@@ -110,6 +110,9 @@ class ServerConfig:
     # Sampler, rate limit and max_times_sampled of a new file (None: uniform, no limit); for an
     # existing file, when given, they must be the file's own.
     sampling: SamplingConfig | None = None
+    # Refuse Box values outside the space's bounds, and NaN, as gymnasium's `contains` would
+    # (`serve --no-check-bounds` turns it off: then the server stores what fits the dtype and shape).
+    check_bounds: bool = True
 
     def __post_init__(self) -> None:
         if self.num_readers < 0:
@@ -201,6 +204,11 @@ class ClientConfig:
     # Over several servers (endpoints=[...]): a shard that did not answer is probed again (in the
     # background) this often, and used again once it answers.
     shard_retry_interval: float = 2.0
+    # A commit or push whose reply does not come within `timeout` is sent again with the same
+    # idempotency key (the server answers a retry of a commit it applied with the original
+    # receipt): this many sends in all, the last one also waiting out `rate_limit_timeout` when
+    # the server has a rate limit.
+    commit_attempts: int = 3
 
     def __post_init__(self) -> None:
         if self.timeout <= 0:
@@ -209,7 +217,7 @@ class ClientConfig:
             raise ConfigError(f"rate_limit_timeout must be in [0, 86400] seconds, got {self.rate_limit_timeout}")
         if self.shard_retry_interval <= 0:
             raise ConfigError(f"shard_retry_interval must be > 0 seconds, got {self.shard_retry_interval}")
-        if self.max_in_flight < 1 or self.batch_rows < 1 or self.batch_bytes < 1:
-            raise ConfigError("max_in_flight, batch_rows and batch_bytes must be >= 1")
+        if self.max_in_flight < 1 or self.batch_rows < 1 or self.batch_bytes < 1 or self.commit_attempts < 1:
+            raise ConfigError("max_in_flight, batch_rows, batch_bytes and commit_attempts must be >= 1")
         if not self.endpoint.startswith(("tcp://", "ipc://")):
             raise ConfigError(f"endpoint {self.endpoint!r} must start with tcp:// or ipc://")

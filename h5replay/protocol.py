@@ -38,11 +38,11 @@ open_segment       actor        -                                    segment_id
 append             actor        segment_id, num_rows, priorities:    segment_length
                                 float64 (0 or num_rows; NaN: the
                                 default), leaf arrays
-commit             actor        segment_id, timeout (s)              episode_id, first_row_id (nil when
-                                                                     empty), length
+commit             actor        segment_id, timeout (s),             episode_id, first_row_id (nil when
+                                idempotency_key (optional)           empty), length
 abort              actor        segment_id                           -
 push_episode       actor        num_rows, timeout, priorities, leaf  episode_id, first_row_id, length
-                                arrays
+                                arrays, idempotency_key (optional)
 update_priorities  any client   row_ids: int64 (n,), priorities:     ignored (ids no longer held), seq
                                 float64 (n,)
 get                learner      min_seq, indices: int64 (n,)         view, row_ids (n,), leaf arrays (n, ...)
@@ -62,6 +62,13 @@ reply              server       answers any request                  on error: c
 
 "view" is the four fields seq, generation, begin, end.
 
+``idempotency_key`` (16 bytes, msgpack bin; left out of the fields when there is none, so messages
+without it are those of earlier version 3 clients, which may leave out ``timeout`` too: 0): made by the client once per episode and sent
+again with every retry of that commit or push. A server that already committed an episode with
+that key (one of its last `idempotency_window` episodes, see h5replay/storage/_keys.py) answers
+with that episode's receipt and commits nothing; a key whose episode has another length is
+refused (``unknown_segment``).
+
 ``timeout`` (seconds, >= 0): how long the server may hold a commit, push_episode or sample back for
 the rate limit before refusing it with ``rate_limited`` (0: refuse at once). When the hello's
 ``sampling.writer_samples`` is true (a rate limit, or rows removed as they are sampled), learners
@@ -78,7 +85,7 @@ import re
 import reprlib
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from enum import Enum
 from functools import lru_cache
 from typing import Any, Callable, ClassVar, TypeVar, overload
@@ -107,7 +114,7 @@ from h5replay.errors import (
 )
 
 __all__ = [
-    "PROTOCOL_VERSION", "ROWS_MESSAGE_OVERHEAD", "ID_BYTES", "SAMPLE_INFO_BYTES", "ROLES", "Kind", "ErrorCode", "ERROR_CLASSES", "Limits", "DEFAULT_LIMITS",
+    "PROTOCOL_VERSION", "IDEMPOTENCY_KEY_BYTES", "ROWS_MESSAGE_OVERHEAD", "ID_BYTES", "SAMPLE_INFO_BYTES", "ROLES", "Kind", "ErrorCode", "ERROR_CLASSES", "Limits", "DEFAULT_LIMITS",
     "Message", "Request", "Reply", "Hello", "OpenSegment", "Append", "Commit", "Abort", "PushEpisode",
     "UpdatePriorities", "Get", "GetRows", "Sample", "SampleSequences", "Episodes", "Info", "Heartbeat", "HelloReply",
     "OpenSegmentReply", "AppendReply", "CommitReply", "AbortReply", "PushEpisodeReply", "UpdatePrioritiesReply",
@@ -359,6 +366,7 @@ class Commit(Request):
     KIND = Kind.COMMIT
     segment_id: int
     timeout: float = 0.0  # seconds the rate limit may hold the commit back
+    idempotency_key: bytes | None = None  # 16 bytes, the same for every retry of this commit
 
 
 @dataclass(frozen=True, eq=False, repr=False)
@@ -374,6 +382,7 @@ class PushEpisode(Request):
     arrays: Arrays
     timeout: float = 0.0
     priorities: Array = field(default_factory=lambda: _NO_PRIORITIES)
+    idempotency_key: bytes | None = None
 
     def _validate(self, limits: Limits) -> None:
         _check_leading(self.arrays, self.num_rows)
@@ -731,6 +740,15 @@ def _seconds(value: Any, name: str, limits: Limits) -> float:
     return float(value)
 
 
+IDEMPOTENCY_KEY_BYTES = 16
+
+
+def _key(value: Any, name: str, limits: Limits) -> bytes | None:
+    if value is not None and (type(value) is not bytes or len(value) != IDEMPOTENCY_KEY_BYTES):
+        raise ProtocolError(f"field {name!r} must be {IDEMPOTENCY_KEY_BYTES} bytes (msgpack bin), got {_show(value)}")
+    return value
+
+
 def _limits(value: Any, name: str, limits: Limits) -> Limits:
     return Limits.from_json(value)
 
@@ -748,8 +766,11 @@ _SCALAR_CHECKS: dict[str, Callable[[Any, str, Limits], Any]] = {
     "server_version": _text, "protocol_version": _uint, "space": _json_map, "limits": _limits,
     "stats": _stats, "code": _text, "message": _text, "read_endpoint": _text, "replay_id": _text,
     "instance_id": _text, "min_seq": _uint, "seq": _uint, "generation": _uint, "begin": _uint, "end": _uint,
-    "with_rows": _bool, "timeout": _seconds, "ignored": _uint, "sampling": _stats,
+    "with_rows": _bool, "timeout": _seconds, "ignored": _uint, "sampling": _stats, "idempotency_key": _key,
 }
+# Fields added within version 3, which earlier version 3 peers leave out: decoded as the message's
+# default when absent. `encode` leaves one out only when it is None.
+_OPTIONAL_SCALARS = frozenset({"idempotency_key", "timeout"})
 
 
 @dataclass(frozen=True)
@@ -774,6 +795,7 @@ _ARRAY_FIELDS: dict[str, _ArrayField] = {
 @dataclass(frozen=True)
 class _Layout:
     scalars: tuple[str, ...]
+    required: frozenset[str]  # the scalars a message must carry
     array_fields: tuple[str, ...]
     has_leaves: bool
     header_keys: frozenset[str]
@@ -789,6 +811,8 @@ def _layout(cls: type[Message]) -> _Layout:
         header_keys |= {"ok", "for"} if cls.ok else {"ok"}
     return _Layout(
         scalars=tuple(n for n in names if n in _SCALAR_CHECKS),
+        required=frozenset(f.name for f in fields(cls) if f.name in _SCALAR_CHECKS and (
+            f.name not in _OPTIONAL_SCALARS or (f.default is MISSING and f.default_factory is MISSING))),
         array_fields=tuple(n for n in names if n in _ARRAY_FIELDS),
         has_leaves="arrays" in names,
         header_keys=frozenset(header_keys),
@@ -910,7 +934,8 @@ def encode(msg: Message, limits: Limits | None = None) -> list[bytes | memoryvie
         header["kind"], header["ok"] = Kind.REPLY.value, msg.ok
         if msg.ok:
             header["for"] = msg.KIND.value
-    header["fields"] = {name: _field_to_wire(getattr(msg, name)) for name in layout.scalars}
+    header["fields"] = {name: _field_to_wire(getattr(msg, name)) for name in layout.scalars
+                        if name not in _OPTIONAL_SCALARS or getattr(msg, name) is not None}
     header["arrays"] = [[name, a.dtype.str, list(a.shape)] for name, a in arrays]
     try:
         frames: list[bytes | memoryview] = [_pack(header)]
@@ -1053,10 +1078,14 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS, *, expect: ty
     if not (request_id is None and cls is ErrorReply):
         _uint(request_id, "id", limits)
     wire_fields = header["fields"]
-    if type(wire_fields) is not dict or wire_fields.keys() != set(layout.scalars):
+    if type(wire_fields) is not dict or not (
+            layout.required <= wire_fields.keys() and wire_fields.keys() <= set(layout.scalars)):
         got = sorted(map(str, wire_fields)) if type(wire_fields) is dict else _show(wire_fields)
-        raise ProtocolError(f"{cls.__name__} needs fields {sorted(layout.scalars)}, got {got}")
-    values = {name: _SCALAR_CHECKS[name](wire_fields[name], name, limits) for name in layout.scalars}
+        optional = sorted(_OPTIONAL_SCALARS.intersection(layout.scalars))
+        also = f" (optional: {optional})" if optional else ""
+        raise ProtocolError(f"{cls.__name__} needs fields {sorted(layout.required)}{also}, got {got}")
+    values = {name: _SCALAR_CHECKS[name](wire_fields[name], name, limits) for name in layout.scalars
+              if name in wire_fields}  # an optional field left out takes the message's default
 
     entries = header["arrays"]
     if type(entries) is not list or len(entries) != len(views) - 1:

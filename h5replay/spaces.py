@@ -90,6 +90,15 @@ def _bound_to_json(bound: np.ndarray) -> Any:
     return bound.tolist()
 
 
+def _bound_to_check(bound: np.ndarray, unbounded: Any) -> Any:
+    """None when `bound` admits every value of its dtype (all +-inf or the integer limit), a
+    scalar when it is uniform, else the array."""
+    flat = bound.reshape(-1)
+    if not flat.size or bool(np.all(flat == unbounded)):
+        return None
+    return flat[0].item() if bool(np.all(flat == flat[0])) else bound
+
+
 def _bound_from_json(obj: Any) -> Any:
     if isinstance(obj, str):
         return float(obj)
@@ -242,10 +251,60 @@ class BoxSpace(LeafSpace):
         self.high: np.ndarray = np.array(high_arr)
         self.low.flags.writeable = False
         self.high.flags.writeable = False
+        # What `check_bounds` compares with: None for a side that admits every value of the dtype,
+        # a scalar when the bound is uniform (min / max then suffice), else the bound array.
+        lowest, highest = ((-np.inf, np.inf) if self.dtype.kind == "f"
+                           else (np.iinfo(self.dtype).min, np.iinfo(self.dtype).max))
+        self._low_check = _bound_to_check(self.low, lowest)
+        self._high_check = _bound_to_check(self.high, highest)
+        self._uniform_low, self._uniform_high = np.ndim(self._low_check) == 0, np.ndim(self._high_check) == 0
+        #: Whether `check_bounds` has anything to check: a finite bound, or a float (NaN).
+        self.checks_values = self._low_check is not None or self._high_check is not None or self.dtype.kind == "f"
 
     @property
     def storage_dtype(self) -> np.dtype[Any]:
         return self.dtype
+
+    def check_bounds(self, arr: np.ndarray, key: str = "") -> None:
+        """Refuse a stored batch with a value outside [low, high], or NaN (which no bound admits,
+        as gymnasium's `contains` says), as gymnasium's `Box.contains` would. Vectorised, once per
+        batch; a leaf with neither a finite bound nor floats costs nothing.
+
+        Raises:
+            SpaceMismatchError: names the leaf, the row and index of the first bad value, and the bound.
+        """
+        low, high = self._low_check, self._high_check
+        if arr.size <= 1:  # one value (a row of a scalar leaf): plain Python, no reductions
+            if not arr.size:
+                return
+            v = arr.item()
+            if v == v and (low is None or v >= low) and (high is None or v <= high):  # v != v: NaN
+                return
+        elif low is None and high is None:
+            top = arr.max().item()
+            if self.dtype.kind != "f" or top == top:  # the max is NaN when any value is
+                return
+        elif (
+            (low is None or (arr.min().item() >= low if self._uniform_low else bool(np.all(arr >= low))))
+            and (high is None or (arr.max().item() <= high if self._uniform_high else bool(np.all(arr <= high))))
+        ):
+            return  # a NaN fails every comparison (min and max are NaN then), so it is caught here
+        self._refuse(arr, key)
+
+    def _refuse(self, arr: np.ndarray, key: str) -> None:
+        bad = ~((arr >= self.low) & (arr <= self.high))
+        where = np.unravel_index(int(np.argmax(bad)), arr.shape)
+        row, index = int(where[0]), tuple(int(i) for i in where[1:])
+        value = arr[where].item()
+        at = f"{_where(key)}, row {row}" + (f" index {index}" if index else "")
+        remedy = "or turn bounds checking off (serve --no-check-bounds; check_bounds=False on a local buffer)"
+        if value != value:  # NaN
+            raise SpaceMismatchError(f"{at} is NaN, which the space's bounds do not admit; replace it, {remedy}")
+        low, high = self.low[index].item(), self.high[index].item()
+        raise SpaceMismatchError(
+            f"{at} is {value!r}, outside the space's bounds [{low!r}, {high!r}]; clip it, widen the space's bounds, "
+            f"{remedy}"
+        )
 
     def contains(self, value: Any) -> bool:
         try:
@@ -594,10 +653,15 @@ class Schema:
     array names. Immutable; make one per space and keep it.
     """
 
-    def __init__(self, space: Space) -> None:
+    def __init__(self, space: Space, *, check_bounds: bool = False) -> None:
+        """`check_bounds`: also refuse Box values outside their bounds, and NaN (storage and the
+        server check; clients leave it to them)."""
         self.space = space
         self.leaves: tuple[tuple[str, LeafSpace], ...] = tuple(named_leaves(space))
         self.names: tuple[str, ...] = tuple(name for name, _ in self.leaves)
+        self.check_bounds = check_bounds
+        self._bounded = tuple((name, leaf) for name, leaf in self.leaves
+                              if check_bounds and isinstance(leaf, BoxSpace) and leaf.checks_values)
         #: Bytes of one row as stored, every leaf included.
         self.row_bytes = sum(leaf.row_bytes for _, leaf in self.leaves)
 
@@ -630,7 +694,12 @@ class Schema:
             arr = leaf.encode_batch(flat[name], num_rows, key=name)
             num_rows = arr.shape[0] if num_rows is None else num_rows
             encoded[name] = arr
+        self._check_bounds(encoded)
         return encoded, int(num_rows or 0)
+
+    def _check_bounds(self, encoded: Mapping[str, np.ndarray]) -> None:
+        for name, leaf in self._bounded:
+            leaf.check_bounds(encoded[name], name)
 
     def encode_one(self, sample: Any) -> dict[str, np.ndarray]:
         """Check one sample; returns {leaf name: stored batch of one row}.
@@ -639,7 +708,9 @@ class Schema:
             SpaceMismatchError: as `encode_batch`.
         """
         flat = self.flatten(sample)
-        return {name: leaf.encode_one(flat[name], key=name) for name, leaf in self.leaves}
+        encoded = {name: leaf.encode_one(flat[name], key=name) for name, leaf in self.leaves}
+        self._check_bounds(encoded)
+        return encoded
 
     def decode(self, stored: Mapping[str, np.ndarray]) -> Any:
         """Stored arrays (any leading shape) as the user sees them: nested, text as str."""
@@ -654,7 +725,8 @@ class Schema:
         names, each leaf's dtype, shape, row count and values. Returns them in leaf order.
 
         Raises:
-            SpaceMismatchError: a leaf is missing or unexpected, or an array does not fit its leaf.
+            SpaceMismatchError: a leaf is missing or unexpected, or an array does not fit its leaf
+                (its bounds too, with `check_bounds`).
         """
         missing = [name for name in self.names if name not in arrays]
         if missing or len(arrays) != len(self.names):
@@ -663,4 +735,6 @@ class Schema:
                 f"arrays do not match the space: missing {missing}, unexpected {extra}; "
                 f"the space's leaves are {list(self.names)}; check the actor's spaces"
             )
-        return {name: leaf.validate_stored(arrays[name], num_rows, key=name) for name, leaf in self.leaves}
+        checked = {name: leaf.validate_stored(arrays[name], num_rows, key=name) for name, leaf in self.leaves}
+        self._check_bounds(checked)
+        return checked

@@ -247,6 +247,7 @@ class MemoryJournal:
 
     replay_id = "memory"
     sampling = None
+    keys = None  # idempotency keys: kept by the buffer in memory only
 
     def __init__(self, storage: MemoryStorage) -> None:
         self.storage = storage

@@ -94,25 +94,20 @@ def episodes_by_shard(paths: list[str]) -> tuple[list[tuple[int, int, int]], lis
     return found, problems
 
 
-def count_problems(acknowledged: dict[tuple[int, int], int], in_doubt: set[tuple[int, int]],
-                   found: list[tuple[int, int, int]]) -> tuple[list[str], list[tuple[int, int]]]:
-    """(problems, in-doubt episodes held twice): every acknowledged episode must be held exactly
-    once, except an episode whose commit reply was lost with a killed shard, which may be held
-    twice (once where the lost commit landed, once where it was pushed again); nothing that was
-    never acknowledged may be held, except such an in-doubt one."""
+def count_problems(acknowledged: dict[tuple[int, int], int], found: list[tuple[int, int, int]]) -> list[str]:
+    """Exactly once: every acknowledged episode is held once across the shards, and nothing
+    that was never acknowledged is held. (An episode whose commit reply was lost with a killed
+    shard is sent again with its idempotency key to that shard when it answers again, so it is
+    not stored twice.)"""
     held = Counter((actor, episode) for _, actor, episode in found)
-    problems, doubled = [], []
+    problems = []
     for key in acknowledged:
-        if held[key] == 0:
-            problems.append(f"acknowledged episode {key} is held nowhere")
-        elif held[key] == 2 and key in in_doubt:
-            doubled.append(key)
-        elif held[key] != 1:
-            problems.append(f"episode {key} is held {held[key]} times")
+        if held[key] != 1:
+            problems.append(f"acknowledged episode {key} is held {held[key]} times")
     for key in held:
         if key not in acknowledged:
             problems.append(f"episode {key} is held but was never acknowledged")
-    return problems, doubled
+    return problems
 
 
 def write_episodes(endpoints: list[str], actor: int, num_episodes: int, seed: int, timeout: float = 2.0,

@@ -19,7 +19,11 @@ from h5replay import protocol as P
 from h5replay.config import ClientConfig
 from h5replay.errors import ClosedError, ConfigError, ProtocolError, ServerUnavailableError
 
-__all__ = ["Connection", "curve_keys", "say_hello"]
+__all__ = ["Connection", "NotSentError", "curve_keys", "say_hello"]
+
+
+class NotSentError(ServerUnavailableError):
+    """A request that never left this client (no server connected in time): not in doubt."""
 
 
 def curve_keys(secret_key: str | os.PathLike[str] | None, server_key: str | os.PathLike[str] | None) -> dict[str, bytes] | None:
@@ -86,19 +90,23 @@ class Connection:
         if os.getpid() != self._pid:
             raise ClosedError("a client cannot be used across fork; create it in the child process")
 
-    def send(self, request_factory: Any) -> int:
-        """Send `request_factory(request_id)`; returns the id. Blocks at most `timeout` when the
-        socket's queue is full (flow control), then raises ServerUnavailableError."""
+    def send(self, request_factory: Any, timeout: float | None = None) -> int:
+        """Send `request_factory(request_id)`; returns the id. Blocks at most `timeout` (the
+        client's by default) when the socket's queue is full (flow control) or no server is
+        connected, then raises ServerUnavailableError."""
+        timeout = self.config.timeout if timeout is None else timeout
         with self._lock:
             self._check()
             request_id = next(self._ids)
             frames = P.encode(request_factory(request_id), self.limits)
-            if not self._sock.poll(int(self.config.timeout * 1000), zmq.POLLOUT):
-                raise ServerUnavailableError(self._no_answer(self.config.timeout))
+            if not self._sock.poll(int(timeout * 1000), zmq.POLLOUT):
+                raise ServerUnavailableError(self._no_answer(timeout))
             try:
-                self._sock.send_multipart(frames, copy=False)
-            except zmq.Again:
-                raise ServerUnavailableError(self._no_answer(self.config.timeout)) from None
+                # Never block here: the connection can vanish between the poll and the send, and
+                # a blocking send would then wait for a server that may never come back.
+                self._sock.send_multipart(frames, flags=zmq.DONTWAIT, copy=False)
+            except zmq.Again as exc:
+                raise ServerUnavailableError(self._no_answer(timeout)) from exc
             self._outstanding.add(request_id)
             return request_id
 
@@ -116,7 +124,7 @@ class Connection:
                         break
                     self._outstanding.discard(request_id)
                     raise ServerUnavailableError(self._no_answer(timeout))
-                frames = self._sock.recv_multipart(copy=False)
+                frames = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)  # the poll said one is there
                 reply = P.decode(frames, self.limits or P.DEFAULT_LIMITS, expect=P.Reply)
                 # Keep replies someone waits for; drop liveness probes (id 0) and late answers.
                 if reply.request_id in self._outstanding:
@@ -138,9 +146,51 @@ class Connection:
                 "(a server started with --auth: pass secret_key= and server_key=, or --secret-key/--server-key)")
 
     def request(self, request_factory: Any, timeout: float | None = None) -> P.Reply:
-        """Send and wait for the reply."""
+        """Send and wait for the reply, `timeout` for each (the client's by default)."""
         with self._lock:
-            return self.wait(self.send(request_factory), timeout)
+            return self.wait(self.send(request_factory, timeout), timeout)
+
+    def request_again(self, request_factory: Any, timeout: float, attempts: int) -> P.Reply:
+        """Send, and when no reply comes within the client's timeout, send the same request again:
+        up to `attempts` sends in all, within `timeout` in all (the last attempt waits for whatever
+        is left). Only for requests that take effect once however often they arrive: a commit or
+        push with its idempotency key. A first send that cannot leave (no server connected within
+        the client's timeout) raises at once: that request is not in doubt.
+
+        Raises:
+            NotSentError: the request could not be sent (a ServerUnavailableError).
+            ServerUnavailableError: no attempt got a reply within `timeout`.
+        """
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            try:
+                request_id = self.send(request_factory, min(self.config.timeout, timeout))
+            except ServerUnavailableError as exc:
+                raise NotSentError(str(exc)) from exc
+            left = max(1, attempts)
+            while True:
+                start = time.monotonic()
+                remaining = max(0.0, deadline - start)
+                share = remaining if left == 1 else min(self.config.timeout, remaining)
+                try:
+                    return self.wait(request_id, share)
+                except ServerUnavailableError as exc:
+                    left -= 1
+                    if left <= 0 or time.monotonic() >= deadline:
+                        raise ServerUnavailableError(f"{exc} ({attempts} attempt(s) within {timeout:g} s)") from exc
+                    # A refusal that came at once (busy, shutting down): wait out this attempt's share.
+                    time.sleep(max(0.0, start + share - time.monotonic()))
+                    # Sent again: the server may have restarted, or lost the first on a broken connection.
+                    request_id = self._send_again(request_factory, deadline)
+
+    def _send_again(self, request_factory: Any, deadline: float) -> int:
+        """Send a retry, waiting for a connection until `deadline` at most."""
+        while True:
+            try:
+                return self.send(request_factory, min(self.config.timeout, max(0.0, deadline - time.monotonic())))
+            except ServerUnavailableError:
+                if time.monotonic() >= deadline:
+                    raise
 
     def forget(self, request_id: int) -> None:
         """Drop a reply that arrived (or will arrive) for a request the caller gave up on."""

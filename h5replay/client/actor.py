@@ -17,10 +17,10 @@ from typing import Any
 import numpy as np
 
 from h5replay import protocol as P
-from h5replay.client._connection import Connection, curve_keys, say_hello
+from h5replay.client._connection import Connection, NotSentError, curve_keys, say_hello
 from h5replay.client._shards import InDoubt, ShardedActor, ShardedSegment
 from h5replay.config import DEFAULT_ENDPOINT, ClientConfig
-from h5replay.errors import ClosedError, DiskFullError, RateLimitedError, SegmentStateError
+from h5replay.errors import ClosedError, DiskFullError, RateLimitedError, SegmentStateError, ServerUnavailableError
 from h5replay.records import Receipt
 from h5replay.sampling import check_priorities
 from h5replay.spaces import Schema, Space, space_from_json
@@ -87,10 +87,10 @@ class ActorClient:
         self.server_version = hello.server_version
         self.replay_id: str = hello.replay_id
         self.instance_id: str = hello.instance_id
-        #: How long the server may hold a commit back: `rate_limit_timeout` when it has a rate
-        #: limit, else 0 (then a commit's reply is waited for `timeout` only, so a dead server is
-        #: noticed as soon as without one).
-        self.commit_hold = self.config.rate_limit_timeout if hello.sampling.get("writer_samples") else 0.0
+        # How long a commit may take in all: `commit_attempts` sends, each waiting `timeout` for its
+        # reply, and the rate limit's hold when the server has one (else it never holds commits).
+        holds = self.config.rate_limit_timeout if hello.sampling.get("writer_samples") else 0.0
+        self.commit_timeout = self.config.commit_attempts * self.config.timeout + holds
         self.schema = Schema(self.space)
         self._row_bytes = self.schema.row_bytes
         # Rows per message: the client's batching settings, within the server's message limits
@@ -109,6 +109,7 @@ class ActorClient:
         self.limits, self.space, self.capacity = shard.limits, shard.space, shard.capacity
         self.server_version, self.replay_id, self.instance_id = shard.server_version, shard.replay_id, shard.instance_id
         self.schema, self._row_bytes, self.rows_per_message = shard.schema, shard._row_bytes, shard.rows_per_message
+        self.commit_timeout = shard.commit_timeout
 
     @property
     def shard(self) -> int:
@@ -117,8 +118,9 @@ class ActorClient:
 
     @property
     def in_doubt(self) -> list[InDoubt]:
-        """Over several servers: episodes whose commit reply was lost with a shard and that were
-        pushed again on another (they may be held twice until idempotency keys settle them)."""
+        """Over several servers: episodes whose commit reply was lost with a shard that did not
+        answer again within the timeout, and that were pushed again on another (they may be held
+        on both; a shard that answers again settles a lost commit by its idempotency key)."""
         return list(self._router.in_doubt) if self._router is not None else []
 
     def segment(self) -> ActorSegment | ShardedSegment:
@@ -132,7 +134,10 @@ class ActorClient:
     def push_episode(self, batch: Any, priorities: Any = None) -> Receipt:
         """Send one whole episode (a leading axis on every leaf), with one priority per step if
         given (a prioritized server), and wait for its commit. Returns the global ids the server
-        gave it; an empty episode records nothing: Receipt(-1, -1, 0).
+        gave it; an empty episode records nothing: Receipt(-1, -1, 0). Blocks at most
+        `commit_timeout`: a push whose reply does not come within `timeout` is sent again with the
+        same idempotency key (`commit_attempts` sends in all, plus `rate_limit_timeout` when the
+        server has a rate limit): the server never stores it twice.
 
         Raises:
             RateLimitedError: the server's rate limit held the commit back for `rate_limit_timeout`.
@@ -144,9 +149,9 @@ class ActorClient:
         if n == 0:
             return Receipt(-1, -1, 0)
         if n <= self.rows_per_message:
-            limit = self.commit_hold
-            return _receipt(self._conn.request(
-                lambda rid: P.PushEpisode(rid, n, encoded, limit, given), timeout=self.config.timeout + limit))
+            limit, key = self.config.rate_limit_timeout, os.urandom(P.IDEMPOTENCY_KEY_BYTES)
+            return _receipt(self._conn.request_again(lambda rid: P.PushEpisode(rid, n, encoded, limit, given, key),
+                                                     self.commit_timeout, self.config.commit_attempts))
         with self.segment() as seg:
             seg.extend_encoded(encoded, n, given)
         return seg.receipt  # type: ignore[return-value]
@@ -193,8 +198,10 @@ class ActorSegment:
     fits in one message travels as a single push at commit (one round trip in all).
     """
 
-    def __init__(self, client: ActorClient) -> None:
+    def __init__(self, client: ActorClient, key: bytes | None = None) -> None:
         self._client = client
+        #: The episode's idempotency key (`key`, or 16 random bytes), sent with every commit attempt.
+        self.key = key if key is not None else os.urandom(P.IDEMPOTENCY_KEY_BYTES)
         self._conn = client.connection
         self._config = client.config
         self.segment_id: int | None = None  # assigned by the server when the first batch leaves
@@ -207,6 +214,9 @@ class ActorSegment:
         self._buffered_since = 0.0
         self.length = 0
         self.receipt: Receipt | None = None
+        #: Whether the commit (or push) was sent and no reply came: the server may have applied
+        #: it. Commit the same rows again with `key` to settle it without storing it twice.
+        self.in_doubt = False
         self._state = "open"
 
     def __len__(self) -> int:
@@ -301,7 +311,9 @@ class ActorSegment:
 
     def commit(self) -> Receipt:
         """Send what is buffered, wait for every append, then commit. Returns after the server has
-        the episode in the file, flushed. Raises and aborts if any part was refused.
+        the episode in the file, flushed. Raises and aborts if any part was refused. A commit
+        whose reply does not come is sent again with the episode's key (see `_conclude`); the
+        server answers a retry of an applied commit with its receipt, never storing it twice.
 
         Raises:
             RateLimitedError: the server's rate limit held the commit back for the client's
@@ -313,18 +325,25 @@ class ActorSegment:
         self._send_buffered()
         while self._pending:
             self._settle_oldest()
-        segment_id, limit = self.segment_id, self._client.commit_hold
-        return self._conclude(lambda rid: P.Commit(rid, segment_id, limit))
+        segment_id, limit, key = self.segment_id, self._config.rate_limit_timeout, self.key
+        return self._conclude(lambda rid: P.Commit(rid, segment_id, limit, key))
 
     def _conclude(self, request: Any) -> Receipt:
-        """Send the request that commits the episode; its reply is the receipt. Refused for a
-        full disk (DiskFullError), the segment stays open: commit again later, or abort."""
+        """Send the request that commits the episode, again with the same key when no reply comes
+        within `timeout` (`commit_attempts` in all, within the client's `commit_timeout`); its
+        reply is the receipt. Refused for a full disk (DiskFullError) or by the rate limit, the
+        segment stays open: commit again later, or abort."""
+        config = self._config
         try:
-            reply = self._conn.request(request, timeout=self._config.timeout + self._client.commit_hold)
+            reply = self._conn.request_again(request, self._client.commit_timeout, config.commit_attempts)
         except (DiskFullError, RateLimitedError):
             raise  # still open: the server keeps the segment (a push's rows stay here); commit again
-        except BaseException:
+        except NotSentError:
             self._state = "failed"
+            raise
+        except BaseException as exc:
+            self._state = "failed"
+            self.in_doubt = isinstance(exc, ServerUnavailableError)
             raise
         self._state = "committed"
         self.receipt = _receipt(reply)
@@ -340,8 +359,8 @@ class ActorSegment:
             return self.receipt
         arrays = {path: rows[:n] for path, rows in batch.items()}
         priorities = self._priorities[:n] if self._priorities is not None else _NO_PRIORITIES
-        limit = self._client.commit_hold
-        receipt = self._conclude(lambda rid: P.PushEpisode(rid, n, arrays, limit, priorities))
+        limit, key = self._config.rate_limit_timeout, self.key
+        receipt = self._conclude(lambda rid: P.PushEpisode(rid, n, arrays, limit, priorities, key))
         self._batch, self._priorities, self._buffered_rows = None, None, 0
         return receipt
 

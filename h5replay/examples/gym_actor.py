@@ -7,8 +7,11 @@ spaces by `space_from_gymnasium`, and must equal the server's: `h5replay space g
 it, so a server can be started with exactly that space.
 
 SIGTERM or SIGINT ends the run after the current step: that step is recorded as truncated and the
-episode committed, so the file never holds half an episode. gymnasium is optional and imported
-only here, when an actor runs (`pip install h5replay[gym]`).
+episode committed, so the file never holds half an episode. Whatever the server does (gone,
+stopped, never answering), the actor exits within 2 s of the signal: the commit gets a grace of
+1 s (`STOP_GRACE`), and then, or at a second signal, the open episode is given up (the server
+never shows it) and the actor exits. gymnasium is optional and imported only here, when an actor
+runs (`pip install h5replay[gym]`).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -29,7 +32,7 @@ from h5replay.errors import ConfigError, SpaceMismatchError
 from h5replay.integrations.gym import space_from_gymnasium
 from h5replay.spaces import BinarySpace, BoxSpace, DictSpace, Space, named_leaves
 
-__all__ = ["gym_row_space", "make_env", "run_actor", "space_json", "stop_on_signals", "PIXELS_SHAPE"]
+__all__ = ["gym_row_space", "make_env", "run_actor", "space_json", "stop_on_signals", "Stopped", "STOP_GRACE", "PIXELS_SHAPE"]
 
 log = logging.getLogger("h5replay.examples.actor")
 
@@ -111,20 +114,45 @@ def space_json(env_id: str = "CartPole-v1", *, pixels: bool = False) -> dict[str
         env.close()
 
 
+STOP_GRACE = 1.0  # seconds an actor may spend committing its last episode after a stop signal
+
+
+class Stopped(Exception):
+    """The grace after a stop signal ended, or a second signal came: the open episode is given up."""
+
+
 @contextlib.contextmanager
-def stop_on_signals() -> Iterator[threading.Event]:
+def stop_on_signals(grace: float = STOP_GRACE, give_up: Callable[[], None] | None = None) -> Iterator[threading.Event]:
     """An event set by SIGTERM or SIGINT while the block runs (main thread only; elsewhere the
-    event is only set by whoever holds it). The previous handlers come back afterwards."""
+    event is only set by whoever holds it). `grace` seconds after that first signal, or at a
+    second one, `give_up()` is called (close the client: nothing may wait on the server any more)
+    and `Stopped` is raised wherever the main thread is, a blocking ZeroMQ call included. The
+    previous handlers come back afterwards."""
     stop = threading.Event()
     if threading.current_thread() is not threading.main_thread():
         yield stop
         return
-    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def hard_stop(*_: Any) -> None:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        if give_up is not None:
+            give_up()
+        raise Stopped
+
+    def handler(*_: Any) -> None:
+        if stop.is_set():
+            hard_stop()
+        stop.set()
+        signal.setitimer(signal.ITIMER_REAL, grace)  # SIGALRM: hard_stop
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous[signal.SIGALRM] = signal.signal(signal.SIGALRM, hard_stop)
     try:
         yield stop
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 def _space_differences(server: Space, local: Space) -> list[str]:
@@ -236,7 +264,8 @@ def run_actor(
 
     Returns:
         0 after the episodes were committed, or after a signal (the current episode committed,
-        marked truncated).
+        marked truncated; or given up, never visible, when the server did not acknowledge it
+        within `STOP_GRACE`).
 
     Raises:
         ConfigError: gymnasium is missing or `env_id` is unknown.
@@ -256,20 +285,31 @@ def run_actor(
             env.action_space.seed(seed)
         where: dict[str, Any] = ({"endpoint": endpoint} if isinstance(endpoint, str) else
                                  {"endpoint": endpoint[0]} if len(endpoint) == 1 else {"endpoints": list(endpoint)})
-        with stop_on_signals() as stop, ActorClient(
-            timeout=timeout, name=f"{env_id}-actor-{os.getpid()}",
-            secret_key=secret_key or None, server_key=server_key or None, **where,
-        ) as client:
-            endpoint = " ".join(where.get("endpoints", [where.get("endpoint", "")]))
-            _check_space(client.space, local, endpoint, env_id, pixels)
-            log.info("streaming %s episodes%s to %s", env_id, " (pixels)" if pixels else "", endpoint)
-            while not stop.is_set() and (episodes == 0 or tally.episodes < episodes):
-                steps, episode_return = _stream_episode(env, client, stop, seed if tally.episodes == 0 else None)
-                tally.add(steps, episode_return)
-                if log_every and tally.episodes % log_every == 0:
-                    log.info("%s", tally.line())
-            if stop.is_set():
-                log.info("stopped by a signal")
+        clients: list[Any] = []  # the client, for the signal handler to close
+
+        def close_clients() -> None:
+            for c in clients:
+                c.close()
+
+        try:
+            with stop_on_signals(give_up=close_clients) as stop:
+                with ActorClient(timeout=timeout, name=f"{env_id}-actor-{os.getpid()}",
+                                 secret_key=secret_key or None, server_key=server_key or None, **where) as client:
+                    clients.append(client)
+                    endpoint = " ".join(where.get("endpoints", [where.get("endpoint", "")]))
+                    _check_space(client.space, local, endpoint, env_id, pixels)
+                    log.info("streaming %s episodes%s to %s", env_id, " (pixels)" if pixels else "", endpoint)
+                    while not stop.is_set() and (episodes == 0 or tally.episodes < episodes):
+                        steps, episode_return = _stream_episode(env, client, stop,
+                                                                seed if tally.episodes == 0 else None)
+                        tally.add(steps, episode_return)
+                        if log_every and tally.episodes % log_every == 0:
+                            log.info("%s", tally.line())
+                if stop.is_set():
+                    log.info("stopped by a signal")
+        except Stopped:
+            log.info("stopped by a signal; the server did not acknowledge the open episode within %g s: given up "
+                     "(never visible)", STOP_GRACE)
     finally:
         env.close()
     log.info("done: %s", tally.summary())

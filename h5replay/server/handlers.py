@@ -254,6 +254,8 @@ class Service:
             writer = session.segments.get(request.segment_id) if session is not None else None
             return ("insert", len(writer)) if writer is not None and len(writer) else None
         if isinstance(request, P.PushEpisode):
+            if self._committed(request.idempotency_key, None) is not None:
+                return None  # a retry of a push already applied: answered at once, never held back
             return ("insert", request.num_rows) if request.num_rows else None
         if isinstance(request, P.Sample) and self.writer_samples:
             return "sample", request.batch_size
@@ -566,22 +568,36 @@ class Service:
             raise
         return P.AppendReply(request.request_id, len(writer))
 
-    def _commit(self, writer: SegmentWriter) -> tuple[int | None, int | None, int]:
+    def _commit(self, writer: SegmentWriter, key: bytes | None) -> tuple[int | None, int | None, int]:
         # Group commit: the episode is placed now and published by `publish()`, once for every
         # commit the writer loop handled in one pass, before any of their replies leaves.
-        receipt = self.buffer.commit_segment(writer, publish=False)
+        receipt = self.buffer.commit_segment(writer, publish=False, idempotency_key=key)
         self.unpublished += 1
         self.stats.commits += 1
         if receipt.length == 0:
             return None, None, 0  # nothing recorded: no id was given
         return receipt.episode_id, receipt.first_row_id, receipt.length
 
+    def _committed(self, key: bytes | None, length: int | None) -> tuple[int, int, int] | None:
+        """The receipt of an episode already committed with `key` (a retry): answered again,
+        after the pass's publish like any commit, and nothing is committed twice."""
+        receipt = self.buffer.receipt_for(key, length) if key is not None else None
+        return None if receipt is None else (receipt.episode_id, receipt.first_row_id, receipt.length)
+
     def commit(self, request: P.Commit, session: Session) -> P.CommitReply:
+        # A retry usually finds its segment gone (committed); a key reused on another segment of
+        # another length is refused here, with the segment left open.
+        open_writer = session.segments.get(request.segment_id)
+        known = self._committed(request.idempotency_key, None if open_writer is None else len(open_writer))
+        if known is not None:
+            if open_writer is not None:
+                self._close_segment(session, request.segment_id).abort()
+            return P.CommitReply(request.request_id, *known)
         writer = self._writer(session, request.segment_id)
         # Before the segment is closed: refused for a full disk, it stays open to commit later.
         self.room_on_disk(len(writer) * self.buffer.storage.row_bytes, f"commit a segment of {len(writer)} rows")
         writer = self._close_segment(session, request.segment_id)
-        return P.CommitReply(request.request_id, *self._commit(writer))
+        return P.CommitReply(request.request_id, *self._commit(writer, request.idempotency_key))
 
     def abort(self, request: P.Abort, session: Session) -> P.AbortReply:
         writer = self._close_segment(session, request.segment_id)
@@ -590,10 +606,13 @@ class Service:
         return P.AbortReply(request.request_id)
 
     def push_episode(self, request: P.PushEpisode, session: Session) -> P.PushEpisodeReply:
+        known = self._committed(request.idempotency_key, request.num_rows)
+        if known is not None:
+            return P.PushEpisodeReply(request.request_id, *known)
         writer = self.buffer.open_segment_writer()
         try:
             self._add_rows(writer, request.num_rows, request.arrays, request.priorities)
-            return P.PushEpisodeReply(request.request_id, *self._commit(writer))
+            return P.PushEpisodeReply(request.request_id, *self._commit(writer, request.idempotency_key))
         finally:
             if writer.state == "open":
                 writer.abort()

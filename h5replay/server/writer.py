@@ -76,6 +76,7 @@ def _open_buffer(config: ServerConfig) -> ReplayBuffer:
     if os.path.exists(config.path):
         buffer = ReplayBuffer.load_from(
             config.path, read_only=False, multiprocessing=config.multiprocessing, open_timeout=config.open_timeout,
+            check_bounds=config.check_bounds,
             **config.storage_kwargs,
         )
         differences = []
@@ -97,7 +98,7 @@ def _open_buffer(config: ServerConfig) -> ReplayBuffer:
     return ReplayBuffer.create(
         config.space, config.capacity, config.path, multiprocessing=config.multiprocessing,
         open_timeout=config.open_timeout, sampler=sampling.sampler, rate_limit=sampling.rate_limit,
-        max_times_sampled=sampling.max_times_sampled, **config.storage_kwargs,
+        max_times_sampled=sampling.max_times_sampled, check_bounds=config.check_bounds, **config.storage_kwargs,
     )
 
 

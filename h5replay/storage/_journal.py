@@ -6,6 +6,7 @@ In the file, under `/_h5replay/replay/`:
     rest, so a reader never acts on a torn or zero-filled row.
   * `episodes`: one (first row id, length) record per episode, in ring slots (episode id modulo
     the capacity; an unbounded buffer grows the table instead).
+  * `commit_keys`: the idempotency keys of recent commits (`_keys.py`), for the writer only.
 
 Ids: a row's id is its position in the sequence of all rows ever committed to the file, an
 episode's id its position among all episodes; both are global, never reused, and survive
@@ -47,6 +48,7 @@ from h5replay.storage._h5file import (
     upgrade_header,
     verify_all_within,
 )
+from h5replay.storage._keys import DEFAULT_KEY_WINDOW, KeyFile
 from h5replay.storage._rowio import read_slice, write_rows
 from h5replay.storage._sampling_file import SamplingFile
 from h5replay.storage.fastread import MappedChunk
@@ -279,6 +281,8 @@ class JournalStore(Protocol):
     replay_id: str
     #: The file's sampling datasets (None: the buffer keeps its sampling state in memory only).
     sampling: SamplingFile | None
+    #: The file's idempotency key table (None: the buffer remembers keys in memory only).
+    keys: KeyFile | None
 
     def read(self) -> State: ...
     def close(self) -> None: ...
@@ -312,6 +316,7 @@ class Journal:
         self._legacy = self._state_ds.name.endswith(_LEGACY_STATE)
         self._reader = storage.multiprocessing and not storage.is_mutable
         self.sampling: SamplingFile | None = SamplingFile(group, self._reader)
+        self.keys = None if self._reader or not storage.is_mutable else KeyFile.of(group)
         self._row = np.empty(self._state_ds.shape[0], dtype=np.int64)  # reused for every state read
         # A reader reads the state row (checked by its CRC) through a memory map of its one chunk,
         # which never moves (no filters, never resized): one copy against ~100-300 µs for a
@@ -322,16 +327,21 @@ class Journal:
     # ------------------------------------------------------------------ creating and upgrading
 
     @staticmethod
-    def create_tables(capacity: int | None, initial: State | None = None, sampling: SamplingConfig | None = None) -> Prepare:
+    def create_tables(
+        capacity: int | None, initial: State | None = None, sampling: SamplingConfig | None = None,
+        key_window: int = DEFAULT_KEY_WINDOW,
+    ) -> Prepare:
         """The `prepare` hook that adds an empty journal to a new file (its ids starting where
         `initial` says: an export that keeps the ids of what it copies), with the datasets its
-        sampling settings need."""
+        sampling settings need and an idempotency key table of `key_window` episodes."""
         state = initial or State()
         state.check("a new replay journal", capacity)
+        KeyFile.check_window(key_window)
 
         def create(f: h5py.File) -> None:
             group = f.require_group(REPLAY_GROUP)
             SamplingFile.create_tables(group, sampling or SamplingConfig(), capacity)
+            KeyFile.create_table(group, key_window)
             group.create_dataset(_JOURNAL, data=state.to_row(), maxshape=(_ROW,), chunks=(_ROW,))
             rows = _EPISODE_CHUNK_ROWS if capacity is None else min(_EPISODE_CHUNK_ROWS, capacity)
             group.create_dataset(_EPISODES, shape=(0, 2), maxshape=(capacity, 2), chunks=(rows, 2), dtype=np.int64)
@@ -341,8 +351,11 @@ class Journal:
     @staticmethod
     def upgrade(f: h5py.File) -> None:
         """The `prepare` hook for a writable open: turn a format 1 file's state row into a journal
-        row (same ids, generation 0), before SWMR starts."""
+        row (same ids, generation 0), and give a file made before idempotency keys its key
+        table, before SWMR starts."""
         group = f.get(REPLAY_GROUP)
+        if group is not None:
+            KeyFile.create_table(group)
         if group is None or _JOURNAL in group:
             upgrade_header(f)
             return

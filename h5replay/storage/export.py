@@ -71,7 +71,8 @@ def export_buffer(
     copy = type(buffer).create(
         buffer.space, new_capacity, partial, first_row_id=first_row,  # type: ignore[arg-type]
         first_episode_id=episode_ids[0] if episode_ids else view.ep_end, sampler=sampling.sampler,
-        rate_limit=sampling.rate_limit, max_times_sampled=sampling.max_times_sampled, **storage_kwargs,
+        rate_limit=sampling.rate_limit, max_times_sampled=sampling.max_times_sampled,
+        check_bounds=False, **storage_kwargs,  # copy what is held
     )
     copy.carry_over(inserted=view.inserted, sampled=view.sampled, limit_inserts=False)
     try:

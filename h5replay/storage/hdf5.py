@@ -130,8 +130,9 @@ class HDF5Storage:
         #: Memory all segment writers of this storage together may buffer (None: no limit); set
         #: it before the first writer opens.
         self.segment_memory_bytes: int | None = None
-        #: Flatten / validate / encode / decode of this storage's rows (the one implementation).
-        self.schema = Schema(single_instance_space)
+        #: Flatten / validate / encode / decode of this storage's rows (the one implementation);
+        #: it refuses Box values outside their bounds, and NaN, unless `check_bounds` is set False.
+        self.schema = Schema(single_instance_space, check_bounds=True)
         self._leaves = list(self.schema.leaves)
         if root is not None:
             self.filename: str | None = os.fspath(root.file.filename)
@@ -621,6 +622,16 @@ class HDF5Storage:
     def unflatten(self, leaves: Mapping[str, Any]) -> Any:
         """A nested dict (or the bare value for a leaf space) from {dataset path: value}."""
         return self.schema.unflatten(leaves)
+
+    @property
+    def check_bounds(self) -> bool:
+        """Whether writes refuse Box values outside the space's bounds, and NaN (True by default;
+        a setting of this open storage, not recorded in the file)."""
+        return self.schema.check_bounds
+
+    @check_bounds.setter
+    def check_bounds(self, on: bool) -> None:
+        self.schema = Schema(self.single_instance_space, check_bounds=bool(on))
 
     def encode_batch(self, batch: Any, num_rows: int | None = None) -> tuple[dict[str, np.ndarray], int]:
         """Validate a batch against the space; returns ({path: stored array}, rows). Writes nothing."""

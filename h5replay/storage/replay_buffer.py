@@ -46,6 +46,7 @@ from h5replay.storage import _h5file, hdf5
 from h5replay.storage._draws import Sampling
 from h5replay.storage._indices import normalize_index
 from h5replay.storage._journal import EpisodeTable, Journal, JournalStore, State
+from h5replay.storage._keys import DEFAULT_KEY_WINDOW, KeyTable, check_key
 from h5replay.storage.hdf5 import HDF5Storage
 from h5replay.storage.segment import SegmentWriter
 
@@ -125,6 +126,10 @@ class ReplayBuffer:
             self._state = self._published = self._journal.read()
             self._journal.load(self._episodes, self._state)
             store = self._journal.sampling
+        key_file = self._journal.keys if self._journal is not None else None
+        self._keys = KeyTable(key_file.window if key_file is not None else DEFAULT_KEY_WINDOW, key_file)
+        if storage.is_mutable and not raw:
+            self._keys.load(self._state.ep_end)
         config = store.config if store is not None else (sampling or SamplingConfig())
         self._sampling = Sampling(config, storage.capacity, store, writer=storage.is_mutable and not raw)
         if not raw:
@@ -140,7 +145,8 @@ class ReplayBuffer:
     def create(
         cls, space: Space, capacity: int | None, cache_path: str | os.PathLike[str], *, first_row_id: int = 0,
         first_episode_id: int = 0, sampler: Sampler | None = None, rate_limit: RateLimit | None = None,
-        max_times_sampled: int = 0, **storage_kwargs: Any,
+        max_times_sampled: int = 0, idempotency_window: int = DEFAULT_KEY_WINDOW, check_bounds: bool = True,
+        **storage_kwargs: Any,
     ) -> ReplayBuffer:
         """A new, empty buffer in a new file (`cache_path`, or `<cache_path>/storage.hdf5` when it is
         a directory). `storage_kwargs` go to `HDF5Storage.create` (multiprocessing, chunks, ...).
@@ -151,6 +157,11 @@ class ReplayBuffer:
         `Prioritized(exponent, initial_priority)`, `Fifo()`, `Lifo()`), `rate_limit` (Reverb's
         MinSize / SampleToInsertRatio, in rows) and `max_times_sampled` (a row sampled that often
         is removed; 0: never). See `h5replay.storage.sampling`.
+
+        `idempotency_window`: how many of the latest episodes keep the idempotency key they were
+        committed with (see `commit_segment`), recorded in the file. `check_bounds`: refuse Box
+        values outside the space's bounds, and NaN (`SpaceMismatchError`), as gymnasium's
+        `contains` would; a setting of this open buffer (`buffer.storage.check_bounds`).
 
         Raises:
             ConfigError: an invalid setting (nothing is created).
@@ -165,9 +176,10 @@ class ReplayBuffer:
             origin=first_row if capacity is None else 0, ep_origin=first_episode if capacity is None else 0,
         )
         storage = HDF5Storage.create(
-            space, capacity, _h5file.file_path(cache_path), prepare=Journal.create_tables(capacity, initial, config),
+            space, capacity, _h5file.file_path(cache_path), prepare=Journal.create_tables(capacity, initial, config, idempotency_window),
             **storage_kwargs,
         )
+        storage.check_bounds = check_bounds
         try:
             return cls(storage)
         except BaseException:
@@ -175,10 +187,13 @@ class ReplayBuffer:
             raise
 
     @classmethod
-    def load_from(cls, path: str | os.PathLike[str], read_only: bool = True, **storage_kwargs: Any) -> ReplayBuffer:
+    def load_from(
+        cls, path: str | os.PathLike[str], read_only: bool = True, *, check_bounds: bool = True, **storage_kwargs: Any,
+    ) -> ReplayBuffer:
         """Reopen a buffer exactly as it was last published (closed, flushed or committed). A file
-        of an older format is upgraded in place when opened for writing. Opening gives up after
-        `open_timeout` seconds (default 30; a storage keyword), or at SIGTERM / SIGINT.
+        of an older format is upgraded in place when opened for writing. `check_bounds` as in
+        `create`. Opening gives up after `open_timeout` seconds (default 30; a storage keyword),
+        or at SIGTERM / SIGINT.
 
         Raises:
             StorageError: the file is damaged, did not open in time, is written by another
@@ -190,6 +205,7 @@ class ReplayBuffer:
                 file, None, read_only=read_only, prepare=None if read_only else Journal.upgrade,
                 verify=None if read_only else Journal.verify, **storage_kwargs,
             )
+            storage.check_bounds = check_bounds
             try:
                 return cls(storage)
             except BaseException:
@@ -295,12 +311,14 @@ class ReplayBuffer:
         if cap is not None and end - self._state.begin > cap:
             self._move_begin(end - cap)
 
-    def _record_episode(self, start: int, length: int) -> tuple[int, tuple[int, int]]:
-        """Write an episode record; returns its id and what its slot held before (for undo)."""
+    def _record_episode(self, start: int, length: int, key: bytes | None = None) -> tuple[int, tuple[int, int]]:
+        """Write an episode record (and its idempotency key, or that it has none); returns its id
+        and what its slot held before (for undo)."""
         journal = self._journal_or_raise
         episode_id = self._state.ep_end
         slot = self._episodes.slot(episode_id)
         journal.record(episode_id, slot, start, length)
+        self._keys.put(key, Receipt(episode_id, start, length))
         undo = self._episodes.put(episode_id, start, length)
         self._state = self._state.replace(ep_end=episode_id + 1)
         self._episodes.set_range(self._state.ep_begin, episode_id + 1)
@@ -352,6 +370,7 @@ class ReplayBuffer:
         try:
             self._publish(fsync=fsync)
         except StorageError:
+            self._keys.forget_from(self._published.ep_end)
             self._state = self._published
             self._episodes.set_range(self._published.ep_begin, self._published.ep_end)
             raise
@@ -412,21 +431,48 @@ class ReplayBuffer:
         self._require_writable("open a segment writer")
         return self.storage.open_segment_writer()
 
-    def commit_segment(self, writer: SegmentWriter, publish: bool = True) -> Receipt:
+    def receipt_for(self, idempotency_key: bytes | None, length: int | None = None) -> Receipt | None:
+        """The receipt of the episode committed with `idempotency_key`, if it is one of the last
+        `idempotency_window` episodes placed (None: unknown key, or no key).
+
+        Raises:
+            ConfigError: the key is not 16 bytes.
+            SegmentStateError: that episode has another length than `length` (when given).
+        """
+        self._require_writable("look up an idempotency key")
+        key = check_key(idempotency_key)
+        return None if key is None else self._keys.find(key, length, self._state.ep_end)
+
+    def commit_segment(
+        self, writer: SegmentWriter, publish: bool = True, idempotency_key: bytes | None = None,
+    ) -> Receipt:
         """Append the writer's rows at the tail as one episode, and publish it before returning.
 
         With `publish=False` the episode is in place but not yet durable nor visible to other
         processes: a later `flush()` publishes it with everything else (a group commit: one
         publish for many episodes). An empty writer is aborted and gives Receipt(-1, -1, 0).
 
+        `idempotency_key` (16 bytes, made once per episode, e.g. `os.urandom(16)`): when one of the
+        last `idempotency_window` episodes was committed with it, the writer is aborted and that
+        episode's receipt returned: nothing is committed twice. The key is recorded in the file
+        with the episode, so a reopen remembers it once the episode is published.
+
         Raises:
             SegmentStateError: the writer belongs to another storage, was already committed or
-                aborted, or is longer than the capacity (it is aborted).
+                aborted, or is longer than the capacity (it is aborted); or the key is already
+                the key of an episode of another length (the writer is left as it was).
+            ConfigError: the key is not 16 bytes.
             StorageError: HDF5 failed; nothing of the segment is visible.
         """
         self._require_writable("commit a segment")
         if writer.storage is not self.storage:
             raise SegmentStateError("this segment writer belongs to another storage")
+        key = check_key(idempotency_key)
+        known = None if key is None else self._keys.find(key, len(writer), self._state.ep_end)
+        if known is not None:
+            if writer.state == "open":
+                writer.abort()
+            return known
         if writer.state != "open":
             raise SegmentStateError(f"cannot commit a segment writer that was {writer.state}")
         n = len(writer)
@@ -448,11 +494,12 @@ class ReplayBuffer:
             writer.commit(self._phys(start, self._state))
             self._advance_end(n)
             self._sampling.added(self._state, start, n, priorities)
-            episode_id, undo = self._record_episode(start, n)
+            episode_id, undo = self._record_episode(start, n, key)
             self._state = self._state.replace(open_start=self._state.end)
             if publish:
                 self._publish()
         except BaseException:
+            self._keys.forget_from(before.ep_end)
             self._roll_back(before, undo)
             if writer.state == "open":
                 writer.abort()

@@ -8,6 +8,7 @@ one that never comes. Skipped without gymnasium (pip install 'h5replay[gym]').
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -16,10 +17,12 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+import zmq
 from service_helpers import (
     EPISODE_SPACE,
     SPAWN,
@@ -280,3 +283,93 @@ def test_sigterm_stops_a_learner_at_once_while_it_waits_on_a_server_that_went_aw
         server.kill()
     assert "stopped by a signal" in err.read_text()
     assert out.read_text().strip().splitlines()[-1].startswith("learner done:")
+
+
+# ------------------------------------------------------------- a stop signal, whatever the server does
+
+_STOP_WITHIN = 2.0  # seconds from SIGTERM / Ctrl-C to the example's exit, whatever the server does
+
+
+def _example(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[bytes], Path, Path]:
+    out, err = tmp_path / f"{args[0]}.out", tmp_path / f"{args[0]}.err"
+    with open(out, "wb") as stdout, open(err, "wb") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "h5replay", *args, "--timeout", "30"], stdout=stdout,
+                                stderr=stderr)
+    return proc, out, err
+
+
+def _stopped_within(proc: subprocess.Popen[bytes], sig: int, err: Path) -> float:
+    """Send `sig`; the seconds until the process exited (it must exit 0)."""
+    assert proc.poll() is None, err.read_text()  # still blocked on the server
+    started = time.monotonic()
+    proc.send_signal(sig)
+    code = proc.wait(30)
+    took = time.monotonic() - started
+    assert code == 0, err.read_text()
+    return took
+
+
+@contextlib.contextmanager
+def _example_against(tmp_path: Path, what: str, server_fate: str, sig: int) -> Iterator[tuple[float, Path]]:
+    """Run the example actor or learner against a real server, do `server_fate` to the server
+    ("stop": SIGSTOP, "kill": SIGKILL) once data flows, wait until the example is blocked on it, then
+    send `sig`; yields (seconds to exit, stderr path)."""
+    server = ServerProcess(server_config(tmp_path / "rb.h5", space=CARTPOLE), timeout=60)
+    proc = None
+    try:
+        if what == "learner":
+            run_actor(server.endpoint, episodes=3, seed=1, timeout=10)
+            proc, out, err = _example(tmp_path, "learner", server.endpoint, "--report-every", "0.2")
+            assert wait_until(lambda: "batches so far" in out.read_text(), 60), err.read_text()
+        else:
+            proc, out, err = _example(tmp_path, "actor", server.endpoint)
+            with LearnerClient(server.endpoint, timeout=10) as watch:
+                assert wait_until(lambda: watch.info()["num_episodes"] >= 3, 60), err.read_text()
+        os.kill(server.pid, signal.SIGSTOP if server_fate == "stop" else signal.SIGKILL)
+        time.sleep(1.0)  # the example now waits for a reply that does not come
+        yield _stopped_within(proc, sig, err), err
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        if server.process.is_alive():
+            os.kill(server.pid, signal.SIGCONT)
+            server.kill()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("server_fate", ["stop", "kill"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_the_actor_exits_within_2_s_of_a_signal_while_its_server_is_stopped_or_gone(tmp_path, server_fate, sig):
+    with _example_against(tmp_path, "actor", server_fate, sig) as (took, err):
+        assert took < _STOP_WITHIN, (took, err.read_text())
+    assert "stopped by a signal" in err.read_text()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_the_learner_exits_within_2_s_of_a_signal_while_its_server_is_stopped(tmp_path, sig):
+    with _example_against(tmp_path, "learner", "stop", sig) as (took, err):
+        assert took < _STOP_WITHIN, (took, err.read_text())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("what", ["actor", "learner"])
+def test_the_examples_exit_within_2_s_of_sigterm_while_a_server_never_answers(tmp_path, what):
+    """Something listens on the endpoint and never answers: the hello waits out --timeout (30 s)
+    unless the signal cuts it short."""
+    mute = zmq.Context.instance().socket(zmq.ROUTER)
+    mute.linger = 0
+    port = mute.bind_to_random_port("tcp://127.0.0.1")
+    proc = None
+    try:
+        proc, _, err = _example(tmp_path, what, f"tcp://127.0.0.1:{port}")
+        assert wait_until(lambda: mute.poll(0, zmq.POLLIN) != 0, 30)  # its hello arrived
+        time.sleep(0.5)
+        took = _stopped_within(proc, signal.SIGTERM, err)
+        assert took < _STOP_WITHIN, (took, err.read_text())
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        mute.close(0)

@@ -173,7 +173,7 @@ def _pausing_reader(path: str, read_done: Any, writer_done: Any, out: Any) -> No
         rb.close()
 
 
-TAGGED = DictSpace({"tag": BoxSpace(0, 10**6, (), np.int64), "pad": BoxSpace(0, 1, (4,), np.float32)})
+TAGGED = DictSpace({"tag": BoxSpace(0, 10**6, (), np.int64), "pad": BoxSpace(0, 10**5, (4,), np.float32)})
 
 
 def _tagged(tag: int, n: int) -> dict[str, np.ndarray]:

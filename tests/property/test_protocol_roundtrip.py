@@ -45,6 +45,7 @@ FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "limits": st.builds(P.Limits, **{f.name: st.integers(1, 2**40) for f in dataclasses.fields(P.Limits)}),
     "timeout": st.floats(0, 86_400) | st.integers(0, 86_400).map(float), "ignored": u64,
     "sampling": st.dictionaries(st.text(max_size=12), json_scalars, max_size=8),
+    "idempotency_key": st.none() | st.binary(min_size=16, max_size=16),
 }
 
 wire_dtypes = (

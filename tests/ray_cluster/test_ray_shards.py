@@ -91,9 +91,9 @@ def test_a_killed_shard_is_restarted_on_its_node_and_nothing_acknowledged_is_los
     assert len(acknowledged) == 2 * EPISODES
     found, problems = episodes_by_shard(paths)
     assert problems == [], problems[:10]
-    problems, doubled = count_problems(acknowledged, in_doubt, found)
+    problems = count_problems(acknowledged, found)
     assert problems == [], problems[:10]
-    print(f"\n{len(in_doubt)} episode(s) in doubt after the kill, {len(doubled)} held twice")
+    assert in_doubt == set()  # Ray restarted the shard within the actors' commit budget
     # The victim's actor either moved to the next shard for a while (its request timed out before Ray
     # had restarted the shard) or met the restarted shard at once; either way it wrote there again.
     assert victim in homes

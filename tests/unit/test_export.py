@@ -70,3 +70,15 @@ def test_cli_export_and_compact(tmp_path, capsys):
     assert main(["export", str(tmp_path / "missing.h5"), str(tmp_path / "d.h5")]) == 1
     export_file(tmp_path / "a.h5", tmp_path / "e.h5", chunks=(4,))
     assert ReplayBuffer.load_from(tmp_path / "e.h5").storage.dataset("x").chunks == (4,)
+
+
+def test_export_copies_values_a_buffer_holds_outside_its_bounds(tmp_path):
+    """A file served with --no-check-bounds holds NaN and values past its bounds: an export keeps them."""
+    space = BoxSpace(-1.0, 1.0, (2,), np.float32)
+    rows = np.array([[np.nan, 5.0], [0.5, -3.0]], np.float32)
+    with ReplayBuffer.create(space, 10, tmp_path / "a.h5", check_bounds=False) as buffer:
+        buffer.extend(rows)
+        buffer.end_episode()
+    export_file(tmp_path / "a.h5", tmp_path / "b.h5")
+    with ReplayBuffer.load_from(tmp_path / "b.h5") as copy:
+        np.testing.assert_array_equal(copy.get_at(np.arange(2)), rows)

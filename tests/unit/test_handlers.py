@@ -19,6 +19,7 @@ from h5replay.errors import (
     AccessDeniedError,
     LimitExceededError,
     NotEnoughDataError,
+    RateLimitedError,
     ReadOnlyError,
     SegmentStateError,
     SpaceMismatchError,
@@ -229,3 +230,37 @@ def test_a_removed_or_demoted_key_loses_its_sessions_or_its_segments() -> None:
     dropped, demoted = h.service.revoke(roles.get)
     assert (dropped, demoted) == ([b"a"], [b"b"])
     assert set(h.service.sessions) == {b"b", b"c"} and h.service.open_segments == 1
+
+
+# ------------------------------------------------------------------------------ idempotency keys
+
+KEY = bytes(range(16))
+
+
+def test_a_retry_in_the_same_pass_gets_the_receipt_of_the_placed_commit(h: Harness) -> None:
+    first = h.call(A, P.PushEpisode, 2, wire([1, 2]), 0.0, np.zeros(0), KEY)
+    segment = h.call(A, P.OpenSegment).segment_id
+    h.call(A, P.Append, segment, 2, wire([1, 2]))
+    again = h.call(A, P.Commit, segment, 0.0, KEY)  # the same key on a segment of the same length
+    assert (again.episode_id, again.first_row_id, again.length) == (first.episode_id, 0, 2)
+    assert h.call(A, P.Info).stats["open_segments"] == 0  # that segment was aborted, not committed
+    h.service.publish()
+    assert len(h.buffer) == 2 and h.buffer.num_episodes == 1
+
+
+def test_a_retried_push_is_not_held_back_by_the_rate_limit() -> None:
+    from memory_backend import MemoryStorage
+
+    from h5replay.sampling import RateLimit, SamplingConfig
+
+    storage = MemoryStorage(SPACE, 100)
+    limit = RateLimit(1, samples_per_insert=1.0, error_buffer=3.0)  # inserts wait once 4 rows are ahead
+    buffer = ReplayBuffer(storage, journal=MemoryJournal(storage), sampling=SamplingConfig(rate_limit=limit))  # type: ignore[arg-type]
+    service = Service(buffer, P.Limits(), "tcp://127.0.0.1:9", instance_id="i")
+    first = service.submit(A, P.PushEpisode(1, 4, wire([1, 2, 3, 4]), 0.0, np.zeros(0), KEY))
+    service.publish()
+    assert first is not None and first.length == 4
+    with pytest.raises(RateLimitedError):  # another episode must wait for samples
+        service.submit(A, P.PushEpisode(2, 4, wire([5, 6, 7, 8]), 0.0, np.zeros(0), bytes(16)))
+    retry = service.submit(A, P.PushEpisode(3, 4, wire([1, 2, 3, 4]), 0.0, np.zeros(0), KEY))
+    assert retry is not None and (retry.episode_id, retry.length) == (first.episode_id, 4)

@@ -522,3 +522,20 @@ def test_error_reply_helpers() -> None:
     assert reply.code == "space_mismatch" and len(reply.message) == 4096 and not reply.ok
     assert isinstance(reply.exception(), SpaceMismatchError)
     assert P.CommitReply(1, 0, 0, 0).ok
+
+
+def test_the_idempotency_key_is_optional_and_left_out_when_none() -> None:
+    without = P.encode(P.Commit(5, 3, 1.0))
+    assert "idempotency_key" not in msgpack.unpackb(without[0])["fields"]  # as an earlier version 3 client sends it
+    assert P.decode(without).idempotency_key is None  # type: ignore[attr-defined]
+    key = bytes(range(16))
+    with_key = P.decode(P.encode(P.Commit(5, 3, 1.0, key)))
+    assert isinstance(with_key, P.Commit) and with_key.idempotency_key == key
+
+
+@pytest.mark.parametrize("key", [b"", b"x" * 15, b"x" * 17, "x" * 16, 7, [1] * 16])
+def test_an_idempotency_key_must_be_16_bytes(key: Any) -> None:
+    head = msgpack.unpackb(P.encode(P.Commit(5, 3, 1.0))[0])
+    head["fields"]["idempotency_key"] = key
+    with pytest.raises(ProtocolError, match="'idempotency_key' must be 16 bytes"):
+        P.decode([msgpack.packb(head, use_bin_type=True)])

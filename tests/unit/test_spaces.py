@@ -1043,3 +1043,82 @@ def test_validate_stored_after_the_wire() -> None:
     out = P.decode(P.encode(P.Append(1, 0, 3, arrays)), expect=P.Request)
     assert isinstance(out, P.Append)
     Schema(WIRE_SPACE).validate_stored(out.arrays, out.num_rows)
+
+
+# ------------------------------------------------------------------------------------ bounds
+
+
+def _bounded_schema() -> Schema:
+    return Schema(DictSpace({
+        "obs": BoxSpace(np.array([-1.0, -2.0, 0.0]), np.array([1.0, 2.0, np.inf]), dtype=np.float32),
+        "free": BoxSpace(-np.inf, np.inf, (2,), np.float64),
+        "action": BoxSpace(0, 3, (), np.int64),
+        "pixels": BoxSpace(0, 255, (2, 2), np.uint8),  # the dtype's whole range: nothing to check
+    }), check_bounds=True)
+
+
+def _rows(n: int = 4) -> dict[str, np.ndarray]:
+    return {"obs": np.zeros((n, 3), np.float32), "free": np.full((n, 2), np.inf), "action": np.arange(n) % 4,
+            "pixels": np.full((n, 2, 2), 255, np.uint8)}
+
+
+@pytest.mark.parametrize(("leaf", "row", "index", "value", "expected"), [
+    ("obs", 2, (1,), 2.5, r"field 'obs', row 2 index \(1,\) is 2\.5, outside the space's bounds \[-2\.0, 2\.0\]"),
+    ("obs", 0, (0,), -1.5, r"field 'obs', row 0 index \(0,\) is -1\.5, outside the space's bounds \[-1\.0, 1\.0\]"),
+    ("obs", 3, (2,), -0.1, r"row 3 index \(2,\) is -0\.1\d*, outside the space's bounds \[0\.0, inf\]"),
+    ("obs", 1, (2,), np.nan, r"field 'obs', row 1 index \(2,\) is NaN"),
+    ("free", 3, (1,), np.nan, r"field 'free', row 3 index \(1,\) is NaN"),  # NaN even with infinite bounds
+    ("action", 1, (), 4, r"field 'action', row 1 is 4, outside the space's bounds \[0, 3\]"),
+])
+def test_values_outside_a_box_or_nan_are_refused_naming_field_row_index_and_bound(
+        leaf: str, row: int, index: tuple[int, ...], value: float, expected: str) -> None:
+    schema = _bounded_schema()
+    rows = _rows()
+    rows[leaf][(row, *index)] = value
+    with pytest.raises(SpaceMismatchError, match=expected):
+        schema.encode_batch(rows)
+    with pytest.raises(SpaceMismatchError, match=expected):
+        schema.validate_stored(rows, 4)
+    with pytest.raises(SpaceMismatchError, match=expected):
+        schema.encode_one({k: v[row] for k, v in rows.items()}) if row == 0 else schema.encode_batch(rows)
+    assert Schema(schema.space).encode_batch(rows)[1] == 4  # a schema that does not check bounds stores it
+
+
+def test_values_on_the_bounds_and_infinities_within_infinite_bounds_are_accepted() -> None:
+    schema = _bounded_schema()
+    rows = _rows()
+    rows["obs"][:] = [[-1.0, 2.0, np.inf]]
+    rows["free"][:] = -np.inf
+    rows["action"][:] = 3
+    schema.validate_stored(rows, 4)
+    schema.encode_one({k: v[0] for k, v in rows.items()})
+    assert schema.encode_batch({k: v[:0] for k, v in rows.items()})[1] == 0  # an empty batch has no bad value
+
+
+def test_only_bounded_leaves_and_floats_are_checked() -> None:
+    space = DictSpace({"a": BoxSpace(0, 255, (3,), np.uint8), "b": BoxSpace(-np.inf, np.inf, (), np.int32),
+                       "c": BoxSpace(-np.inf, np.inf, (), np.float32), "d": BoxSpace(0, 1, (), np.int8)})
+    assert [name for name, _ in Schema(space, check_bounds=True)._bounded] == ["c", "d"]
+    assert Schema(space)._bounded == ()
+
+
+def test_a_storage_checks_bounds_unless_told_not_to(tmp_path: Any) -> None:
+    from h5replay.storage import ReplayBuffer
+
+    space = BoxSpace(-1.0, 1.0, (2,), np.float32)
+    with ReplayBuffer.create(space, 10, tmp_path / "a.h5") as buffer:
+        with pytest.raises(SpaceMismatchError, match=r"field 'data', row 1 index \(0,\) is 3\.0, outside the space's bounds \[-1\.0, 1\.0\]"):
+            buffer.extend(np.array([[0, 0], [3, 0]], np.float32))
+        with pytest.raises(SpaceMismatchError, match="is NaN"):
+            buffer.append(np.array([np.nan, 0], np.float32))
+        writer = buffer.open_segment_writer()
+        with pytest.raises(SpaceMismatchError):
+            writer.extend(np.full((2, 2), 5, np.float32))
+        writer.abort()
+        assert len(buffer) == 0  # nothing of a refused batch was written
+        buffer.storage.check_bounds = False
+        buffer.append(np.array([np.nan, 7], np.float32))
+        assert len(buffer) == 1
+    with ReplayBuffer.load_from(tmp_path / "a.h5", read_only=False, check_bounds=False) as buffer:
+        buffer.append(np.array([9, 9], np.float32))
+        assert len(buffer) == 2

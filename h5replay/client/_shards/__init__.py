@@ -15,9 +15,11 @@ episode in flight is opened again on the next live shard and every row of it so 
 there again: the client keeps a copy of the episode's rows until its commit is acknowledged (one
 extra copy of the current episode in the actor's memory). While away, the actor probes its home
 shard in a background thread every `shard_retry_interval` seconds and goes back between two
-episodes once it answers. A commit whose reply was lost with the shard may or may not have been
-applied there: the episode is "in doubt", pushed again whole on the next live shard, and recorded
-in `ActorClient.in_doubt` (see `_commit` for the idempotency key that is to settle it).
+episodes once it answers. Every episode carries an idempotency key, the same on every retry. A
+commit whose reply was lost may or may not have been applied: it is sent again with its key on
+the same shard (which answers a commit it applied with the original receipt), and only when that
+shard does not answer again within the client's timeout is the episode pushed whole on the next
+live shard, where it may then be held twice: such episodes are listed in `ActorClient.in_doubt`.
 
 Learners: `sample(n)` splits the batch over the live shards in proportion to the rows each holds
 (a multinomial draw, so the union is sampled uniformly), sends one request to every shard at once

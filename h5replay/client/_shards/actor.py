@@ -6,8 +6,8 @@ See the package's docstring (h5replay.client._shards) for the behaviour.
 from __future__ import annotations
 
 import functools
+import os
 import time
-import uuid
 from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Concatenate, NamedTuple, ParamSpec, TypeVar
@@ -17,6 +17,7 @@ import numpy as np
 from h5replay.client._shards._router import _Router, _Shard, home_shard, log
 from h5replay.config import ClientConfig
 from h5replay.errors import ClosedError, ConfigError, SegmentStateError, ServerUnavailableError
+from h5replay.protocol import IDEMPOTENCY_KEY_BYTES
 from h5replay.records import Receipt
 from h5replay.sampling import check_priorities
 
@@ -40,7 +41,8 @@ def _locked(method: Callable[Concatenate[ShardedActor, _P], _R]) -> Callable[Con
 
 
 class InDoubt(NamedTuple):
-    """An episode whose commit (or push) reply was lost with its shard: it may also be held there.
+    """An episode whose commit (or push) reply was lost with a shard that then did not answer
+    again, and that another shard acknowledged: it may be held on both.
 
     Attributes:
         key: the episode's idempotency key (made once, sent again with every retry).
@@ -92,15 +94,14 @@ class _Rows:
         return None if self._priorities is None else self._priorities[: self.num_rows]
 
 
-def _commit(segment: ActorSegment, key: bytes) -> Receipt:
-    """Commit (or push) `segment` on its shard.
+def _commit(segment: ActorSegment) -> Receipt:
+    """Commit (or push) `segment` on its shard, with the episode's idempotency key (the segment
+    was opened with ShardedSegment.key, the same on every retry, on this shard or another).
 
-    IDEMPOTENCY KEY (issue 14), to wire after the merge: send `key` as the commit's / push's
-    `idempotency_key`. The key is made once per episode (ShardedSegment.key) and is the same on
-    every retry of that episode, on this shard or on another. Note that a server only remembers
-    its own keys: a retry on *another* shard cannot be told apart from a first commit there. For
-    "never stored twice" an in-doubt episode must be retried with its key on the shard that lost
-    the reply (see ShardedSegment._lost) before it moves on.
+    A server only remembers its own keys: a retry on *another* shard cannot be told apart from a
+    first commit there. So an in-doubt episode is retried with its key on the shard that lost the
+    reply first (the segment's own retries, then ShardedSegment._lost), and moves on only when
+    that shard does not answer.
     """
     return segment.commit()
 
@@ -308,7 +309,7 @@ class ShardedSegment:
         self._rows = _Rows()
         self._inner: ActorSegment | None = None
         self._inner_shard = -1
-        self.key = uuid.uuid4().bytes
+        self.key = os.urandom(IDEMPOTENCY_KEY_BYTES)
         self.shard: int | None = None
         self.in_doubt_on: list[int] = []
         self.length = 0
@@ -360,7 +361,7 @@ class ShardedSegment:
 
         while self._inner is None:
             index, client = self._actor.writer()
-            inner = ActorSegment(client)
+            inner = ActorSegment(client, key=self.key)
             self._inner, self._inner_shard = inner, index
             self._actor.use(index, +1)
             if self._rows.num_rows:
@@ -392,12 +393,16 @@ class ShardedSegment:
             if self._actor.closed:
                 raise exc  # the user closed the actor
             return  # the actor closed that connection (its shard was lost or restarted): open it again
-        # "failed" is the state of a segment whose commit (or push) was sent without a reply.
-        if isinstance(exc, ServerUnavailableError) and inner is not None and getattr(inner, "_state", None) == "failed":
+        if isinstance(exc, ServerUnavailableError) and inner is not None and inner.in_doubt:
+            first_time = index not in self.in_doubt_on
             self.in_doubt_on.append(index)
-            # To wire with issue 14's idempotency keys: retry `_commit(..., self.key)` on shard `index`
-            # first (for as long as it may come back), and only then move on; today the episode goes to
-            # the next live shard at once and may end up held twice.
+            if first_time:
+                # The commit may have landed: ask the same shard once more (a new hello) before
+                # moving on. The episode opened there again commits with the same key, and a
+                # shard that applied it answers with its receipt. A shard that does not answer
+                # the hello is marked down, and the episode moves on (then it may be held twice).
+                self._actor.reconnect(index)
+                return
         if isinstance(exc, SegmentStateError):
             if not self._actor.restarted(index):
                 raise exc  # a refusal of this segment, not a lost server
@@ -419,14 +424,15 @@ class ShardedSegment:
             self.receipt = Receipt(-1, -1, 0)
             return self.receipt
         try:
-            receipt: Receipt = self._attempt(lambda inner: _commit(inner, self.key), rows=False)
+            receipt: Receipt = self._attempt(_commit, rows=False)
         except BaseException:
             self._give_up()
             raise
         self._state, self.receipt, self.shard = "committed", receipt, self._inner_shard
         self._actor.use(self._inner_shard, -1)
-        if self.in_doubt_on:
-            self._actor.in_doubt.append(InDoubt(self.key, tuple(self.in_doubt_on), self._inner_shard, receipt))
+        elsewhere = tuple(sorted(set(self.in_doubt_on) - {self._inner_shard}))
+        if elsewhere:  # a lost commit on another shard may have landed there too
+            self._actor.in_doubt.append(InDoubt(self.key, elsewhere, self._inner_shard, receipt))
         return receipt
 
     def _give_up(self) -> None:
