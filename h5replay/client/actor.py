@@ -87,8 +87,8 @@ class ActorClient:
         self.server_version = hello.server_version
         self.replay_id: str = hello.replay_id
         self.instance_id: str = hello.instance_id
-        # How long a commit may take in all: `commit_attempts` sends, each waiting `timeout` for its
-        # reply, and the rate limit's hold when the server has one (else it never holds commits).
+        #: Seconds a commit or push may take in all: `commit_attempts` sends, each waiting `timeout`
+        #: for its reply, and the rate limit's hold when the server has one (else it holds none).
         holds = self.config.rate_limit_timeout if hello.sampling.get("writer_samples") else 0.0
         self.commit_timeout = self.config.commit_attempts * self.config.timeout + holds
         self.schema = Schema(self.space)
