@@ -9,6 +9,7 @@ commit returns only after the server has the episode in the file, flushed.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import time
 from collections.abc import Sequence
@@ -152,9 +153,16 @@ class ActorClient:
             limit, key = self.config.rate_limit_timeout, os.urandom(P.IDEMPOTENCY_KEY_BYTES)
             return _receipt(self._conn.request_again(lambda rid: P.PushEpisode(rid, n, encoded, limit, given, key),
                                                      self.commit_timeout, self.config.commit_attempts))
-        with self.segment() as seg:
+        seg = self.segment()
+        try:
             seg.extend_encoded(encoded, n, given)
-        return seg.receipt  # type: ignore[return-value]
+            return seg.commit()
+        except BaseException:
+            # The caller holds the episode, not this segment: nothing of it may stay open on the
+            # server (a commit refused for a full disk or by the rate limit would leave it open).
+            with contextlib.suppress(Exception):
+                seg.abort()
+            raise
 
     def info(self) -> dict[str, Any]:
         """The server's figures (length, episodes, clients, rows in, ...); over several servers,

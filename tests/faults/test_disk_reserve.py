@@ -106,11 +106,15 @@ def test_a_full_disk_refuses_new_rows_and_resumes_once_space_is_freed(tmp_path):
             # Reads go on, and what was committed is whole.
             assert len(learner.episodes()) == acked
             assert not row_problems(learner.sample(256))
-            # An open segment is refused more rows too: the client aborts it (an episode cannot be
-            # committed with a gap), and the server holds nothing of it.
+            # An open segment is refused too: at an append (rows staged in memory may still fit),
+            # and the client aborts it, as an episode cannot be committed with a gap; or at its
+            # commit, and it stays open to be committed once there is room, or aborted. A push that
+            # was refused never stays open: the caller holds only the episode.
+            assert actor.info()["open_segments"] == 0
             with pytest.raises(DiskFullError):
                 pending.extend(episode_rows(2, 0, 2000))
                 pending.commit()
+            pending.abort()  # a no-op when the client aborted it already
             assert actor.info()["open_segments"] == 0
             # Space comes back: writes resume without a restart.
             disk.free_space()

@@ -4,9 +4,9 @@ Real servers on loopback, actors in their own processes (h5replay.client._shards
 check is on the files themselves, reopened after every server stopped.
 
 An episode whose commit reply was lost in the kill (the commit may have landed before the server
-died) is sent again with its idempotency key to the killed shard once it is back, and that shard
-answers with the original receipt if it had applied it: every acknowledged episode is held
-exactly once.
+died) is sent again with its idempotency key to the killed shard while the actor's commit budget
+lasts; the shard stays down longer here, so such an episode is pushed again on another shard and
+reported in doubt (held once or twice). Every other acknowledged episode is held exactly once.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from shard_helpers import count_problems, episodes_by_shard, running_shards, sha
 
 from h5replay.client import LearnerClient
 from h5replay.client._shards import home_shard
+from h5replay.config import ClientConfig
 
 NUM_SHARDS = 3
 NUM_ACTORS = 4
@@ -37,7 +38,9 @@ def test_actors_fail_over_when_their_shard_is_sigkilled_and_every_acknowledged_e
         with LearnerClient(shards.endpoints[victim], timeout=10) as watch:
             assert wait_until(lambda: len(watch) > 2000, timeout=60), "the victim shard never got rows"
         shards.kill(victim)  # writer and readers, mid-stream
-        time.sleep(3.0)  # the actors notice (their timeout is 2 s) and move to the next live shard
+        # Down for longer than an actor's commit budget (commit_attempts x timeout = 3 x 2 s), so
+        # the actors homed there move on to the next live shard; then it comes back.
+        time.sleep(ClientConfig().commit_attempts * 2.0 + 2.0)
         shards.start(victim)  # the same file and ports: crash recovery, then the actors come back
 
         results = [out.get(timeout=150) for _ in range(NUM_ACTORS)]
@@ -54,15 +57,17 @@ def test_actors_fail_over_when_their_shard_is_sigkilled_and_every_acknowledged_e
 
     found, problems = episodes_by_shard(shards.paths)
     assert problems == [], problems[:10]  # every episode held is whole, nothing partial is visible
-    problems = count_problems(acknowledged, found)
+    # Exactly once, but for an episode whose commit was in flight when its shard died and that
+    # shard stayed silent past the commit budget: pushed again elsewhere with the same key, it is
+    # held once or twice (the dead shard may have applied it), and the actor reports it in doubt.
+    problems = count_problems(acknowledged, found, in_doubt)
     assert problems == [], problems[:10]
-    assert in_doubt == set()  # the killed shard came back within the actors' commit budget
+    assert len(in_doubt) <= NUM_ACTORS, in_doubt  # at most one commit in flight per actor
 
-    # The actors whose home was killed moved on, and came back home after the restart; except one
-    # whose commit was in flight at the kill: it sent it again to its home until that came back.
+    # The actors whose home was killed moved on, and came back home after the restart.
     homed = [r for r in results if r[4] == victim]
     moved = [r for r in homed if r[5] >= 1]
-    assert moved, [r[4:] for r in results]
+    assert moved == homed, [r[4:] for r in results]
     for _, a, *_ in moved:
         last_on = {s: max(e for s2, actor, e in found if actor == a and s2 == s)
                    for s in {s for s, actor, _ in found if actor == a}}
