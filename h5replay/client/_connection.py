@@ -150,8 +150,9 @@ class Connection:
         with self._lock:
             return self.wait(self.send(request_factory, timeout), timeout)
 
-    def request_again(self, request_factory: Any, timeout: float, attempts: int) -> P.Reply:
-        """Send, and when no reply comes within the client's timeout, send the same request again:
+    def request_again(self, request_factory: Any, timeout: float, attempts: int, hold: float = 0.0) -> P.Reply:
+        """Send, and when no reply comes within the client's timeout (plus `hold`, the time the
+        server may hold the request back, for the first attempt), send the same request again:
         up to `attempts` sends in all, within `timeout` in all (the last attempt waits for whatever
         is left). Only for requests that take effect once however often they arrive: a commit or
         push with its idempotency key. A first send that cannot leave (no server connected within
@@ -171,7 +172,10 @@ class Connection:
             while True:
                 start = time.monotonic()
                 remaining = max(0.0, deadline - start)
-                share = remaining if left == 1 else min(self.config.timeout, remaining)
+                # A held-back request is not lost: the first attempt waits the hold out before a
+                # retry, so the server's waiting room never holds two copies of one request.
+                share = remaining if left == 1 else min(self.config.timeout + hold, remaining)
+                hold = 0.0
                 try:
                     return self.wait(request_id, share)
                 except ServerUnavailableError as exc:

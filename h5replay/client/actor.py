@@ -90,8 +90,9 @@ class ActorClient:
         self.instance_id: str = hello.instance_id
         #: Seconds a commit or push may take in all: `commit_attempts` sends, each waiting `timeout`
         #: for its reply, and the rate limit's hold when the server has one (else it holds none).
-        holds = self.config.rate_limit_timeout if hello.sampling.get("writer_samples") else 0.0
-        self.commit_timeout = self.config.commit_attempts * self.config.timeout + holds
+        #: Seconds the server may hold a commit back (its rate limit), 0 when it has none.
+        self.commit_hold = self.config.rate_limit_timeout if hello.sampling.get("writer_samples") else 0.0
+        self.commit_timeout = self.config.commit_attempts * self.config.timeout + self.commit_hold
         self.schema = Schema(self.space)
         self._row_bytes = self.schema.row_bytes
         # Rows per message: the client's batching settings, within the server's message limits
@@ -110,7 +111,7 @@ class ActorClient:
         self.limits, self.space, self.capacity = shard.limits, shard.space, shard.capacity
         self.server_version, self.replay_id, self.instance_id = shard.server_version, shard.replay_id, shard.instance_id
         self.schema, self._row_bytes, self.rows_per_message = shard.schema, shard._row_bytes, shard.rows_per_message
-        self.commit_timeout = shard.commit_timeout
+        self.commit_timeout, self.commit_hold = shard.commit_timeout, shard.commit_hold
 
     @property
     def shard(self) -> int:
@@ -152,7 +153,7 @@ class ActorClient:
         if n <= self.rows_per_message:
             limit, key = self.config.rate_limit_timeout, os.urandom(P.IDEMPOTENCY_KEY_BYTES)
             return _receipt(self._conn.request_again(lambda rid: P.PushEpisode(rid, n, encoded, limit, given, key),
-                                                     self.commit_timeout, self.config.commit_attempts))
+                                                     self.commit_timeout, self.config.commit_attempts, self.commit_hold))
         seg = self.segment()
         try:
             seg.extend_encoded(encoded, n, given)
@@ -343,7 +344,8 @@ class ActorSegment:
         segment stays open: commit again later, or abort."""
         config = self._config
         try:
-            reply = self._conn.request_again(request, self._client.commit_timeout, config.commit_attempts)
+            reply = self._conn.request_again(request, self._client.commit_timeout, config.commit_attempts,
+                                             self._client.commit_hold)
         except (DiskFullError, RateLimitedError):
             raise  # still open: the server keeps the segment (a push's rows stay here); commit again
         except NotSentError:

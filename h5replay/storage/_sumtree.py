@@ -66,12 +66,14 @@ class SumTree:
             return
         values = np.broadcast_to(np.asarray(weights, dtype=np.float64), idx.shape)
         self._nodes[self._p + idx] = values  # numpy assigns in order: the last duplicate wins
-        nodes = np.unique((self._p + idx) // 2)
-        while nodes.size and nodes[0] >= 1:
+        # The parents to recompute, level by level: sorted once, then halving keeps them sorted,
+        # so equal neighbours are the only duplicates (cheaper than a unique per level).
+        nodes = np.sort((self._p + idx) // 2)
+        while nodes[0] >= 1:  # node 0 is unused: a tree of one leaf has no parent to update
+            if nodes.shape[0] > 1:
+                nodes = nodes[np.concatenate(([True], nodes[1:] != nodes[:-1]))]
             self._nodes[nodes] = self._nodes[2 * nodes] + self._nodes[2 * nodes + 1]
-            if nodes[0] == 1:
-                break
-            nodes = np.unique(nodes // 2)
+            nodes //= 2
 
     def clear(self) -> None:
         self._nodes[:] = 0.0
@@ -82,7 +84,26 @@ class SumTree:
         Never lands on a zero-weight leaf while the total is positive (a target that rounding puts
         on a boundary goes to the side that carries weight).
         """
-        u = np.asarray(targets, dtype=np.float64).copy()
+        targets = np.asarray(targets, dtype=np.float64)
+        # The plain descent (a few numpy calls a level); the rare target that rounding leaves on a
+        # zero-weight leaf is walked again with the careful rule.
+        u = targets.copy()
+        node = np.ones(u.shape, dtype=np.int64)
+        nodes = self._nodes
+        for _ in range(self._p.bit_length() - 1):
+            node *= 2
+            left = nodes.take(node)
+            go_right = u >= left
+            u -= left * go_right
+            node += go_right
+        stray = nodes.take(node) <= 0
+        if stray.any():
+            node[stray] = self._find_carefully(targets[stray])
+        return node - self._p
+
+    def _find_carefully(self, targets: np.ndarray) -> np.ndarray:
+        """`find`'s descent (as nodes) that never enters a zero-weight subtree beside a weighted one."""
+        u = targets.copy()
         node = np.ones(u.shape, dtype=np.int64)
         nodes = self._nodes
         for _ in range(self._p.bit_length() - 1):
@@ -90,7 +111,7 @@ class SumTree:
             go_right = ((u >= left) | (left <= 0)) & (nodes[2 * node + 1] > 0)
             u -= np.where(go_right, left, 0.0)
             node = 2 * node + go_right
-        return node - self._p
+        return node
 
     def sample(self, rng: np.random.Generator, count: int) -> np.ndarray:
         """`count` leaves drawn with probability weight / total (with replacement)."""

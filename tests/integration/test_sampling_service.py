@@ -5,6 +5,7 @@ every row out exactly once, settings kept across restarts, and the refusals."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import threading
 import time
 from typing import Any
 
@@ -207,6 +208,28 @@ def test_a_commit_the_limit_holds_back_too_long_stays_open_and_can_be_committed_
         with pytest.raises(RateLimitedError, match="an insert of 50 rows .* more than the whole window"):
             actor.push_episode(episode_rows(1, 2, 50))  # could never fit: refused at once
         assert learner.info()["inserted"] == 25
+
+
+def test_a_held_back_push_is_waited_for_not_sent_again(start_server: Any) -> None:
+    """A push the limit holds longer than the client's timeout is not lost, so the client waits
+    the hold out instead of retrying: the waiting room holds it once, and it lands once."""
+    server = start_server(sampling=SamplingConfig(rate_limit=RateLimit.queue(20)))
+    config = ClientConfig(endpoint=server.endpoint, timeout=0.5, name="actor", rate_limit_timeout=4.0)
+    with ActorClient(config=config) as actor, LearnerClient(server.endpoint, timeout=10) as learner:
+        actor.push_episode(episode_rows(1, 0, 15))
+        pushed: list[Any] = []
+        thread = threading.Thread(target=lambda: pushed.append(actor.push_episode(episode_rows(1, 1, 10))))
+        thread.start()
+        waiting = []
+        deadline = time.monotonic() + 2.5  # five client timeouts
+        while time.monotonic() < deadline:
+            waiting.append(learner.info()["waiting_inserts"])
+            time.sleep(0.05)
+        assert max(waiting) == 1, waiting
+        learner.sample(10)  # room for it
+        thread.join(10)
+        assert len(pushed) == 1 and pushed[0].length == 10
+        assert learner.info()["total_episodes"] == 2
 
 
 # ------------------------------------------------------------------------------------ queues

@@ -62,6 +62,14 @@ def test_sum_tree_matches_numpy_prefix_sums() -> None:
     assert np.allclose(tree.get(np.arange(37)), weights)
 
 
+def test_sum_tree_never_lands_on_a_zero_weight_leaf_at_the_edges() -> None:
+    """Targets on a boundary, or at the total (rounding can make one), go to a weighted leaf."""
+    tree = SumTree(7)
+    tree.set(np.arange(7), [1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0])
+    found = tree.find(np.array([0.0, 1.0 - 1e-12, 1.0, 2.0 - 1e-12, 2.0, 2.0 + 1e-9]))
+    assert found.tolist() == [0, 0, 3, 3, 3, 3]
+
+
 # ---------------------------------------------------------------------------------------------- prioritized
 
 
