@@ -185,7 +185,8 @@ def learner_main(endpoint: str, seconds: float, out: Any) -> None:
         while time.perf_counter() - started < seconds:
             client.sample(BATCH)
             done += 1
-    out.put(("learner", done))
+        stats = client.info()  # the waits of the run itself (actors then wait in vain for a learner)
+    out.put(("learner", (done, stats)))
 
 
 def run_processes(endpoint: str, seconds: float) -> tuple[float, float, dict[str, Any]]:
@@ -195,14 +196,15 @@ def run_processes(endpoint: str, seconds: float) -> tuple[float, float, dict[str
     for p in procs:
         p.start()
     rows = batches = 0
+    stats: dict[str, Any] = {}
     for _ in procs:
         kind, n = out.get(timeout=seconds + 120)
-        rows += n if kind == "actor" else 0
-        batches += n if kind == "learner" else 0
+        if kind == "actor":
+            rows += n
+        else:
+            batches, stats = n
     for p in procs:
-        p.join(30)
-    with LearnerClient(endpoint, timeout=30) as watcher:
-        stats = watcher.info()
+        p.join(60)
     return rows / seconds, batches / seconds, stats
 
 
