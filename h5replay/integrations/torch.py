@@ -166,13 +166,7 @@ class H5ReplayDataset(IterableDataset[Any]):  # type: ignore[misc,unused-ignore]
                         for batch in client.batches(self.batch_size, prefetch=self.prefetch,
                                                     sequence_length=self.sequence_length):
                             empty_since = None
-                            item = to_tensors(batch)
-                            while not stop.is_set():
-                                try:
-                                    batches.put(item, timeout=_POLL)
-                                    break
-                                except queue.Full:
-                                    continue
+                            _put(batches, to_tensors(batch), stop)
                             produced += 1
                             if stop.is_set() or (count is not None and produced >= count):
                                 break
@@ -183,10 +177,14 @@ class H5ReplayDataset(IterableDataset[Any]):  # type: ignore[misc,unused-ignore]
                         stop.wait(_POLL)
         except BaseException as exc:  # handed to the consumer, who raises it
             end = _End(exc)
-        while not stop.is_set():
-            try:
-                batches.put(end, timeout=_POLL)
-                return
-            except queue.Full:
-                continue
+        _put(batches, end, stop)
 
+
+def _put(batches: queue.Queue[Any], item: Any, stop: threading.Event) -> None:
+    """Put `item` on the bounded queue, waiting for room until the consumer stops."""
+    while not stop.is_set():
+        try:
+            batches.put(item, timeout=_POLL)
+            return
+        except queue.Full:
+            continue

@@ -179,6 +179,11 @@ class ReplayBuffer:
             space, capacity, _h5file.file_path(cache_path), prepare=Journal.create_tables(capacity, initial, config, idempotency_window),
             **storage_kwargs,
         )
+        return cls._around(storage, check_bounds)
+
+    @classmethod
+    def _around(cls, storage: HDF5Storage, check_bounds: bool) -> ReplayBuffer:
+        """A buffer over a storage just created or opened (closed again if that fails)."""
         storage.check_bounds = check_bounds
         try:
             return cls(storage)
@@ -205,12 +210,7 @@ class ReplayBuffer:
                 file, None, read_only=read_only, prepare=None if read_only else Journal.upgrade,
                 verify=None if read_only else Journal.verify, **storage_kwargs,
             )
-            storage.check_bounds = check_bounds
-            try:
-                return cls(storage)
-            except BaseException:
-                storage.close()
-                raise
+            return cls._around(storage, check_bounds)
 
     @classmethod
     def from_raw_hdf5(cls, path: str | os.PathLike[str]) -> ReplayBuffer:
