@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import socket
 import struct
@@ -144,6 +145,7 @@ class ConnectionGuard:
         self._stop = threading.Event()
         self._log = RefusalLog()
         self._thread: threading.Thread | None = None
+        self._last_failure_log = -math.inf
         self.enabled = sys.platform.startswith("linux")
 
     # ------------------------------------------------------------------ called by the server
@@ -219,14 +221,24 @@ class ConnectionGuard:
                 for sock in ready:
                     while sock.poll(0):
                         self._event(parse_monitor_message(sock.recv_multipart()))
+                now = time.monotonic()
+                if now >= next_check:
+                    self._check(self.interval)
+                    next_check = now + self.interval
             except zmq.ZMQError as exc:
                 if exc.errno == zmq.ETERM:
                     return
-                raise
-            now = time.monotonic()
-            if now >= next_check:
-                self._check(self.interval)
-                next_check = now + self.interval
+                self._survive(exc)
+            except Exception as exc:  # noqa: BLE001 - the guard (and the refusal log) must outlive one bad event
+                self._survive(exc)
+
+    def _survive(self, exc: BaseException) -> None:
+        """Log what went wrong in the guard's thread (once a minute at most) and carry on."""
+        now = time.monotonic()
+        if now - self._last_failure_log > 60:
+            self._last_failure_log = now
+            log.warning("the %s connection guard met %r; it carries on", self.name, exc, exc_info=exc)
+        self._stop.wait(self.interval)
 
     def _event(self, event: Any) -> None:
         kind, value = event["event"], int(event["value"])
