@@ -318,5 +318,7 @@ def test_socket_chaos_against_the_writer_and_the_reader_endpoints(tmp_path):
         figures = watch.stop()
         print(f"\nchaos: {actions} socket actions survived in 20 s; RSS MB (before, peak, after, peak anonymous): {figures}")
         assert actions > 500
-        assert all(peak * MB < RSS_LIMIT for _, peak, _, _ in figures.values()), figures
+        # What the processes hold: anonymous memory. Their whole RSS also counts the replay file's
+        # pages a reader maps (page cache, shared and reclaimable), which the chaos reads pull in.
+        assert all(anonymous * MB < RSS_LIMIT for _, _, _, anonymous in figures.values()), figures
         _alive_and_serving(server, pids)
