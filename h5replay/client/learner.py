@@ -424,15 +424,14 @@ class LearnerClient:
 
         if self._router is not None or (steps is not None and self.rows_per_message < steps):
             return (one_batch(k) for k in itertools.count())  # shards fan out; huge windows are read by id
-        parts = len(self._sample_requests(size, None) if steps is None else self._window_requests(size, steps, None) or [])
 
-        def batch_requests(k: int) -> list[Callable[[int], P.Request]]:
-            batch_seed = _seed(seed, k * parts)
+        def requests(batch_seed: int | None) -> list[Callable[[int], P.Request]]:
             if steps is None:
                 return self._sample_requests(size, batch_seed)
             return self._window_requests(size, steps, batch_seed) or []
 
-        return self._pipelined(batch_requests, ahead, with_info)
+        parts = len(requests(None))
+        return self._pipelined(lambda k: requests(_seed(seed, k * parts)), ahead, with_info)
 
     def _pipelined(
         self, batch_requests: Callable[[int], list[Callable[[int], P.Request]]], ahead: int, with_info: bool,
