@@ -20,6 +20,7 @@ Callers catch one root, or one branch, and never parse messages::
     ├── ClosedError                 (also RuntimeError) *you* called close() on it
     ├── RemoteError                                     the server refused a request; `.code` says why
     └── ServerUnavailableError      (also TimeoutError) no reply within `timeout`, or the server went away
+        └── CommitInDoubtError                          a shard went away with a commit's reply: kept, settled there later
 
 An index out of range raises the built-in `IndexError`, as numpy and h5py do.
 """
@@ -45,6 +46,7 @@ __all__ = [
     "ClosedError",
     "RemoteError",
     "ServerUnavailableError",
+    "CommitInDoubtError",
 ]
 
 
@@ -126,3 +128,25 @@ class RemoteError(H5ReplayError):
 
 class ServerUnavailableError(H5ReplayError, TimeoutError):
     """The server did not answer within the timeout, or went away."""
+
+
+class CommitInDoubtError(ServerUnavailableError):
+    """A shard stopped answering after a commit of the episode was sent to it, so it may hold it.
+
+    The actor keeps the episode (in memory) and settles it on that shard, with its idempotency
+    key, when the shard answers again: the original receipt if it had applied it, a first commit
+    if not. Never push the episode again yourself: it would be held twice. `ActorClient.in_doubt`
+    lists it until then, with its receipt after; `ActorClient.settle()` waits for it.
+
+    Attributes:
+        key: the episode's idempotency key.
+        shard: the shard it is settled on (its index in `endpoints`).
+        length: its number of rows.
+    """
+
+    def __init__(self, message: str, key: bytes, shard: int, length: int) -> None:
+        super().__init__(message)
+        self.key, self.shard, self.length = key, shard, length
+
+    def __reduce__(self) -> tuple[type[CommitInDoubtError], tuple[str, bytes, int, int]]:
+        return type(self), (str(self), self.key, self.shard, self.length)  # picklable (processes, Ray)

@@ -12,7 +12,7 @@ import os
 import signal
 import time
 from collections import Counter
-from collections.abc import Collection, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,7 @@ from service_helpers import child_pids, episode_rows, file_episodes, row_problem
 
 from h5replay.client import ActorClient, LearnerClient
 from h5replay.config import ClientConfig, ServerConfig
-from h5replay.errors import NotEnoughDataError, ServerUnavailableError
+from h5replay.errors import CommitInDoubtError, NotEnoughDataError, ServerUnavailableError
 from h5replay.server import ServerProcess
 
 
@@ -94,17 +94,15 @@ def episodes_by_shard(paths: list[str]) -> tuple[list[tuple[int, int, int]], lis
     return found, problems
 
 
-def count_problems(acknowledged: dict[tuple[int, int], int], found: list[tuple[int, int, int]],
-                   in_doubt: Collection[tuple[int, int]] = ()) -> list[str]:
+def count_problems(acknowledged: dict[tuple[int, int], int], found: list[tuple[int, int, int]]) -> list[str]:
     """Exactly once: every acknowledged episode is held once across the shards, and nothing
     that was never acknowledged is held. (An episode whose commit reply was lost with a killed
-    shard is sent again with its idempotency key to that shard when it answers again, so it is
-    not stored twice.) Episodes in `in_doubt` (their shard stayed silent past the commit budget,
-    so they were pushed again elsewhere) may be held twice."""
+    shard is sent again with its idempotency key to that shard only, while it answers within the
+    commit's time and, past it, when it answers again: the actor keeps it meanwhile.)"""
     held = Counter((actor, episode) for _, actor, episode in found)
     problems = []
     for key in acknowledged:
-        if held[key] != 1 and not (key in in_doubt and held[key] == 2):
+        if held[key] != 1:
             problems.append(f"acknowledged episode {key} is held {held[key]} times")
     for key in held:
         if key not in acknowledged:
@@ -113,49 +111,63 @@ def count_problems(acknowledged: dict[tuple[int, int], int], found: list[tuple[i
 
 
 def write_episodes(endpoints: list[str], actor: int, num_episodes: int, seed: int, timeout: float = 2.0,
-                   pause: float = 0.01) -> tuple[list[tuple[int, int]], list[int], int, int]:
+                   pause: float = 0.01, settle_timeout: float = 60.0) -> tuple[list[tuple[int, int]], list[int], int, int]:
     """Write `num_episodes` episodes of 1..200 steps through an actor over `endpoints`, by every
     client path, pausing `pause` s between episodes.
+
+    An episode whose commit raised CommitInDoubtError is left to the actor, which settles it
+    on its shard (`settle`, up to `settle_timeout` s at the end): it counts as acknowledged once
+    settled.
 
     Returns ([(episode, length) acknowledged], [episode in doubt], home shard, failovers).
 
     Raises:
         ServerUnavailableError: no shard answered (the episodes acknowledged so far are lost to
             the caller: it is a failure of the test).
+        RuntimeError: an episode in doubt was still not settled at the end.
     """
     rng = np.random.default_rng(seed)
     config = ClientConfig(timeout=timeout, name=f"shard-actor-{actor}", batch_seconds=0.02,
                           shard_retry_interval=0.5)
     acknowledged: list[tuple[int, int]] = []
-    doubted: list[int] = []
+    doubted: dict[bytes, tuple[int, int]] = {}  # key: (episode, length)
     with ActorClient(config=config, endpoints=endpoints) as client:
         home = client.shard
         for e in range(num_episodes):
             n = int(rng.integers(1, 201))
             rows = episode_rows(actor, e, n)
             how = int(rng.integers(0, 3))
-            before = len(client.in_doubt)
-            if how == 0:
-                receipt = client.push_episode(rows)
-            elif how == 1:
-                with client.segment() as seg:
-                    for i in range(n):
-                        seg.append({k: v[i] for k, v in rows.items()})
-                receipt = seg.receipt  # type: ignore[assignment]
-            else:
-                seg = client.segment()
-                cuts = sorted(set(rng.integers(0, n, size=3).tolist()) | {0, n})
-                for lo, hi in zip(cuts, cuts[1:]):
-                    seg.extend({k: v[lo:hi] for k, v in rows.items()})
-                receipt = seg.commit()
+            try:
+                if how == 0:
+                    receipt = client.push_episode(rows)
+                elif how == 1:
+                    with client.segment() as seg:
+                        for i in range(n):
+                            seg.append({k: v[i] for k, v in rows.items()})
+                    receipt = seg.receipt  # type: ignore[assignment]
+                else:
+                    seg = client.segment()
+                    cuts = sorted(set(rng.integers(0, n, size=3).tolist()) | {0, n})
+                    for lo, hi in zip(cuts, cuts[1:]):
+                        seg.extend({k: v[lo:hi] for k, v in rows.items()})
+                    receipt = seg.commit()
+            except CommitInDoubtError as exc:  # kept by the actor, settled on its shard later
+                doubted[exc.key] = (e, n)
+                continue
             if receipt is None or receipt.length != n:
                 raise RuntimeError(f"episode {e}: receipt {receipt} for {n} rows")
-            if len(client.in_doubt) > before:
-                doubted.append(e)
             acknowledged.append((e, n))
             time.sleep(pause)
+        left = client.settle(settle_timeout)
+        if left:
+            raise RuntimeError(f"actor {actor}: {len(left)} episode(s) still in doubt after {settle_timeout} s: {left}")
+        for record in client.in_doubt:
+            e, n = doubted[record.key]
+            if record.receipt is None or record.receipt.length != n:
+                raise RuntimeError(f"episode {e} in doubt: settled with receipt {record.receipt} for {n} rows")
+            acknowledged.append((e, n))
         failovers = client._router.num_failovers if client._router is not None else 0
-    return acknowledged, doubted, home, failovers
+    return acknowledged, sorted(e for e, _ in doubted.values()), home, failovers
 
 
 def sharded_actor_main(endpoints: list[str], actor: int, num_episodes: int, seed: int, out: Any,

@@ -120,10 +120,17 @@ class ActorClient:
 
     @property
     def in_doubt(self) -> list[InDoubt]:
-        """Over several servers: episodes whose commit reply was lost with a shard that did not
-        answer again within the timeout, and that were pushed again on another (they may be held
-        on both; a shard that answers again settles a lost commit by its idempotency key)."""
-        return list(self._router.in_doubt) if self._router is not None else []
+        """Over several servers: the episodes whose commit raised CommitInDoubtError (their shard
+        lost the reply and did not answer again within the commit's time). The actor keeps each
+        and settles it on that shard, with its idempotency key, once the shard answers; `receipt`
+        is None until then. The newest 1000 settled ones are kept here, then those still in doubt."""
+        return self._router.in_doubt if self._router is not None else []
+
+    def settle(self, timeout: float | None = None) -> list[InDoubt]:
+        """Wait up to `timeout` seconds (None: the client's timeout) for every episode in doubt to
+        be settled on its shard; returns those still in doubt (none for a single server, whose
+        commit either returns or raises). `close()` does this too, up to the client's timeout."""
+        return self._router.settle(timeout) if self._router is not None else []
 
     def segment(self) -> ActorSegment | ShardedSegment:
         """Open a segment (one episode). As a context manager it commits on normal exit and
@@ -143,6 +150,8 @@ class ActorClient:
 
         Raises:
             RateLimitedError: the server's rate limit held the commit back for `rate_limit_timeout`.
+            CommitInDoubtError: over several servers, the shard lost the reply and did not answer
+                again: the actor keeps the episode and settles it there (`in_doubt`, `settle`).
         """
         if self._router is not None:
             return self._router.push_episode(batch, priorities)
@@ -187,7 +196,8 @@ class ActorClient:
         return self._conn
 
     def close(self) -> None:
-        """Close the socket (after every commit was acknowledged). Safe to call twice."""
+        """Close the socket (after every commit was acknowledged; over several servers, after
+        settling the episodes in doubt, up to the client's timeout). Safe to call twice."""
         if self._router is not None:
             self._router.close()
             return

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from h5replay.errors import ConfigError, SpaceMismatchError
+from h5replay.errors import CommitInDoubtError, ConfigError, SpaceMismatchError
 from h5replay.integrations.gym import space_from_gymnasium
 from h5replay.spaces import BinarySpace, BoxSpace, DictSpace, Space, named_leaves
 
@@ -220,28 +220,33 @@ class _Tally:
 
 def _stream_episode(env: Any, client: Any, stop: threading.Event, seed: int | None) -> tuple[int, float]:
     """Run one episode with a random policy, streaming each step; commits it on the way out of the
-    segment (aborts it if anything raises). Returns (steps, return)."""
+    segment (aborts it if anything raises). Returns (steps, return). A commit in doubt (over
+    several shards) is logged and counted: the client keeps the episode and settles it."""
     obs, _ = env.reset(seed=seed)
     steps, episode_return = 0, 0.0
-    with client.segment() as seg:
-        while True:
-            action = env.action_space.sample()
-            next_obs, reward, terminated, truncated, _ = env.step(action)
-            # A stop request cuts the episode here, recorded as gymnasium records a time limit.
-            truncated = bool(truncated) or (stop.is_set() and not terminated)
-            seg.append({
-                # Arrays of exactly the stored dtype and shape take the actor's fast path.
-                "obs": obs,
-                "action": np.asarray(action),
-                "reward": np.asarray(reward, np.float32),
-                "terminated": np.asarray(bool(terminated)),
-                "truncated": np.asarray(truncated),
-            })
-            steps += 1
-            episode_return += float(reward)
-            if terminated or truncated:
-                return steps, episode_return
-            obs = next_obs
+    try:
+        with client.segment() as seg:
+            while True:
+                action = env.action_space.sample()
+                next_obs, reward, terminated, truncated, _ = env.step(action)
+                # A stop request cuts the episode here, recorded as gymnasium records a time limit.
+                truncated = bool(truncated) or (stop.is_set() and not terminated)
+                seg.append({
+                    # Arrays of exactly the stored dtype and shape take the actor's fast path.
+                    "obs": obs,
+                    "action": np.asarray(action),
+                    "reward": np.asarray(reward, np.float32),
+                    "terminated": np.asarray(bool(terminated)),
+                    "truncated": np.asarray(truncated),
+                })
+                steps += 1
+                episode_return += float(reward)
+                if terminated or truncated:
+                    break
+                obs = next_obs
+    except CommitInDoubtError as exc:
+        log.warning("%s", exc)
+    return steps, episode_return
 
 
 def run_actor(

@@ -24,9 +24,9 @@ from shard_helpers import episodes_by_shard, running_shards
 
 from h5replay import protocol as P
 from h5replay.client import ActorClient
-from h5replay.client._shards import home_shard
+from h5replay.client._shards import InDoubt, home_shard
 from h5replay.config import ClientConfig
-from h5replay.errors import SegmentStateError
+from h5replay.errors import CommitInDoubtError, SegmentStateError
 from h5replay.storage import ReplayBuffer
 
 pytestmark = pytest.mark.timeout(60)
@@ -36,9 +36,12 @@ _CONCLUDING = (P.Kind.COMMIT.value, P.Kind.PUSH_EPISODE.value)
 
 class ReplyDropper:
     """A relay on loopback for one client that drops the first `drops` replies to commits and
-    pushes: the server applied them, the client never hears so. Runs in a thread until closed."""
+    pushes: the server applied them, the client never hears so. Runs in a thread until closed.
 
-    def __init__(self, server_endpoint: str, drops: int = 1) -> None:
+    `silent` (settable) drops every message both ways, as a server that went away would;
+    `silent_after_drop` makes it silent from the first dropped reply on."""
+
+    def __init__(self, server_endpoint: str, drops: int = 1, silent_after_drop: bool = False) -> None:
         ctx = zmq.Context.instance()
         self.front = ctx.socket(zmq.ROUTER)
         self.front.linger = 0
@@ -48,6 +51,8 @@ class ReplyDropper:
         self.back.linger = 0
         self.back.connect(server_endpoint)
         self.drops = drops
+        self.silent = False
+        self.silent_after_drop = silent_after_drop
         self.dropped: list[str] = []
         self._client: bytes | None = None
         self._stop = threading.Event()
@@ -62,12 +67,16 @@ class ReplyDropper:
             ready = dict(poller.poll(50))
             if self.front in ready:
                 self._client, *frames = self.front.recv_multipart()
-                self.back.send_multipart(frames)
+                if not self.silent:
+                    self.back.send_multipart(frames)
             if self.back in ready:
                 frames = self.back.recv_multipart()
                 answers = msgpack.unpackb(frames[0]).get("for")
                 if answers in _CONCLUDING and len(self.dropped) < self.drops:
                     self.dropped.append(answers)
+                    self.silent = self.silent or self.silent_after_drop
+                    continue
+                if self.silent:
                     continue
                 if self._client is not None:
                     self.front.send_multipart([self._client, *frames])
@@ -80,8 +89,8 @@ class ReplyDropper:
 
 
 @contextlib.contextmanager
-def reply_dropper(server_endpoint: str, drops: int = 1) -> Iterator[ReplyDropper]:
-    relay = ReplyDropper(server_endpoint, drops)
+def reply_dropper(server_endpoint: str, drops: int = 1, silent_after_drop: bool = False) -> Iterator[ReplyDropper]:
+    relay = ReplyDropper(server_endpoint, drops, silent_after_drop)
     try:
         yield relay
     finally:
@@ -239,3 +248,31 @@ def test_a_sharded_actor_settles_an_episode_in_doubt_on_the_same_shard_before_mo
         for i in range(2):
             assert shards.stop(i) == 0
     assert episodes_by_shard(shards.paths) == ([(0, 0, 0)], [])
+
+
+@pytest.mark.parametrize("applied", [True, False], ids=["commit-applied", "commit-never-arrived"])
+def test_an_episode_in_doubt_on_a_silent_shard_is_kept_and_settled_there_never_pushed_elsewhere(
+        tmp_path: Path, applied: bool) -> None:
+    """Shard 0 goes silent with a push's reply (applied) or before the push reaches it (never
+    arrived), and stays silent past the commit's time: the push raises CommitInDoubtError, the
+    actor keeps the episode and writes the next one to shard 1; when shard 0 speaks again the
+    kept episode is committed there with its key. Either way it is held exactly once, on shard 0."""
+    name = next(f"doubter-{i}" for i in range(100) if home_shard(f"doubter-{i}", 2) == 0)
+    with running_shards(tmp_path, 2) as shards, \
+            reply_dropper(shards.endpoints[0], drops=1 if applied else 0, silent_after_drop=True) as relay:
+        config = ClientConfig(timeout=0.5, commit_attempts=2, name=name, shard_retry_interval=0.2)
+        with ActorClient(config=config, endpoints=[relay.endpoint, shards.endpoints[1]]) as actor:
+            relay.silent = not applied  # never arrived: silent from now on, both ways
+            with pytest.raises(CommitInDoubtError, match="shard 0 .* do not push it again") as raised:
+                actor.push_episode(episode_rows(0, 0, 6))
+            assert (raised.value.shard, raised.value.length) == (0, 6)
+            assert actor.in_doubt == [InDoubt(raised.value.key, 0, 6, None)]
+            assert actor.push_episode(episode_rows(0, 1, 4)) == (0, 0, 4)  # on shard 1 meanwhile
+            assert actor.shard == 1 and actor.settle(timeout=0.3) == actor.in_doubt  # still silent
+            relay.silent = False
+            assert actor.settle(timeout=20) == []
+            assert actor.in_doubt == [InDoubt(raised.value.key, 0, 6, (0, 0, 6))]
+            assert relay.dropped == (["push_episode"] if applied else [])
+        for i in range(2):
+            assert shards.stop(i) == 0
+    assert episodes_by_shard(shards.paths) == ([(0, 0, 0), (1, 0, 1)], [])

@@ -17,10 +17,10 @@ import pytest
 from service_helpers import EPISODE_SPACE, episode_problems, episode_rows, row_problems, server_config
 from shard_helpers import episodes_by_shard, running_shards
 
-from h5replay.client import ActorClient, LearnerClient
+from h5replay.client import ActorClient, InDoubt, LearnerClient
 from h5replay.client._shards import home_shard
 from h5replay.config import ClientConfig
-from h5replay.errors import ConfigError, NotEnoughDataError, ServerUnavailableError
+from h5replay.errors import CommitInDoubtError, ConfigError, NotEnoughDataError, ServerUnavailableError
 from h5replay.records import SampleInfo, pack_ids, unpack_ids
 from h5replay.server import ServerProcess
 from h5replay.storage import BoxSpace, DictSpace
@@ -73,7 +73,7 @@ def test_actors_write_to_their_home_shard_and_learners_read_every_shard(tmp_path
                         with client.segment() as seg:
                             seg.extend(episode_rows(actor, e, n))
                         receipt = seg.receipt
-                        assert seg.shard == client.shard and seg.in_doubt_on == []
+                        assert seg.shard == client.shard and seg.in_doubt_on is None
                     else:
                         receipt = client.push_episode(episode_rows(actor, e, n))
                     written[(actor, e)] = (client.shard, receipt)
@@ -239,8 +239,9 @@ def test_a_single_endpoint_list_behaves_like_one_server(tmp_path):
 
 
 def test_an_actor_goes_home_between_episodes_while_an_open_one_finishes_where_it_is(tmp_path):
-    """Home down: the actor writes to the next shard; home back: new episodes go home, while a
-    segment still open on the other shard finishes there (its connection closes once it is done)."""
+    """Home down: the actor writes to the next shard; home back: the push sent to the dead home is
+    settled there, new episodes go home, while a segment still open on the other shard finishes
+    there (its connection closes once it is done)."""
     name = "returning-actor"
     with running_shards(tmp_path, 2) as shards:
         home = home_shard(name, 2)
@@ -251,10 +252,14 @@ def test_an_actor_goes_home_between_episodes_while_an_open_one_finishes_where_it
             actor.push_episode(episode_rows(0, 0, 5))
             shards.kill(home)
             started = time.monotonic()
-            actor.push_episode(episode_rows(0, 1, 5))  # moves on after the timeout
-            assert actor.shard == away and time.monotonic() - started < 10
+            # Sent to the dead home, the push may have landed there as far as the actor can tell:
+            # it keeps the episode, to settle it there, and moves on.
+            with pytest.raises(CommitInDoubtError) as raised:
+                actor.push_episode(episode_rows(0, 1, 5))
+            assert time.monotonic() - started < 10
             open_there = actor.segment()
             open_there.extend(episode_rows(0, 2, 300))  # streamed to the other shard, left open
+            assert actor.shard == away
             shards.start(home)
             deadline = time.monotonic() + 30
             while actor.shard != home:
@@ -267,16 +272,15 @@ def test_an_actor_goes_home_between_episodes_while_an_open_one_finishes_where_it
             open_there.extend(episode_rows(0, 2, 300))  # ...while the open one finishes where it is
             receipt = open_there.commit()
             assert open_there.shard == away and receipt.length == 600
-            # The push sent as home died may have landed there: in doubt (counted conservatively: a
-            # commit that could not even be sent counts too). Episode 1 is held on `away` only.
-            assert [d.lost_on for d in actor.in_doubt] in ([], [(home,)])
+            # Settled on home once it answered, before anything else went there.
+            assert actor.in_doubt == [InDoubt(raised.value.key, home, 5, (1, 5, 5))]
             assert actor._router is not None
             actor.push_episode(episode_rows(0, 4, 2))
             assert actor._router.shards[away].client is None  # its connection closed once idle
         for i in range(2):
             assert shards.stop(i) == 0
     held = {(s, e) for s, a, e in episodes_by_shard(shards.paths)[0] if e != 9}
-    assert held == {(home, 0), (away, 1), (away, 2), (home, 3), (home, 4)}
+    assert held == {(home, 0), (home, 1), (away, 2), (home, 3), (home, 4)}
 
 
 def test_one_actor_may_keep_several_segments_open(tmp_path):

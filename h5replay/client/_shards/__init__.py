@@ -16,10 +16,13 @@ there again: the client keeps a copy of the episode's rows until its commit is a
 extra copy of the current episode in the actor's memory). While away, the actor probes its home
 shard in a background thread every `shard_retry_interval` seconds and goes back between two
 episodes once it answers. Every episode carries an idempotency key, the same on every retry. A
-commit whose reply was lost may or may not have been applied: it is sent again with its key on
-the same shard (which answers a commit it applied with the original receipt), and only when that
-shard does not answer again within the client's timeout is the episode pushed whole on the next
-live shard, where it may then be held twice: such episodes are listed in `ActorClient.in_doubt`.
+commit whose reply was lost may or may not have been applied, and a server only knows its own
+keys: so the episode goes to no other shard. Its commit is sent again with its key on the same
+shard (which answers a commit it applied with the original receipt); when that shard stays
+silent past the commit's time, the commit raises CommitInDoubtError and the actor keeps the
+episode in memory (`ActorClient.in_doubt`), writes its next episodes to the next live shard, and
+settles the kept one on its shard, with its key, once that shard answers again (probed in the
+background; settled at the actor's next call, by `settle()`, or at `close()`). Exactly once.
 
 Learners: `sample(n)` splits the batch over the live shards in proportion to the rows each holds
 (a multinomial draw, so the union is sampled uniformly), sends one request to every shard at once

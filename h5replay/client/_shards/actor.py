@@ -1,4 +1,5 @@
-"""ShardedActor: one home shard at a time, the episode in flight moved whole when a shard is lost.
+"""ShardedActor: one home shard at a time, the episode in flight moved whole when a shard is lost,
+an episode whose commit reply was lost kept and settled on that shard.
 
 See the package's docstring (h5replay.client._shards) for the behaviour.
 """
@@ -10,13 +11,20 @@ import os
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Concatenate, NamedTuple, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, NamedTuple, NoReturn, ParamSpec, TypeVar
 
 import numpy as np
 
 from h5replay.client._shards._router import _Router, _Shard, home_shard, log
 from h5replay.config import ClientConfig
-from h5replay.errors import ClosedError, ConfigError, SegmentStateError, ServerUnavailableError
+from h5replay.errors import (
+    ClosedError,
+    CommitInDoubtError,
+    ConfigError,
+    H5ReplayError,
+    SegmentStateError,
+    ServerUnavailableError,
+)
 from h5replay.protocol import IDEMPOTENCY_KEY_BYTES
 from h5replay.records import Receipt
 from h5replay.sampling import check_priorities
@@ -42,19 +50,22 @@ def _locked(method: Callable[Concatenate[ShardedActor, _P], _R]) -> Callable[Con
 
 class InDoubt(NamedTuple):
     """An episode whose commit (or push) reply was lost with a shard that then did not answer
-    again, and that another shard acknowledged: it may be held on both.
+    again within the commit's time (its commit raised CommitInDoubtError). The actor keeps it and
+    settles it on that shard, with its idempotency key, once the shard answers: never elsewhere,
+    so it is held exactly once.
 
     Attributes:
         key: the episode's idempotency key (made once, sent again with every retry).
-        lost_on: the shards where a commit of it was sent and no reply came.
-        shard: the shard that acknowledged it in the end.
-        receipt: that shard's receipt.
+        shard: the shard the commit was sent to, where it is settled.
+        length: its number of rows.
+        receipt: that shard's receipt once settled (the original one if the lost commit had been
+            applied); None while the shard has not answered.
     """
 
     key: bytes
-    lost_on: tuple[int, ...]
     shard: int
-    receipt: Receipt
+    length: int
+    receipt: Receipt | None
 
 
 class _Rows:
@@ -94,14 +105,25 @@ class _Rows:
         return None if self._priorities is None else self._priorities[: self.num_rows]
 
 
+class _Parked:
+    """An episode in doubt on `shard`, kept here until that shard settles it."""
+
+    def __init__(self, key: bytes, shard: int, rows: _Rows) -> None:
+        self.key, self.shard, self.rows = key, shard, rows
+        self.retry_at = 0.0  # monotonic seconds; after a refusal (rate limit, full disk), the next try
+
+    def record(self, receipt: Receipt | None = None) -> InDoubt:
+        return InDoubt(self.key, self.shard, self.rows.num_rows, receipt)
+
+
 def _commit(segment: ActorSegment) -> Receipt:
     """Commit (or push) `segment` on its shard, with the episode's idempotency key (the segment
-    was opened with ShardedSegment.key, the same on every retry, on this shard or another).
+    was opened with ShardedSegment.key, the same on every retry).
 
     A server only remembers its own keys: a retry on *another* shard cannot be told apart from a
-    first commit there. So an in-doubt episode is retried with its key on the shard that lost the
-    reply first (the segment's own retries, then ShardedSegment._lost), and moves on only when
-    that shard does not answer.
+    first commit there. So an episode whose commit reply was lost is only ever retried on that
+    shard (the segment's own retries, then ShardedSegment._lost), and kept by the actor, to be
+    settled there, when that shard does not answer.
     """
     return segment.commit()
 
@@ -127,8 +149,10 @@ class ShardedActor(_Router):
         super().__init__(endpoints, config, secret_key, server_key)
         self.home = home_shard(config.name, len(self.shards))
         self.current = self.home
-        #: Episodes whose commit reply was lost with a shard (the newest 1000).
-        self.in_doubt: deque[InDoubt] = deque(maxlen=1000)
+        #: Episodes in doubt, by key, kept until their shard settles them.
+        self._parked: dict[bytes, _Parked] = {}
+        #: Episodes that were in doubt and are settled (the newest 1000).
+        self._settled: deque[InDoubt] = deque(maxlen=1000)
         self.num_failovers = 0
         self._using: Counter[int] = Counter()  # open segments per shard
         self._codec: ActorClient | None = None  # encodes steps (the space is every shard's)
@@ -156,7 +180,16 @@ class ShardedActor(_Router):
         return [self.shards[(start + k) % len(self.shards)] for k in range(len(self.shards))]
 
     def _wants_probe(self, shard: _Shard) -> bool:
-        return shard.index == self.home and self.current != self.home
+        return (shard.index == self.home and self.current != self.home) or self._parked_on(shard.index)
+
+    def _parked_on(self, index: int) -> bool:
+        return any(p.shard == index for p in self._parked.values())
+
+    @property
+    def in_doubt(self) -> list[InDoubt]:
+        """The episodes settled after being in doubt (newest 1000), then those still kept."""
+        with self._lock:
+            return [*self._settled, *(p.record() for p in self._parked.values())]
 
     def _adopted(self, shard: _Shard) -> None:
         """The home shard answers again: write there from the next episode on (segments still
@@ -173,7 +206,8 @@ class ShardedActor(_Router):
         """Close the connections of shards this actor no longer writes to (a server's client slots
         are few)."""
         for shard in self.shards:
-            if shard.index != self.current and shard.client is not None and self._using[shard.index] <= 0:
+            if (shard.index != self.current and shard.client is not None and self._using[shard.index] <= 0
+                    and not self._parked_on(shard.index)):
                 client, shard.client = shard.client, None
                 client.close()
 
@@ -192,6 +226,7 @@ class ShardedActor(_Router):
         """
         self._check()
         self._poll_probes()
+        self._settle_due()
         self._close_idle()
         shard = self.shards[self.current]
         if shard.client is not None:
@@ -228,6 +263,87 @@ class ShardedActor(_Router):
             f"no shard of {len(self.shards)} answers (each is tried again every {self.config.shard_retry_interval} s)"
             + (f": {'; '.join(errors)}" if errors else "")
         )
+
+    @_locked
+    def client_of(self, index: int) -> ActorClient | None:
+        """Shard `index`'s client while it answers, else None (an episode in doubt there may go
+        nowhere else)."""
+        self._check()
+        self._poll_probes()
+        client: ActorClient | None = self.shards[index].client
+        return client
+
+    @_locked
+    def park(self, key: bytes, index: int, rows: _Rows) -> None:
+        """Keep an episode in doubt on shard `index` until that shard settles it."""
+        self._parked[key] = _Parked(key, index, rows)
+        log.warning("actor %s keeps an episode of %d rows in doubt on shard %d (%s) and commits it there with "
+                    "its key when the shard answers again", self.config.name, rows.num_rows, index,
+                    self.shards[index].endpoint)
+
+    def _settle_due(self) -> None:
+        """Settle the episodes in doubt on shards that answer: each committed there with its key."""
+        now = time.monotonic()
+        for parked in list(self._parked.values()):
+            shard = self.shards[parked.shard]
+            if shard.client is not None and parked.retry_at <= now:
+                self._settle(parked, shard)
+
+    def _settle(self, parked: _Parked, shard: _Shard) -> None:
+        from h5replay.client.actor import ActorSegment
+
+        inner = ActorSegment(shard.client, key=parked.key)
+        self._using[shard.index] += 1
+        try:
+            inner.extend_encoded(parked.rows.view(), parked.rows.num_rows, parked.rows.priorities())
+            receipt = inner.commit()
+        except (ServerUnavailableError, ClosedError) as exc:
+            self._mark_down(shard, exc)  # still in doubt there: probed, settled when it answers
+            return
+        except H5ReplayError as exc:  # refused for now (rate limit, full disk, ...): try again later
+            parked.retry_at = time.monotonic() + self.config.shard_retry_interval
+            log.warning("shard %d (%s) refused to settle an episode in doubt, trying again in %.1f s: %s",
+                        shard.index, shard.endpoint, self.config.shard_retry_interval, exc)
+            try:
+                inner.abort()
+            except H5ReplayError:
+                pass
+            return
+        finally:
+            self._using[shard.index] -= 1
+        del self._parked[parked.key]
+        self._settled.append(parked.record(receipt))
+        log.warning("actor %s settled an episode in doubt on shard %d (%s): %s", self.config.name, shard.index,
+                    shard.endpoint, receipt)
+
+    def settle(self, timeout: float | None = None) -> list[InDoubt]:
+        """Wait until every episode in doubt is settled on its shard, or `timeout` seconds
+        (None: the client's timeout) passed. Returns those still in doubt."""
+        deadline = time.monotonic() + (self.config.timeout if timeout is None else timeout)
+        while True:
+            with self._lock:
+                self._check()
+                self._poll_probes()
+                self._settle_due()
+                left = [p.record() for p in self._parked.values()]
+            if not left or time.monotonic() >= deadline:
+                return left
+            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+
+    def close(self) -> None:
+        """Settle what is in doubt (up to the client's timeout), then close every shard's client.
+        An episode still in doubt then is lost to this actor if its shard had not applied it: logged."""
+        if self._parked and not self.closed and os.getpid() == self._pid:
+            try:
+                left = self.settle()
+            except H5ReplayError as exc:
+                left = [p.record() for p in self._parked.values()]
+                log.error("settling the episodes in doubt failed: %s", exc)
+            for record in left:
+                log.error("actor %s closes with an episode of %d rows still in doubt on shard %d (%s): it is held "
+                          "there only if that shard applied its commit", self.config.name, record.length,
+                          record.shard, self.shards[record.shard].endpoint)
+        super().close()
 
     @_locked
     def lose(self, index: int, exc: BaseException) -> None:
@@ -301,7 +417,8 @@ class ShardedSegment:
     Attributes:
         key: the episode's idempotency key, made once, the same on every retry.
         shard: the shard that acknowledged the commit (None before).
-        in_doubt_on: shards where a commit of this episode was sent and no reply came back.
+        in_doubt_on: the shard where a commit of this episode was sent and no reply came back
+            (None: none): from then on the episode goes to no other shard.
     """
 
     def __init__(self, actor: ShardedActor) -> None:
@@ -311,7 +428,7 @@ class ShardedSegment:
         self._inner_shard = -1
         self.key = os.urandom(IDEMPOTENCY_KEY_BYTES)
         self.shard: int | None = None
-        self.in_doubt_on: list[int] = []
+        self.in_doubt_on: int | None = None
         self.length = 0
         self.receipt: Receipt | None = None
         self._state = "open"
@@ -360,7 +477,13 @@ class ShardedSegment:
         from h5replay.client.actor import ActorSegment
 
         while self._inner is None:
-            index, client = self._actor.writer()
+            if self.in_doubt_on is not None:  # its commit may have landed there: only there
+                index, pinned = self.in_doubt_on, self._actor.client_of(self.in_doubt_on)
+                if pinned is None:
+                    self._park()
+                client = pinned
+            else:
+                index, client = self._actor.writer()
             inner = ActorSegment(client, key=self.key)
             self._inner, self._inner_shard = inner, index
             self._actor.use(index, +1)
@@ -394,15 +517,16 @@ class ShardedSegment:
                 raise exc  # the user closed the actor
             return  # the actor closed that connection (its shard was lost or restarted): open it again
         if isinstance(exc, ServerUnavailableError) and inner is not None and inner.in_doubt:
-            first_time = index not in self.in_doubt_on
-            self.in_doubt_on.append(index)
-            if first_time:
-                # The commit may have landed: ask the same shard once more (a new hello) before
-                # moving on. The episode opened there again commits with the same key, and a
-                # shard that applied it answers with its receipt. A shard that does not answer
-                # the hello is marked down, and the episode moves on (then it may be held twice).
+            if self.in_doubt_on is None:
+                # The commit may have landed: ask the same shard once more (a new hello). The
+                # episode opened there again commits with the same key, and a shard that applied
+                # it answers with its receipt. A shard that does not answer the hello is marked
+                # down, and the actor keeps the episode (_open parks it).
+                self.in_doubt_on = index
                 self._actor.reconnect(index)
                 return
+            self._actor.lose(index, exc)
+            self._park()
         if isinstance(exc, SegmentStateError):
             if not self._actor.restarted(index):
                 raise exc  # a refusal of this segment, not a lost server
@@ -417,6 +541,8 @@ class ShardedSegment:
 
         Raises:
             ServerUnavailableError: no shard answers (the episode is lost).
+            CommitInDoubtError: the shard this episode's commit was sent to lost the reply and did
+                not answer again: the actor keeps the episode and settles it there later.
         """
         self._require_open("commit")
         if self.length == 0:
@@ -430,13 +556,27 @@ class ShardedSegment:
             raise
         self._state, self.receipt, self.shard = "committed", receipt, self._inner_shard
         self._actor.use(self._inner_shard, -1)
-        elsewhere = tuple(sorted(set(self.in_doubt_on) - {self._inner_shard}))
-        if elsewhere:  # a lost commit on another shard may have landed there too
-            self._actor.in_doubt.append(InDoubt(self.key, elsewhere, self._inner_shard, receipt))
         return receipt
 
+    def _park(self) -> NoReturn:
+        """The shard that lost this episode's commit reply does not answer: the actor keeps the
+        episode, to settle it there later; the caller learns it from CommitInDoubtError."""
+        index = self.in_doubt_on
+        if index is None:
+            raise SegmentStateError("internal: parking an episode that is not in doubt")
+        self._state = "kept in doubt"
+        self._actor.park(self.key, index, self._rows)
+        raise CommitInDoubtError(
+            f"shard {index} ({self._actor.endpoints[index]}) stopped answering after the commit of this episode "
+            f"({self.length} rows) was sent to it, so it may hold it. The actor keeps the episode and commits it "
+            "there with its idempotency key when the shard answers again (ActorClient.in_doubt, "
+            "ActorClient.settle()): do not push it again, it would be held twice",
+            self.key, index, self.length,
+        )
+
     def _give_up(self) -> None:
-        self._state = "failed"
+        if self._state == "open":
+            self._state = "failed"
         if self._inner is not None:
             self._inner = None
             self._actor.use(self._inner_shard, -1)
