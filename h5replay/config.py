@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import os
+import socket
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -182,6 +183,13 @@ class ServerConfig:
 
     def replace(self, **changes: Any) -> ServerConfig:
         return dataclasses.replace(self, **changes)
+
+
+def process_name(prefix: str) -> str:
+    """`prefix-host-pid`, unique per process across machines and containers. A pid alone is not:
+    the containers of one service often run their program under the same pid, and over several
+    shards an actor's name picks its home shard, so they would all pile onto one."""
+    return f"{prefix}-{socket.gethostname()}-{os.getpid()}"
 
 
 @dataclass(frozen=True)

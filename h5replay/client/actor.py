@@ -20,7 +20,7 @@ import numpy as np
 from h5replay import protocol as P
 from h5replay.client._connection import Connection, NotSentError, curve_keys, say_hello
 from h5replay.client._shards import InDoubt, ShardedActor, ShardedSegment
-from h5replay.config import DEFAULT_ENDPOINT, ClientConfig
+from h5replay.config import DEFAULT_ENDPOINT, ClientConfig, process_name
 from h5replay.errors import ClosedError, DiskFullError, RateLimitedError, SegmentStateError, ServerUnavailableError
 from h5replay.records import Receipt
 from h5replay.sampling import check_priorities
@@ -54,7 +54,7 @@ class ActorClient:
         config: full client settings (overrides endpoint and timeout).
         secret_key, server_key: CURVE certificate files (`h5replay keys generate`).
         endpoints: several servers ("shards", the same list in the same order for every client),
-            instead of `endpoint`: the actor writes to its home shard (crc32 of its name) and moves
+            instead of `endpoint`: the actor writes to its home shard (a stable hash of its name) and moves
             to the next live shard when that one stops answering, the episode in flight pushed
             again whole (see h5replay.client._shards).
 
@@ -74,7 +74,7 @@ class ActorClient:
         server_key: str | os.PathLike[str] | None = None,
         endpoints: Sequence[str] | None = None,
     ) -> None:
-        self.config = config or ClientConfig(endpoint=endpoint, timeout=timeout, name=name or f"actor-{os.getpid()}")
+        self.config = config or ClientConfig(endpoint=endpoint, timeout=timeout, name=name or process_name("actor"))
         #: Over several servers: the routing (h5replay.client._shards), which every call goes through.
         self._router: ShardedActor | None = None
         if endpoints is not None:

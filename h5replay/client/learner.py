@@ -28,7 +28,7 @@ import numpy as np
 from h5replay import protocol as P
 from h5replay.client._connection import Connection, curve_keys, say_hello
 from h5replay.client._shards import ShardedLearner
-from h5replay.config import DEFAULT_ENDPOINT, ClientConfig
+from h5replay.config import DEFAULT_ENDPOINT, ClientConfig, process_name
 from h5replay.errors import ConfigError, ProtocolError
 from h5replay.records import Episode, SampleInfo
 from h5replay.sampling import check_priorities
@@ -125,7 +125,7 @@ class LearnerClient:
         server_key: str | os.PathLike[str] | None = None,
         endpoints: Sequence[str] | None = None,
     ) -> None:
-        self.config = config or ClientConfig(endpoint=endpoint, timeout=timeout, name=name or f"learner-{os.getpid()}")
+        self.config = config or ClientConfig(endpoint=endpoint, timeout=timeout, name=name or process_name("learner"))
         #: Over several servers: the routing (h5replay.client._shards), which every call goes through.
         self._router: ShardedLearner | None = None
         self._view: View | None = None

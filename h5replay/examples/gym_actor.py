@@ -279,6 +279,7 @@ def run_actor(
             aborted; the ones before it stay committed).
     """
     from h5replay.client import ActorClient
+    from h5replay.config import process_name
 
     if episodes < 0:
         raise ConfigError(f"episodes must be >= 0 (0: until stopped), got {episodes}")
@@ -298,7 +299,7 @@ def run_actor(
 
         try:
             with stop_on_signals(give_up=close_clients) as stop:
-                with ActorClient(timeout=timeout, name=f"{env_id}-actor-{os.getpid()}",
+                with ActorClient(timeout=timeout, name=process_name(f"{env_id}-actor"),
                                  secret_key=secret_key or None, server_key=server_key or None, **where) as client:
                     clients.append(client)
                     endpoint = " ".join(where.get("endpoints", [where.get("endpoint", "")]))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import socket
 import subprocess
 import sys
 import time
@@ -36,11 +37,15 @@ def fill(endpoints: list[str], shard: int, actor: int, lengths: list[int]) -> No
 
 
 def test_home_shard_is_a_stable_hash_of_the_name():
-    # crc32, not the salted hash(): the same in every process, on every machine, forever.
+    # BLAKE2b, not the salted hash(): the same in every process, on every machine, forever.
     assert [home_shard(f"actor-{i}", 3) for i in range(8)] == [home_shard(f"actor-{i}", 3) for i in range(8)]
-    assert home_shard("actor-0", 3) == 1 and home_shard("actor-1", 3) == 1 and home_shard("actor-5", 4) == 3
+    assert home_shard("actor-0", 3) == 0 and home_shard("actor-1", 3) == 0 and home_shard("actor-5", 4) == 3
     spread = np.bincount([home_shard(f"actor-{i}", 4) for i in range(400)], minlength=4)
     assert spread.min() > 60, spread
+    # Names that differ in a counter spread too (crc32's low bits are linear in the name's bits: 45%
+    # of these pids sent all 8 hosts to one of 2 shards; a well-mixed hash, about 1 in 128).
+    one_shard = sum(len({home_shard(f"actor-3f9c{k:08x}-{pid}", 2) for k in range(8)}) == 1 for pid in range(2000))
+    assert one_shard < 60, one_shard
 
 
 def test_packed_ids_round_trip_and_shard_zero_is_the_plain_id():
@@ -62,7 +67,7 @@ def test_actors_write_to_their_home_shard_and_learners_read_every_shard(tmp_path
     with running_shards(tmp_path, 3) as shards:
         eps = shards.endpoints
         written = {}
-        for actor in range(6):
+        for actor in range(8):  # homes 0, 0, 2, 0, 0, 0, 1, 1: every shard gets some
             name = f"actor-{actor}"
             with ActorClient(endpoints=eps, timeout=10, name=name) as client:
                 assert client.shard == home_shard(name, 3)
@@ -316,3 +321,17 @@ def test_nested_and_text_leaves_merge_across_shards_without_truncation(tmp_path)
             expected = np.where(info.shard_ids == 0, "a", "a much longer note")
             assert list(batch["note"]) == list(expected)
             assert np.all(batch["pos"]["xy"][:, 0] == info.shard_ids)
+
+
+def test_actors_in_containers_with_the_same_pid_spread_over_the_shards_by_default(tmp_path, monkeypatch):
+    """The containers of one compose service run their actor under the same pid: the default name
+    (which picks the home shard) must tell them apart, or they all write to one shard."""
+    with running_shards(tmp_path, 2) as shards:
+        names, homes = set(), set()
+        for host in (f"3f9c{k:08x}" for k in range(16)):  # container ids as hostnames, one pid
+            monkeypatch.setattr(socket, "gethostname", lambda host=host: host)
+            with ActorClient(endpoints=shards.endpoints, timeout=10) as actor:
+                assert host in actor.config.name
+                names.add(actor.config.name)
+                homes.add(actor.shard)
+        assert len(names) == 16 and homes == {0, 1}

@@ -9,10 +9,10 @@ A shard is named by its index in `endpoints` (the same list, in the same order, 
 and told apart from the others by its file's `replay_id`. Row and episode ids are qualified by it:
 `SampleInfo.shard_ids`, and a packed uint64 ``shard << 48 | id`` (h5replay.records.pack_ids).
 
-Actors: an actor writes to its home shard, `crc32(name) % num_shards` (the same in every process
-and on every machine, unlike Python's salted hash()). When that shard stops answering, the
-episode in flight is opened again on the next live shard and every row of it so far is streamed
-there again: the client keeps a copy of the episode's rows until its commit is acknowledged (one
+Actors: an actor writes to its home shard, a stable hash of its name modulo the number of
+shards (`home_shard`: the same in every process and on every machine). When that shard stops
+answering, the episode in flight is opened again on the next live shard and every row of it so
+far is streamed there again: the client keeps a copy of the episode's rows until its commit is acknowledged (one
 extra copy of the current episode in the actor's memory). While away, the actor probes its home
 shard in a background thread every `shard_retry_interval` seconds and goes back between two
 episodes once it answers. Every episode carries an idempotency key, the same on every retry. A
