@@ -1,4 +1,5 @@
-"""`make compose-test`: build the image and run docker/compose.yaml for real, then with compose.auth.yaml.
+"""`make compose-test`: build the image and run docker/compose.yaml for real, then with
+compose.auth.yaml, then docker/compose.shards.yaml (two shards, one stopped and started again).
 
 With the real engine and real containers (a server, 3 actors and a learner), each deployment must:
 take episodes and serve them to its learner; answer `h5replay stats` from the host, and serve a
@@ -18,6 +19,7 @@ the containers, volumes and networks it made are removed at the end, and a daemo
 stopped. Ports are published on 127.0.0.1 only.
 
     python docker/compose_test.py          # from the repository root, h5replay installed
+    python docker/compose_test.py shards   # only some deployments: plain, auth, shards
 """
 
 from __future__ import annotations
@@ -441,6 +443,84 @@ class Deployment:
             shutil.rmtree(self.keys_dir, ignore_errors=True)
 
 
+class ShardsDeployment(Deployment):
+    """docker/compose.shards.yaml: two server shards, actors and a learner given both endpoints."""
+
+    def __init__(self, engine: Engine) -> None:
+        super().__init__(engine, "shards", ["compose.shards.yaml"], auth=False)
+        ports: set[int] = set()
+        while len(ports) < 4:
+            ports.add(free_port())
+        self.ports = sorted(ports)
+        self.env |= {"H5REPLAY_PORT_0": str(self.ports[0]), "H5REPLAY_READ_PORT_0": str(self.ports[1]),
+                     "H5REPLAY_PORT_1": str(self.ports[2]), "H5REPLAY_READ_PORT_1": str(self.ports[3])}
+        self.endpoints = [f"tcp://127.0.0.1:{self.ports[0]}", f"tcp://127.0.0.1:{self.ports[2]}"]
+
+    def shard_stats(self, shard: int) -> dict[str, Any] | None:
+        done = self.h5replay("stats", self.endpoints[shard], "--json", "--interval", "0.2", "--timeout", "5",
+                             check=False)
+        return dict(json.loads(done.stdout)) if done.returncode == 0 else None
+
+    def episodes(self) -> list[int]:
+        """Episodes each shard holds (-1 for a shard that does not answer)."""
+        return [int(s["total_episodes"]) if s else -1 for s in (self.shard_stats(0), self.shard_stats(1))]
+
+    def grows(self, what: str, shard: int, by: int, timeout: float = 90) -> None:
+        start = self.episodes()[shard]
+        last = [start]
+
+        def grown() -> bool:
+            last[0] = self.episodes()[shard]
+            return last[0] >= start + by
+
+        try:
+            wait_for(what, grown, timeout)
+        except Failure as exc:
+            raise Failure(f"{exc} (shard {shard} held {start} episodes, then {last[0]})") from None
+
+
+def exercise_shards(deployment: ShardsDeployment) -> None:
+    """Up, both shards take episodes and the learner reads; one shard stopped: the actors go on on
+    the other and the learner too; started again: it takes episodes again; down, every exit 0."""
+    name = "shards"
+    try:
+        with step(f"{name}: up (2 shards healthy, {ACTORS + 1} actors, learner)"):
+            deployment.compose("up", "-d", "--no-build", "--scale", f"actor={ACTORS + 1}", timeout=300)
+        with step(f"{name}: episodes arrive on the shards and the learner reads them"):
+            wait_for("30 episodes over the shards", lambda: sum(max(0, n) for n in deployment.episodes()) >= 30, 120)
+            wait_for("a report of the learner on what it sampled", deployment.learner_reported, 60)
+        held = deployment.episodes()
+        victim = max(range(2), key=lambda k: held[k])
+        other = 1 - victim
+        with step(f"{name}: shard{victim} stopped ({held} episodes held): its actors go on on shard{other}"):
+            deployment.compose("stop", f"shard{victim}", timeout=120)
+            deployment.grows(f"episodes on shard{other} with shard{victim} stopped", other, 20)
+        with step(f"{name}: shard{victim} started again on its volume: it takes episodes again"):
+            deployment.compose("start", f"shard{victim}", timeout=120)
+            wait_for(f"shard{victim} answers", lambda: deployment.episodes()[victim] >= held[victim], 90)
+            deployment.grows(f"episodes on shard{victim} after its restart", victim, 10)
+        logs = ""
+
+        def settled() -> bool:  # every episode an actor kept in doubt was settled on its shard
+            nonlocal logs
+            logs = deployment.compose("logs", "--no-color", "actor", "learner", timeout=60).stdout
+            return logs.count("settled an episode in doubt") == logs.count("keeps an episode of")
+
+        with step(f"{name}: every episode kept in doubt by an actor was settled on its shard"):
+            wait_for("the episodes kept in doubt settled", settled, 60)
+        if "Traceback" in logs:
+            raise Failure(f"the actors' or the learner's logs hold a traceback:\n{_tail(logs, 30)}")
+        took, stopped = deployment.down()
+        say(f"{name}: down in {took:.1f} s (the last container exited after {stopped:.1f} s), {ACTORS + 4} "
+            f"containers exited 0; episodes held before the stop {held}, at the end both shards took more; "
+            f"{logs.count('keeps an episode of')} episode(s) kept in doubt, all settled")
+    except Failure:
+        say(f"{name}: the services' last log lines:\n{deployment.logs()}")
+        raise
+    finally:
+        deployment.remove()
+
+
 def exercise(deployment: Deployment) -> None:
     """Up, data flowing, stats and a learner from the host, down, up again on the same data, down."""
     name = "auth" if deployment.auth else "plain"
@@ -486,7 +566,7 @@ def exercise(deployment: Deployment) -> None:
         raise Failure(f"networks left after the test: {sorted(left)}")
 
 
-def main() -> int:
+def main(only: list[str]) -> int:
     started = time.monotonic()
     engine = Engine()
     results: dict[str, str] = {}
@@ -512,9 +592,15 @@ def main() -> int:
         except Failure as exc:
             say(f"FAILED to build the image: {exc}")
             return 1
-        for name, files in (("plain", ["compose.yaml"]), ("auth", ["compose.yaml", "compose.auth.yaml"])):
+        for name, files in (("plain", ["compose.yaml"]), ("auth", ["compose.yaml", "compose.auth.yaml"]),
+                            ("shards", ["compose.shards.yaml"])):
+            if only and name not in only:
+                continue
             try:
-                exercise(Deployment(engine, name, files, auth=name == "auth"))
+                if name == "shards":
+                    exercise_shards(ShardsDeployment(engine))
+                else:
+                    exercise(Deployment(engine, name, files, auth=name == "auth"))
                 results[name] = "passed"
             except Failure as exc:
                 say(f"{name}: FAILED: {exc}")
@@ -529,4 +615,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))
