@@ -59,7 +59,13 @@ class ConfigError(H5ReplayError, ValueError):
 
 
 class SpaceMismatchError(H5ReplayError, ValueError):
-    """A value does not fit the space; the message names the key and what was expected."""
+    """A value does not fit the space; the message names the key and what was expected.
+
+    Attributes:
+        row: for a value outside a Box's bounds (or NaN), the row it is in; else None.
+    """
+
+    row: int | None = None
 
 
 class ReadOnlyError(H5ReplayError):

@@ -24,9 +24,9 @@ from typing import Any, Protocol
 import h5py
 import numpy as np
 
-from h5replay.errors import SegmentStateError, StorageError
+from h5replay.errors import SegmentStateError, SpaceMismatchError, StorageError
 from h5replay.sampling import check_priorities
-from h5replay.spaces import LeafSpace
+from h5replay.spaces import LeafSpace, Schema
 from h5replay.storage._h5file import h5_errors
 from h5replay.storage._rowio import read_slice, write_rows
 
@@ -62,6 +62,7 @@ class SegmentTarget(Protocol):
     """What a segment writer needs of its storage (HDF5Storage is one)."""
 
     capacity: int | None
+    schema: Schema
 
     def __len__(self) -> int: ...
     def encode_one(self, sample: Any) -> dict[str, np.ndarray]: ...
@@ -155,11 +156,21 @@ class SegmentWriter:
     Memory stays bounded (one block of rows) however long the segment grows. Any number of
     writers may be open on a storage and commit in any order. Not thread-safe. As a context
     manager it aborts on exit unless it was committed.
+
+    `append` checks each sample's keys, dtypes and shapes at once, and the values of a Box (its
+    bounds, NaN) once per block of appended rows, vectorised: before the block is spilled or
+    grown, before an `extend`, and at `commit`, with the storage's `check_bounds`. A bad value
+    found there raises SpaceMismatchError naming its row; the writer keeps the rows before it.
     """
 
     def __init__(self, storage: SegmentTarget, staging: StagingArea) -> None:
         self.storage = storage
         self._staging = staging
+        self._schema = storage.schema  # the storage's checks when the writer was opened
+        self._names = self._schema.names
+        self._exact_row = self._schema.exact_row
+        self._unchecked = 0  # rows of the block in memory from here on: values not checked yet
+        self._columns: list[np.ndarray] = []  # the block's arrays, in the order of self._names
         self._buffers: dict[str, np.ndarray] | None = None
         self._capacity = 0  # rows the block in memory holds (0: none yet)
         self._buffered = 0
@@ -213,21 +224,26 @@ class SegmentWriter:
     # ------------------------------------------------------------------ adding rows
 
     def append(self, value: Any, priority: float | None = None) -> None:
-        """Add one sample (with its `priority`, for a prioritized buffer). Validated before
-        anything is stored.
+        """Add one sample (with its `priority`, for a prioritized buffer). Its keys, dtypes and
+        shapes are checked before anything is stored; its Box values with the block's (see the
+        class). Samples of exactly the stored dtypes and shapes (a dict of ndarrays) take the fast
+        path: no conversion, a row copy per leaf.
 
         Raises:
-            SpaceMismatchError: the sample does not fit the space (the writer is unchanged).
+            SpaceMismatchError: the sample does not fit the space (the writer is unchanged); or a
+                value appended earlier in this block is out of its bounds (the writer keeps the
+                rows before it; this sample is not added either).
             ConfigError: the priority is not a finite number >= 0 (the writer is unchanged).
             SegmentStateError: the writer was finished, committed or aborted.
         """
         if self._state != "open" or self.is_finished:
             self._require_open("append to")
             raise SegmentStateError("cannot append to a finished segment writer")
-        given = self._note_priorities(None if priority is None else [priority], 1)
-        encoded = self.storage.encode_one(value)
-        if given is not None or self._priorities is not None:
-            self._keep_priorities(self.length, given, 1)
+        given = None if priority is None else self._note_priorities([priority], 1)
+        values = self._exact_row(value)
+        if values is None:
+            encoded = self._schema.encode_one(value, check_values=False)
+            values = [encoded[name][0] for name in self._names]
         # The per-step hot path: one row straight into the block, no batch bookkeeping.
         if self._buffered == self._capacity:
             try:
@@ -235,10 +251,11 @@ class SegmentWriter:
             except StorageError:
                 self.abort()
                 raise
-        buffers = typing.cast("dict[str, np.ndarray]", self._buffers)
+        if given is not None or self._priorities is not None:
+            self._keep_priorities(self.length, given, 1)
         row = self._buffered
-        for path, arr in encoded.items():
-            buffers[path][row] = arr[0]
+        for column, leaf_value in zip(self._columns, values):
+            column[row] = leaf_value
         self._buffered = row + 1
         self.length += 1
 
@@ -262,6 +279,8 @@ class SegmentWriter:
         self._push({name: arrays[name] for name in self._staging.names}, num_rows, given)
 
     def _push(self, encoded: Mapping[str, np.ndarray], n: int, priorities: np.ndarray | None = None) -> None:
+        """Add rows whose values were checked (by encode_batch or validate_stored)."""
+        self._check_values("extend")
         if priorities is not None or self._priorities is not None:
             self._keep_priorities(self.length, priorities, n)
         offset = 0
@@ -274,6 +293,7 @@ class SegmentWriter:
                 for path, arr in encoded.items():
                     buffers[path][self._buffered : self._buffered + take] = arr[offset : offset + take]
                 self._buffered += take
+                self._unchecked = self._buffered
                 offset += take
                 self.length += take
         except StorageError:
@@ -281,14 +301,40 @@ class SegmentWriter:
             self.abort()
             raise
 
+    def _check_values(self, what: str) -> None:
+        """Check the values of the rows appended to the block since the last check.
+
+        Raises:
+            SpaceMismatchError: a value is out of its Box's bounds, or NaN: the rows from its row
+                on are dropped (the writer keeps those before it), and the message says so.
+        """
+        lo, hi = self._unchecked, self._buffered
+        if lo >= hi or self._buffers is None:
+            return
+        first = self.length - self._buffered  # the segment row of the block's first row
+        try:
+            self._schema.check_values({p: b[lo:hi] for p, b in self._buffers.items()}, first + lo)
+        except SpaceMismatchError as exc:
+            bad = (exc.row if exc.row is not None else first + lo) - first
+            dropped = self._buffered - bad
+            self._buffered = self._unchecked = bad
+            self.length -= dropped
+            raise SpaceMismatchError(
+                f"{exc}. Values are checked per block of appended rows, so this {what} found it: the segment "
+                f"writer keeps its first {self.length} rows and dropped the {dropped} from that one on; append them "
+                "again, or abort"
+            ) from None
+        self._unchecked = hi
+
     def _make_room(self) -> None:
         """The block in memory is full (or there is none): grow it, within the memory budget, or
         spill its rows to the file."""
+        self._check_values("append")
         staging = self._staging
         if self._buffers is None:
             spare = staging.take_spare()
             if spare is not None:
-                self._buffers, self._capacity = spare, staging.block_rows
+                self._set_block(spare, staging.block_rows)
                 return
         if self._capacity < staging.block_rows:
             grown = min(staging.block_rows, max(staging.first_rows, 2 * self._capacity))
@@ -298,13 +344,17 @@ class SegmentWriter:
                     for path, old in self._buffers.items():
                         new[path][: self._buffered] = old[: self._buffered]
                     staging.give_buffers(self._buffers)
-                self._buffers, self._capacity = new, grown
+                self._set_block(new, grown)
                 return
             if self._buffers is None:  # over budget: even so a writer needs a row to work with
                 staging.in_memory += staging.row_bytes
-                self._buffers, self._capacity = staging.take_buffers(1), 1
+                self._set_block(staging.take_buffers(1), 1)
                 return
         self._spill()
+
+    def _set_block(self, buffers: dict[str, np.ndarray], rows: int) -> None:
+        self._buffers, self._capacity = buffers, rows
+        self._columns = [buffers[name] for name in self._names]
 
     def _spill(self) -> None:
         buffers = typing.cast("dict[str, np.ndarray]", self._buffers)  # _make_room allocated them
@@ -316,7 +366,7 @@ class SegmentWriter:
             self._staging.release([block])
             raise
         self._blocks.append((block, rows))
-        self._buffered = 0
+        self._buffered = self._unchecked = 0
 
     # ------------------------------------------------------------------ ending
 
@@ -335,11 +385,14 @@ class SegmentWriter:
 
         Raises:
             SegmentStateError: already committed or aborted.
+            SpaceMismatchError: a value appended since the last check is out of its bounds: the
+                writer keeps the rows before it and stays open.
             IndexError: `start_index` leaves a gap in an unbounded storage.
             StorageError: HDF5 failed; the writer is aborted.
         """
         self._require_open("commit")
         self.storage._require_mutable("commit a segment")
+        self._check_values("commit")
         start = int(start_index)
         capacity = self.storage.capacity
         if capacity is None and not 0 <= start <= len(self.storage):
@@ -385,13 +438,15 @@ class SegmentWriter:
             self._staging.give_buffers(self._buffers)
         self._blocks = []
         self._buffers = None
+        self._columns = []
         self._capacity = 0
-        self._buffered = 0
+        self._buffered = self._unchecked = 0
 
     def _invalidate(self, reason: str) -> None:
         if self._state == "open":
             self._blocks = []
             self._buffers = None
+            self._columns = []
             self._capacity = 0
             self._state = "invalid"
             self._why_invalid = reason

@@ -350,3 +350,72 @@ def test_the_append_cursor_of_an_unbounded_storage_grows_it_and_refuses_gaps(tmp
     storage.abort_segment()  # rows it wrote stay
     np.testing.assert_array_equal(storage.get(slice(None)), [5, 6])
     storage.close()
+
+
+def _steps(n: int) -> list[dict]:
+    return [{"obs": np.full(3, i / 100, np.float32), "act": np.array(i % 4)} for i in range(n)]
+
+
+BOUNDED = DictSpace({"obs": BoxSpace(-1.0, 1.0, (3,), np.float32), "act": BoxSpace(0, 3, (), np.int64)})
+
+
+@pytest.mark.parametrize("form", ["exact arrays", "lists"])
+def test_a_segment_writer_checks_values_per_block_and_keeps_the_rows_before_a_bad_one(tmp_path, form):
+    """Keys, dtypes and shapes are checked at each append; Box bounds per block of rows, here at
+    the commit: the bad row is named, the writer keeps the rows before it and stays open."""
+    s = HDF5Storage.create(BOUNDED, 100, tmp_path / "s.h5")
+    steps = _steps(10)
+    bad = {"obs": np.array([0.0, 2.5, 0.0], np.float32), "act": np.array(1)}
+    w = s.open_segment_writer()
+    for i, step in enumerate(steps):
+        step = bad if i == 6 else step
+        w.append(step if form == "exact arrays" else {k: v.tolist() for k, v in step.items()})
+    assert len(w) == 10
+    with pytest.raises(SpaceMismatchError, match=r"field 'obs', row 6 index \(1,\) is 2\.5, outside the space's "
+                       r"bounds .* this commit found it: the segment writer keeps its first 6 rows and dropped the 4"):
+        w.commit(0)
+    assert len(w) == 6 and w.state == "open"
+    with pytest.raises(SpaceMismatchError, match="'act'"):
+        w.append({"obs": np.zeros(3, np.float32)})  # a missing key: refused at once, nothing kept
+    with pytest.raises(SpaceMismatchError, match="shape"):
+        w.append({"obs": np.zeros(4, np.float32), "act": np.array(1)})
+    for step in steps[6:]:
+        w.append(step)
+    w.commit(0)
+    got = s.get(slice(0, 10))
+    assert np.array_equal(got["obs"], np.stack([st["obs"] for st in steps]))
+    assert np.array_equal(got["act"], np.array([st["act"] for st in steps]))
+    s.close()
+
+
+def test_a_bad_value_is_found_when_its_block_fills_or_at_an_extend_and_never_reaches_the_file(tmp_path):
+    s = HDF5Storage.create(BOUNDED, 100, tmp_path / "s.h5", segment_buffer_bytes=4 * 20)  # blocks of 4 rows
+    steps = _steps(12)
+    w = s.open_segment_writer()
+    for step in steps[:2]:
+        w.append(step)
+    w.append({"obs": np.array([0.0, 0.0, np.nan], np.float32), "act": np.array(1)})
+    w.append(steps[3])  # the block (4 rows) is full now; the next append finds the NaN
+    with pytest.raises(SpaceMismatchError, match=r"row 2 index \(2,\) is NaN.* this append found it: .* keeps its "
+                       r"first 2 rows and dropped the 2"):
+        w.append(steps[4])
+    assert len(w) == 2
+    w.append({"obs": np.zeros(3, np.float32), "act": np.array(7)})  # out of [0, 3]
+    with pytest.raises(SpaceMismatchError, match=r"field 'act', row 2 is 7.* this extend found it"):
+        w.extend({"obs": np.zeros((2, 3), np.float32), "act": np.zeros(2, np.int64)})
+    assert len(w) == 2
+    for step in steps[2:]:
+        w.append(step)  # spills blocks of 4 to the staging area, each checked first
+    w.commit(0)
+    assert np.array_equal(s.get(slice(0, 12))["act"], np.array([st["act"] for st in steps]))
+    s.close()
+
+
+def test_a_writer_on_a_storage_that_does_not_check_bounds_keeps_any_value(tmp_path):
+    s = HDF5Storage.create(BOUNDED, 10, tmp_path / "s.h5")
+    s.check_bounds = False
+    w = s.open_segment_writer()
+    w.append({"obs": np.array([5.0, np.nan, -9.0], np.float32), "act": np.array(9)})
+    w.commit(0)
+    assert s.get(0)["act"] == 9
+    s.close()
