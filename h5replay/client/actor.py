@@ -228,6 +228,7 @@ class ActorSegment:
         # Rows wait in one preallocated batch per leaf; a full batch leaves as one message.
         self._batch_capacity = client.rows_per_message
         self._batch: dict[str, np.ndarray] | None = None
+        self._columns: list[np.ndarray] = []  # the batch's arrays, in the schema's leaf order
         self._priorities: np.ndarray | None = None  # per buffered row (NaN: none given), once one is
         self._buffered_rows = 0
         self._buffered_since = 0.0
@@ -247,8 +248,21 @@ class ActorSegment:
 
     def append(self, step: Any, priority: float | None = None) -> None:
         """Add one step (with its priority, for a prioritized server); checked against the space
-        now, sent in a batch soon."""
+        now, sent in a batch soon. A step of exactly the stored dtypes and shapes (a dict of
+        ndarrays) is copied straight into the batch."""
         self._require_open("append to")
+        if priority is None and self._priorities is None and self._batch is not None:
+            values = self._client.schema.exact_row(step)
+            if values is not None:  # the per-step hot path: a row copy per leaf
+                row = self._buffered_rows
+                for column, value in zip(self._columns, values):
+                    column[row] = value
+                self._buffered_rows = row + 1
+                self.length += 1
+                if (row + 1 == self._batch_capacity
+                        or time.monotonic() - self._buffered_since >= self._config.batch_seconds):
+                    self._send_buffered()
+                return
         given = _check_priorities(None if priority is None else [priority], 1)
         self._add(self._client.encode_one(step), 1, given)
 
@@ -272,6 +286,7 @@ class ActorSegment:
                     path: np.empty((self._batch_capacity, *leaf.shape), leaf.storage_dtype)
                     for path, leaf in self._client.schema.leaves
                 }
+                self._columns = list(self._batch.values())  # in the schema's leaf order
                 self._buffered_since = time.monotonic()
             take = min(n - offset, self._batch_capacity - self._buffered_rows)
             first = self._buffered_rows

@@ -416,3 +416,25 @@ def test_eight_actors_two_learners_and_an_actor_killed_mid_episode(tmp_path):
     for a in range(NUM_ACTORS):  # each actor's episodes are in the file in the order it sent them
         mine = [e for actor, e in found if actor == a]
         assert mine == sorted(mine)
+
+
+@pytest.mark.timeout(60)
+def test_an_actor_copies_each_appended_step_so_the_caller_may_reuse_its_arrays(start_server, tmp_path):
+    """Steps of exactly the stored dtypes and shapes take the actor's fast path (no conversion):
+    it still copies them, so one set of arrays refilled for every step stores every step."""
+    server = start_server()
+    rows = episode_rows(3, 0, 300)  # more than one message's worth: sent in batches as it goes
+    step = {k: np.empty(v.shape[1:], v.dtype) for k, v in rows.items()}  # reused for every step
+    with ActorClient(server.endpoint, timeout=10) as actor, LearnerClient(server.endpoint, timeout=10) as learner:
+        seg = actor.segment()
+        for i in range(300):
+            for k in step:
+                step[k][...] = rows[k][i]
+            seg.append(step)
+        seg.append({"actor": 3, "episode": 0, "step": 300, "length": 300, "obs": rows["obs"][0].tolist()})  # converted
+        receipt = seg.commit()
+        got = learner.get_rows(receipt.first_row_id + np.arange(301))
+    for k in rows:
+        assert np.array_equal(got[k][:300], rows[k]), k
+    assert got["step"][300] == 300 and np.array_equal(got["obs"][300], rows["obs"][0])
+    assert server.stop() == 0
