@@ -537,7 +537,8 @@ class Service:
             )
         self._free -= incoming
 
-    def _add_rows(self, writer: SegmentWriter, num_rows: int, arrays: P.Arrays, priorities: np.ndarray) -> None:
+    def _add_rows(self, writer: SegmentWriter, num_rows: int, arrays: P.Arrays, priorities: np.ndarray,
+                  borrow: bool = False) -> None:
         if len(writer) + num_rows > self.limits.max_rows_per_segment:
             raise LimitExceededError(
                 f"the segment would have {len(writer) + num_rows} rows, over the limit max_rows_per_segment="
@@ -552,7 +553,7 @@ class Service:
             )
         checked = self.buffer.schema.validate_stored(arrays, num_rows)
         self.room_on_disk(num_rows * self.buffer.storage.row_bytes, f"stage {num_rows} rows")
-        writer.extend_stored(checked, num_rows, priorities if len(priorities) else None)
+        writer.extend_stored(checked, num_rows, priorities if len(priorities) else None, borrow=borrow)
         self.stats.rows_in += num_rows
         self.stats.bytes_in += sum(a.nbytes for a in checked.values())
 
@@ -611,7 +612,8 @@ class Service:
             return P.PushEpisodeReply(request.request_id, *known)
         writer = self.buffer.open_segment_writer()
         try:
-            self._add_rows(writer, request.num_rows, request.arrays, request.priorities)
+            # Committed at once: the writer may keep the received arrays, uncopied, until then.
+            self._add_rows(writer, request.num_rows, request.arrays, request.priorities, borrow=True)
             return P.PushEpisodeReply(request.request_id, *self._commit(writer, request.idempotency_key))
         finally:
             if writer.state == "open":

@@ -171,6 +171,7 @@ class SegmentWriter:
         self._exact_row = self._schema.exact_row
         self._unchecked = 0  # rows of the block in memory from here on: values not checked yet
         self._columns: list[np.ndarray] = []  # the block's arrays, in the order of self._names
+        self._borrowed: dict[str, np.ndarray] | None = None  # every row, uncopied (extend_stored(borrow=True))
         self._buffers: dict[str, np.ndarray] | None = None
         self._capacity = 0  # rows the block in memory holds (0: none yet)
         self._buffered = 0
@@ -240,6 +241,8 @@ class SegmentWriter:
             self._require_open("append to")
             raise SegmentStateError("cannot append to a finished segment writer")
         given = None if priority is None else self._note_priorities([priority], 1)
+        if self._borrowed is not None:
+            self._copy_borrowed()
         values = self._exact_row(value)
         if values is None:
             encoded = self._schema.encode_one(value, check_values=False)
@@ -268,18 +271,42 @@ class SegmentWriter:
         encoded, n = self.storage.encode_batch(batch)
         self._push(encoded, n, self._note_priorities(priorities, n))
 
-    def extend_stored(self, arrays: Mapping[str, np.ndarray], num_rows: int, priorities: Any = None) -> None:
+    def extend_stored(self, arrays: Mapping[str, np.ndarray], num_rows: int, priorities: Any = None, *,
+                      borrow: bool = False) -> None:
         """Add rows that are already in storage form and checked against the space, one array per
         leaf path (the server uses this for arrays off the wire, checked by `validate_stored`);
-        `priorities` may hold NaN for rows given none."""
+        `priorities` may hold NaN for rows given none.
+
+        `borrow`: when the writer holds no rows yet, keep `arrays` themselves, uncopied, until
+        the commit writes them (or until more rows come, which copies them into the block); the
+        caller must leave them unchanged meanwhile. A whole episode received in one message then
+        goes from the received frames straight into the file."""
         self._require_open("extend")
         if self.is_finished:
             raise SegmentStateError("cannot extend a finished segment writer")
         given = self._note_priorities(priorities, num_rows, missing_ok=True)
-        self._push({name: arrays[name] for name in self._staging.names}, num_rows, given)
+        ordered = {name: arrays[name] for name in self._staging.names}
+        if borrow and num_rows > 0 and self.length == 0 and self._buffers is None and not self._blocks:
+            if given is not None:
+                self._keep_priorities(0, given, num_rows)
+            self._borrowed = ordered
+            self.length = num_rows
+            return
+        self._push(ordered, num_rows, given)
+
+    def _copy_borrowed(self) -> None:
+        """More rows come after borrowed ones: copy those into the block first (in order)."""
+        borrowed, n = self._borrowed, self.length
+        if borrowed is None:
+            return
+        self._borrowed = None
+        self.length = 0
+        self._push(borrowed, n, None if self._priorities is None else self._priorities[:n].copy())
 
     def _push(self, encoded: Mapping[str, np.ndarray], n: int, priorities: np.ndarray | None = None) -> None:
         """Add rows whose values were checked (by encode_batch or validate_stored)."""
+        if self._borrowed is not None:
+            self._copy_borrowed()
         self._check_values("extend")
         if priorities is not None or self._priorities is not None:
             self._keep_priorities(self.length, priorities, n)
@@ -403,6 +430,8 @@ class SegmentWriter:
         try:
             if capacity is None and start + n > len(self.storage):
                 self.storage.extend_length(start + n - len(self.storage))
+            if self._borrowed is not None:  # then the writer's only rows
+                self.storage.write_ring(start + skip, {p: a[skip:n] for p, a in self._borrowed.items()})
             first = 0
             for block, rows in self._blocks:
                 stop = first + rows
@@ -438,6 +467,7 @@ class SegmentWriter:
             self._staging.give_buffers(self._buffers)
         self._blocks = []
         self._buffers = None
+        self._borrowed = None
         self._columns = []
         self._capacity = 0
         self._buffered = self._unchecked = 0
@@ -446,6 +476,7 @@ class SegmentWriter:
         if self._state == "open":
             self._blocks = []
             self._buffers = None
+            self._borrowed = None
             self._columns = []
             self._capacity = 0
             self._state = "invalid"

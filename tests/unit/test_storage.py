@@ -419,3 +419,33 @@ def test_a_writer_on_a_storage_that_does_not_check_bounds_keeps_any_value(tmp_pa
     w.commit(0)
     assert s.get(0)["act"] == 9
     s.close()
+
+
+def test_a_writer_may_borrow_the_rows_of_a_whole_episode_until_its_commit(tmp_path):
+    """extend_stored(borrow=True) on an empty writer keeps the arrays uncopied (the server's push
+    path: received frames straight into the file); rows added after them are copied in order."""
+    s = HDF5Storage.create(BOUNDED, 20, tmp_path / "s.h5", segment_buffer_bytes=4 * 20)  # blocks of 4 rows
+    rows = {"obs": np.linspace(-1, 1, 15, dtype=np.float32).reshape(5, 3), "act": np.arange(5) % 4}
+    w = s.open_segment_writer()
+    w.extend_stored(rows, 5, np.arange(5, dtype=np.float64), borrow=True)
+    assert len(w) == 5 and w._borrowed is not None and w._borrowed["obs"] is rows["obs"]  # not copied
+    w.commit(2)
+    assert np.array_equal(s.get(slice(2, 7))["obs"], rows["obs"]) and np.array_equal(s.get(slice(2, 7))["act"], rows["act"])
+
+    more = s.open_segment_writer()
+    more.extend_stored(rows, 5, np.arange(5, dtype=np.float64), borrow=True)
+    more.append({"obs": np.zeros(3, np.float32), "act": np.array(3)}, priority=9.0)  # copies the borrowed rows first
+    more.extend_stored(rows, 5, borrow=True)  # not empty: copied, not borrowed
+    assert more._borrowed is None and len(more) == 11
+    rows["obs"][:] = 0.5  # the writer holds copies now
+    more.commit(8)
+    got = s.get(slice(8, 19))
+    assert np.allclose(got["obs"][:5], np.linspace(-1, 1, 15).reshape(5, 3)) and np.all(got["obs"][5] == 0)
+    assert np.allclose(got["obs"][6:], np.linspace(-1, 1, 15).reshape(5, 3))
+    assert np.array_equal(more.priorities[:6], [0, 1, 2, 3, 4, 9])
+
+    dropped = s.open_segment_writer()
+    dropped.extend_stored(rows, 5, borrow=True)
+    dropped.abort()
+    assert dropped._borrowed is None and np.allclose(s.get(slice(8, 13))["obs"], np.linspace(-1, 1, 15).reshape(5, 3))
+    s.close()
