@@ -160,15 +160,25 @@ def _pieces(a: int, b: int, batch: int) -> list[tuple[int, int]]:
     return [(j, min(j + batch, b)) for j in range(a, b, batch)]
 
 
-def ingest_raw(path: str, data: np.ndarray, seg: int, batch: int, flushes: int = 0) -> dict[str, float]:
-    """Raw h5py into a contiguous dataset of the same shape (HDF5Storage's fixed-capacity layout)."""
+def ingest_raw(path: str, data: np.ndarray, seg: int, batch: int, flushes: int = 0,
+               buffered: bool = False) -> dict[str, float]:
+    """Raw h5py into a contiguous dataset of the same shape (HDF5Storage's fixed-capacity layout).
+
+    `buffered`: unienv's BufferedSegmentWriter, as its behaviour is documented: `append` keeps a
+    reference to each row (no copy, no validation); the segment's end stacks them and writes the
+    slice with one h5py call."""
     times = []
     with h5py.File(path, "w", libver=LIBVER) as f:
         ds = f.create_dataset("data", shape=data.shape, dtype=data.dtype)
         t0 = perf()
         for a, b in _segments(len(data), seg):
             ts = perf()
-            if batch == 1:
+            if buffered:
+                rows: list[np.ndarray] = []
+                for i in range(a, b):
+                    rows.append(data[i])
+                ds[a:b] = np.stack(rows)
+            elif batch == 1:
                 for i in range(a, b):
                     ds[i] = data[i]
             else:
@@ -176,26 +186,6 @@ def ingest_raw(path: str, data: np.ndarray, seg: int, batch: int, flushes: int =
                     ds[j:k] = data[j:k]
             for _ in range(flushes):
                 f.flush()
-            times.append(perf() - ts)
-        f.flush()
-        total = perf() - t0
-    os.unlink(path)
-    return summarize(times, total, len(data), data.nbytes)
-
-
-def ingest_buffered(path: str, data: np.ndarray, seg: int) -> dict[str, float]:
-    """unienv's BufferedSegmentWriter, as its behaviour is documented: `append` keeps a reference
-    (no copy, no validation); `commit` stacks the rows and writes the slice with one h5py call."""
-    times = []
-    with h5py.File(path, "w", libver=LIBVER) as f:
-        ds = f.create_dataset("data", shape=data.shape, dtype=data.dtype)
-        t0 = perf()
-        for a, b in _segments(len(data), seg):
-            ts = perf()
-            rows: list[np.ndarray] = []
-            for i in range(a, b):
-                rows.append(data[i])
-            ds[a:b] = np.stack(rows)
             times.append(perf() - ts)
         f.flush()
         total = perf() - t0
@@ -248,7 +238,7 @@ def run_ingest(tmp: str, sizes: Sizes, repeat: int) -> dict[str, Any]:
             "raw h5py, row by row": lambda: ingest_raw(path, data, seg, 1),
             "raw h5py, batch 64": lambda: ingest_raw(path, data, seg, WRITE_BATCH),
             "raw h5py, batch 64 + 2 flushes/seg": lambda: ingest_raw(path, data, seg, WRITE_BATCH, flushes=2),
-            "unienv-style buffered writer, append": lambda: ingest_buffered(path, data, seg),
+            "unienv-style buffered writer, append": lambda: ingest_raw(path, data, seg, 1, buffered=True),
             "segment writer, append": lambda: ingest_h5replay(path, data, kind, seg, 1, False),
             "segment writer, extend 64": lambda: ingest_h5replay(path, data, kind, seg, WRITE_BATCH, False),
             "ReplayBuffer.commit_segment, extend 64": lambda: ingest_h5replay(path, data, kind, seg, WRITE_BATCH, True),
