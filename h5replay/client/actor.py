@@ -129,7 +129,7 @@ class ActorClient:
     def settle(self, timeout: float | None = None) -> list[InDoubt]:
         """Wait up to `timeout` seconds (None: the client's timeout) for every episode in doubt to
         be settled on its shard; returns those still in doubt (none for a single server, whose
-        commit either returns or raises). `close()` does this too, up to the client's timeout."""
+        commit either returns or raises). `close()` settles only on shards that answer at once."""
         return self._router.settle(timeout) if self._router is not None else []
 
     def segment(self) -> ActorSegment | ShardedSegment:
@@ -197,7 +197,8 @@ class ActorClient:
 
     def close(self) -> None:
         """Close the socket (after every commit was acknowledged; over several servers, after
-        settling the episodes in doubt, up to the client's timeout). Safe to call twice."""
+        settling the episodes in doubt on shards that answer at once: `settle(timeout)` first to
+        wait for the others). Safe to call twice."""
         if self._router is not None:
             self._router.close()
             return

@@ -311,6 +311,10 @@ def run_actor(
                         tally.add(steps, episode_return)
                         if log_every and tally.episodes % log_every == 0:
                             log.info("%s", tally.line())
+                    if not stop.is_set():  # over several shards: episodes kept in doubt go to their shard
+                        for record in client.settle(timeout):
+                            log.error("an episode of %d rows is still in doubt on shard %d", record.length,
+                                      record.shard)
                 if stop.is_set():
                     log.info("stopped by a signal")
         except Stopped:

@@ -331,11 +331,12 @@ class ShardedActor(_Router):
             time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
 
     def close(self) -> None:
-        """Settle what is in doubt (up to the client's timeout), then close every shard's client.
-        An episode still in doubt then is lost to this actor if its shard had not applied it: logged."""
+        """Settle what is in doubt on shards that answer now (without waiting for the others:
+        `settle(timeout)` first does), then close every shard's client. An episode still in doubt
+        then is lost to this actor if its shard had not applied it: logged."""
         if self._parked and not self.closed and os.getpid() == self._pid:
             try:
-                left = self.settle()
+                left = self.settle(0.0)
             except H5ReplayError as exc:
                 left = [p.record() for p in self._parked.values()]
                 log.error("settling the episodes in doubt failed: %s", exc)
