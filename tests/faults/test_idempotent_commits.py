@@ -12,6 +12,7 @@ import contextlib
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -276,3 +277,27 @@ def test_an_episode_in_doubt_on_a_silent_shard_is_kept_and_settled_there_never_p
         for i in range(2):
             assert shards.stop(i) == 0
     assert episodes_by_shard(shards.paths) == ([(0, 0, 0), (1, 0, 1)], [])
+
+
+def test_closing_an_actor_with_an_episode_in_doubt_on_a_silent_shard_does_not_wait_for_it(tmp_path: Path,
+                                                                                          caplog) -> None:
+    """close() settles what it can at once and logs what is left (an actor stopped by a signal
+    must exit promptly); settle(timeout) is the way to wait."""
+    name = next(f"doubter-{i}" for i in range(100) if home_shard(f"doubter-{i}", 2) == 0)
+    with running_shards(tmp_path, 2) as shards, reply_dropper(shards.endpoints[0], drops=1,
+                                                               silent_after_drop=True) as relay:
+        config = ClientConfig(timeout=2.0, commit_attempts=1, name=name, shard_retry_interval=0.2)
+        actor = ActorClient(config=config, endpoints=[relay.endpoint, shards.endpoints[1]])
+        try:
+            with pytest.raises(CommitInDoubtError):
+                actor.push_episode(episode_rows(0, 0, 6))
+        finally:
+            started = time.monotonic()
+            actor.close()
+            took = time.monotonic() - started
+        assert took < 1.0, took
+        assert "still in doubt on shard 0" in caplog.text
+        assert relay.dropped == ["push_episode"]
+        for i in range(2):
+            assert shards.stop(i) == 0
+    assert episodes_by_shard(shards.paths) == ([(0, 0, 0)], [])  # shard 0 had applied it
