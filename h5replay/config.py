@@ -84,6 +84,11 @@ class ServerConfig:
     max_clients_per_key: int = 64
     actor_slots: int | None = None
     fsync: bool = False  # fsync every commit: survives power loss, not just a process crash
+    # Priority updates are acknowledged once applied in memory and published (written, flushed,
+    # shown to readers) with the next commit's publish, or this many seconds after the first
+    # unpublished one at most: a SIGKILL loses at most that long of updates (0: every pass
+    # publishes them, a publish per update call when one learner sends them one at a time).
+    priority_publish_interval: float = 0.002
     # Seconds opening the file may take (a damaged file keeps HDF5 retrying); SIGTERM stops it too.
     open_timeout: float = 30.0
     # Bytes one client may have in flight towards a server process, and bytes of replies it may
@@ -123,6 +128,9 @@ class ServerConfig:
                      "reader_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if not 0 <= self.priority_publish_interval <= 1:
+            raise ConfigError(f"priority_publish_interval must be between 0 and 1 second, got "
+                              f"{self.priority_publish_interval!r}")
         if self.max_in_flight < 1:
             raise ConfigError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
         for name in ("client_bytes_in", "client_bytes_out", "total_bytes_in", "total_bytes_out"):
