@@ -4,7 +4,10 @@ Leaf i holds weight w_i >= 0; every inner node the sum of its B children; the ro
 With B = 32 a million leaves need 4 levels above them, so an update or a draw of a whole batch
 costs a few numpy calls per level, not per leaf (a binary tree needs 20 levels). A node is always
 recomputed from its children (never adjusted by a delta), so the sums carry no drift and the tree
-equals one built afresh from its leaves. Pure: no files, no processes.
+equals one built afresh from its leaves. Draws read running sums along each row of siblings,
+kept beside the levels and brought up to date, for the rows that changed, by the next draw:
+updates pay nothing for them, and draws between two updates share the work. Pure: no files, no
+processes.
 """
 
 from __future__ import annotations
@@ -28,14 +31,16 @@ class SumTree:
     `levels[0]` holds the leaves, `levels[-1]` the root alone; node k of level j + 1 holds the
     sum of `levels[j][k * B : (k + 1) * B]`. Each level below the root is zero-padded to a
     multiple of B, so `levels[j].reshape(-1, B)` lines every node's children up as a row.
+    Draws descend from the first level of at most _SEARCHED nodes (`depth`): its running sum,
+    and below it each level's running sums within rows (`_sums`), which `_stale` says which
+    rows of are out of date (None: all of them).
     """
 
     def __init__(self, size: int = 0) -> None:
         self.size = int(size)
-        self._levels = self._empty(max(1, self.size))
+        self._reset(max(1, self.size))
 
-    @staticmethod
-    def _empty(size: int) -> list[np.ndarray]:
+    def _reset(self, size: int) -> None:
         levels = []
         n = size
         while True:
@@ -43,7 +48,13 @@ class SumTree:
             n = _rows(n)
             if n == 1:
                 levels.append(np.zeros(1, dtype=np.float64))
-                return levels
+                break
+        self._levels = levels
+        self._depth = next(j for j, level in enumerate(levels) if level.shape[0] <= _SEARCHED)
+        self._sums = [np.zeros_like(level) for level in levels[: self._depth]]
+        self._running = np.zeros_like(levels[self._depth])
+        self._stale: list[list[np.ndarray]] | None = None
+        self._stale_rows = 0  # rows of leaves listed in _stale (past a quarter of them: all)
 
     def __len__(self) -> int:
         return self.size
@@ -58,16 +69,28 @@ class SumTree:
             self.size = max(self.size, int(size))
             return
         leaves = self._levels[0][: self.size]
-        self._levels = self._empty(int(size))
+        self._reset(int(size))
         self._levels[0][: leaves.shape[0]] = leaves
         self.size = int(size)
         self._rebuild(0, self._levels[0].shape[0])
 
     def _rebuild(self, first: int, stop: int) -> None:
         """Recompute every ancestor of leaves [first, stop) (a contiguous run)."""
-        for below, above in zip(self._levels, self._levels[1:]):
+        for j, (below, above) in enumerate(zip(self._levels, self._levels[1:])):
             first, stop = first // FANOUT, _rows(stop)
             above[first:stop] = below[first * FANOUT : stop * FANOUT].reshape(-1, FANOUT).sum(axis=1)
+            self._mark(j, np.arange(first, stop))
+
+    def _mark(self, level: int, rows: np.ndarray) -> None:
+        """Rows of `level` whose running sums are out of date. Past a quarter of the leaves' rows
+        (a writer that updates and seldom draws), all of them: one pass over them costs as much."""
+        if self._stale is None or level >= self._depth:
+            return
+        self._stale[level].append(rows)
+        if level == 0:
+            self._stale_rows += rows.shape[0]
+            if 4 * self._stale_rows > self._levels[0].shape[0] // FANOUT:
+                self._stale = None
 
     def get(self, leaves: np.ndarray) -> np.ndarray:
         """The weights of `leaves` (a copy)."""
@@ -83,10 +106,11 @@ class SumTree:
         # parents stay sorted as they climb, so equal neighbours are the only duplicates; the
         # ones left (a parent recomputed twice gets the same sum twice) are harmless.
         nodes = np.sort(idx // FANOUT)
-        for below, above in zip(self._levels, self._levels[1:]):
+        for j, (below, above) in enumerate(zip(self._levels, self._levels[1:])):
             if nodes.shape[0] > 8:
                 nodes = nodes[np.concatenate(([True], nodes[1:] != nodes[:-1]))]
             above[nodes] = below.reshape(-1, FANOUT)[nodes].sum(axis=1)
+            self._mark(j, nodes.copy())
             nodes //= FANOUT
 
     def set_range(self, first: int, weights: np.ndarray | float, count: int | None = None) -> None:
@@ -100,6 +124,25 @@ class SumTree:
     def clear(self) -> None:
         for level in self._levels:
             level[:] = 0.0
+        self._stale = None
+
+    def _refresh(self) -> None:
+        """Bring the running sums draws read up to date (only the rows changed since the last)."""
+        if self._stale is None:
+            for level, sums in zip(self._levels, self._sums):
+                np.cumsum(level.reshape(-1, FANOUT), axis=1, out=sums.reshape(-1, FANOUT))
+            changed = True
+        else:
+            changed = False
+            for level, sums, stale in zip(self._levels, self._sums, self._stale):
+                if stale:
+                    rows = np.concatenate(stale) if len(stale) > 1 else stale[0]
+                    sums.reshape(-1, FANOUT)[rows] = np.cumsum(level.reshape(-1, FANOUT)[rows], axis=1)
+                    changed = True
+        if changed or self._depth == 0:
+            np.cumsum(self._levels[self._depth], out=self._running)
+        self._stale = [[] for _ in self._sums]
+        self._stale_rows = 0
 
     def find(self, targets: np.ndarray) -> np.ndarray:
         """For each target t in [0, total), the leaf i with sum(w[:i]) <= t < sum(w[:i + 1]).
@@ -108,25 +151,22 @@ class SumTree:
         taken is the first whose running sum exceeds t, so it carries weight; a target that
         rounding puts at or past a sum goes to the last weighted node there.
         """
+        self._refresh()
         u = np.array(targets, dtype=np.float64, copy=True).reshape(-1)
-        # Above the first level of at most _SEARCHED nodes nothing is needed: one running sum
-        # of that level and one searchsorted place every target (cheaper than descending to it).
-        depth = next(j for j, level in enumerate(self._levels) if level.shape[0] <= _SEARCHED)
-        level = self._levels[depth]
-        running = np.cumsum(level)
+        level, running = self._levels[self._depth], self._running
         node = np.searchsorted(running, u, side="right")
         past = node >= level.shape[0]
         if past.any():
             node[past] = int(np.flatnonzero(level > 0)[-1]) if running[-1] > 0 else 0
         u -= np.where(node > 0, running.take(node - 1), 0.0)
         flat_base = np.arange(u.shape[0], dtype=np.int64) * FANOUT
-        for level in reversed(self._levels[:depth]):
-            rows = level.reshape(-1, FANOUT)[node]  # (n, B): the children of every target's node
-            sums = np.cumsum(rows, axis=1)
+        for j in reversed(range(self._depth)):
+            sums = self._sums[j].reshape(-1, FANOUT)[node]  # (n, B): running sums of each node's children
             child = np.argmax(sums > u[:, None], axis=1)
             past = sums[:, -1] <= u
-            if past.any():
-                child[past] = FANOUT - 1 - np.argmax(rows[past, ::-1] > 0, axis=1)
+            if past.any():  # rounding: t at or past the row's sum; take the last weighted child
+                rows = self._levels[j].reshape(-1, FANOUT)[node[past]]
+                child[past] = FANOUT - 1 - np.argmax(rows[:, ::-1] > 0, axis=1)
             u -= np.where(child > 0, sums.reshape(-1).take(flat_base + child - 1), 0.0)
             node = node * FANOUT + child
         return node

@@ -4,7 +4,8 @@ points (duplicates: the last wins) and in ranges, grown, cleared.
 After every step: every inner node is exactly the sum its children give (the same as a tree
 built afresh from the leaves: updates recompute, they never add deltas, so nothing drifts), the
 total matches numpy's, prefix and range sums match, and every target in [0, total) finds a
-weighted leaf whose cumulative interval holds it. Sizes go past 32 ** 2 leaves, so draws and
+weighted leaf whose cumulative interval holds it, the same leaf a fresh tree finds (the running
+sums a tree keeps for draws follow its changes). Sizes go past 32 ** 2 leaves, so draws and
 updates cross three levels.
 """
 
@@ -75,6 +76,9 @@ class SumTreeMachine(RuleBasedStateMachine):
             return
         targets = np.concatenate([np.linspace(0.0, self.tree.total, 64), [np.nextafter(self.tree.total, 0.0)]])
         found = self.tree.find(targets)
+        fresh = SumTree(len(w))
+        fresh.set_range(0, w)
+        assert np.array_equal(found, fresh.find(targets)), "the running sums kept for draws are out of date"
         assert np.all(w[found] > 0), "a draw landed on a zero-weight leaf"
         slack = 1e-9 * w.sum()
         assert np.all(cum[found] <= targets + slack) and np.all(targets < cum[found + 1] + slack)
