@@ -283,14 +283,14 @@ class Sampling:
         ignored = int(held.shape[0] - ids.shape[0])
         self.ignored_updates += ignored
         if ids.size:
-            self.max_priority = max(self.max_priority, float(values.max()))
             if self.store is not None:
+                if self._pending_count >= _PENDING_ENTRIES:
+                    self.write_log()  # first: if the file refuses, nothing of this update is applied
                 if not self._pending:
                     self._pending_at = state.plog
                 self._pending.append((ids, values))
                 self._pending_count += ids.shape[0]
-                if self._pending_count >= _PENDING_ENTRIES:
-                    self.write_log()
+            self.max_priority = max(self.max_priority, float(values.max()))
             slots = self._set_priorities(ids, values, state)
             self._dirty_chunks[slots // _CHECKPOINT_CHUNK] = True
         return int(ids.shape[0]), ignored
@@ -299,15 +299,19 @@ class Sampling:
         """Write the log entries of the updates so far to the file (not yet published).
 
         Raises:
-            StorageError: the file refused them (they are dropped: the caller goes back to the
-                state it last published, whose log this does not touch).
+            StorageError: the file refused them (they stay waiting).
         """
         if not self._pending or self.store is None:
             return
-        pending, self._pending, self._pending_count = self._pending, [], 0
+        pending = self._pending
         ids = np.concatenate([p[0] for p in pending]) if len(pending) > 1 else pending[0][0]
         values = np.concatenate([p[1] for p in pending]) if len(pending) > 1 else pending[0][1]
         self.store.write_log(self._pending_at, ids, values)
+        self._pending, self._pending_count = [], 0
+
+    def drop_log(self) -> None:
+        """Forget the log entries not yet written (the buffer went back to its last publish)."""
+        self._pending, self._pending_count = [], 0
 
     def checkpoint(self) -> None:
         """Write every priority updated since the last checkpoint into the priorities dataset."""

@@ -17,7 +17,7 @@ import numpy as np
 __all__ = ["SumTree", "FANOUT"]
 
 FANOUT = 32  # children per node: 32 * 8 bytes, a row of siblings fits in four cache lines
-_SEARCHED = 4096  # a level this small is searched whole by draws (a running sum of it costs little)
+_SEARCHED = 16384  # a level this small is searched whole by draws (its running sum, kept, costs little)
 
 
 def _rows(n: int) -> int:

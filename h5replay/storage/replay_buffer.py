@@ -373,6 +373,7 @@ class ReplayBuffer:
             self._publish(fsync=fsync)
         except StorageError:
             self._keys.forget_from(self._published.ep_end)
+            self._sampling.drop_log()
             self._state = self._published
             self._episodes.set_range(self._published.ep_begin, self._published.ep_end)
             raise

@@ -17,16 +17,24 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from h5replay.storage import _sumtree
 from h5replay.storage._sumtree import FANOUT, SumTree
 
 WEIGHTS = st.sampled_from([0.0, 0.0, 1e-300, 1e-9, 0.5, 1.0, 3.0, 1e6, 1e12])
 
 
 class SumTreeMachine(RuleBasedStateMachine):
-    @initialize(size=st.sampled_from([1, 7, FANOUT, FANOUT + 1, 1500]))
-    def start(self, size: int) -> None:
+    @initialize(size=st.sampled_from([1, 7, FANOUT, FANOUT + 1, 1500]), searched=st.sampled_from([1, 40, 16384]))
+    def start(self, size: int, searched: int) -> None:
+        # How small a level draws search whole: small values make them descend rows of siblings
+        # below it (trees of millions of leaves do), the default searches these trees whole.
+        self._saved = _sumtree._SEARCHED
+        _sumtree._SEARCHED = searched
         self.tree = SumTree(size)
         self.weights = np.zeros(size)
+
+    def teardown(self) -> None:
+        _sumtree._SEARCHED = getattr(self, "_saved", _sumtree._SEARCHED)
 
     @rule(data=st.data())
     def set_points(self, data: st.DataObject) -> None:
@@ -78,6 +86,7 @@ class SumTreeMachine(RuleBasedStateMachine):
         found = self.tree.find(targets)
         fresh = SumTree(len(w))
         fresh.set_range(0, w)
+        assert fresh._depth == self.tree._depth
         assert np.array_equal(found, fresh.find(targets)), "the running sums kept for draws are out of date"
         assert np.all(w[found] > 0), "a draw landed on a zero-weight leaf"
         slack = 1e-9 * w.sum()
