@@ -629,13 +629,19 @@ class Service:
     def update_priorities(self, request: P.UpdatePriorities, session: Session) -> P.UpdatePrioritiesReply:
         """Set priorities (any client: an actor's own, a learner's TD errors). The reply leaves
         once they are in the writer's tree, before they are published: its `seq` is the next
-        publish, the one at the end of this pass, which writes them to the file and shows them to
-        the readers (the client's later reads ask for at least that publish, so it sees them)."""
+        publish (a commit's, or the one `priority_publish_interval` after the first unpublished
+        update), which writes them to the file and shows them to the readers; the client's later
+        reads ask for at least that publish, so it sees them."""
         if self.write_failure is not None:
             raise StorageError(f"this server stopped writing after a failed write ({self.write_failure}); it serves "
                                "reads until it is restarted")
         pending = self.updates_pending
-        ignored = self.buffer.update_priorities(request.row_ids, request.priorities)
+        try:
+            ignored = self.buffer.update_priorities(request.row_ids, request.priorities)
+        except StorageError as exc:  # a checkpoint or the log's write failed: as any failed write
+            self.write_failure = str(exc)
+            log.error("a write to the file failed: %s; refusing writes from now on, serving reads", exc)
+            raise
         if not pending:
             self._updates_since = time.monotonic()
         return P.UpdatePrioritiesReply(request.request_id, ignored, self.buffer.published.seq + 1)
