@@ -85,10 +85,10 @@ class ServerConfig:
     actor_slots: int | None = None
     fsync: bool = False  # fsync every commit: survives power loss, not just a process crash
     # Priority updates are acknowledged once applied in memory and published (written, flushed,
-    # shown to readers) with the next commit's publish, or this many seconds after the first
-    # unpublished one at most: a SIGKILL loses at most that long of updates (0: every pass
-    # publishes them, a publish per update call when one learner sends them one at a time).
-    priority_publish_interval: float = 0.002
+    # shown to readers) at the end of the writer's pass, with its commits. A value > 0 lets a
+    # pass that only applied updates leave them unpublished until the oldest is this many seconds
+    # old: fewer flushes (worth it with fsync), and a SIGKILL may lose that long of updates.
+    priority_publish_interval: float = 0.0
     # Seconds opening the file may take (a damaged file keeps HDF5 retrying); SIGTERM stops it too.
     open_timeout: float = 30.0
     # Bytes one client may have in flight towards a server process, and bytes of replies it may

@@ -629,9 +629,9 @@ class Service:
     def update_priorities(self, request: P.UpdatePriorities, session: Session) -> P.UpdatePrioritiesReply:
         """Set priorities (any client: an actor's own, a learner's TD errors). The reply leaves
         once they are in the writer's tree, before they are published: its `seq` is the next
-        publish (a commit's, or the one `priority_publish_interval` after the first unpublished
-        update), which writes them to the file and shows them to the readers; the client's later
-        reads ask for at least that publish, so it sees them."""
+        publish (at the end of this pass, or up to `priority_publish_interval` later), which
+        writes them to the file and shows them to the readers; the client's later reads ask for at
+        least that publish, so it sees them."""
         if self.write_failure is not None:
             raise StorageError(f"this server stopped writing after a failed write ({self.write_failure}); it serves "
                                "reads until it is restarted")
