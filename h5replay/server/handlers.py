@@ -648,8 +648,9 @@ class Service:
 
     @property
     def updates_pending(self) -> bool:
-        """Whether priority updates wait for a publish."""
-        return self.buffer.view.plog > self.buffer.published.plog
+        """Whether priority updates wait for a publish (never after a failed write: the file
+        takes no more, and the loop must not retry it on every turn)."""
+        return self.write_failure is None and self.buffer.view.plog > self.buffer.published.plog
 
     def updates_due_in(self) -> float | None:
         """Seconds until the priority updates not yet published must be (None: none wait)."""
