@@ -174,7 +174,9 @@ class Sampling:
             return
         ids, values = self.store.read_log(first, stop)
         held = (ids >= state.begin) & (ids < state.end)
-        self._set_priorities(ids[held], values[held], state)
+        slots = self._set_priorities(ids[held], values[held], state)
+        if self.writer:  # a writer reopening the file: its next checkpoint must save these too
+            self._dirty_chunks[slots // _CHECKPOINT_CHUNK] = True
 
     def sync(self, old: State, new: State, read_state: Callable[[], State]) -> None:
         """Reader: follow the writer from `old` to `new`, reading only what changed."""
