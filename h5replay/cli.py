@@ -118,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
                           help="how far sampling may run ahead of or behind R (with --samples-per-insert)")
     sampling.add_argument("--max-times-sampled", type=_non_negative_int, metavar="K",
                           help="a row sampled K times is removed (fifo and 1: a queue; default 0: never)")
+    sampling.add_argument("--priority-publish-interval", type=float, default=0.0, metavar="S",
+                          help="let priority updates wait up to S seconds for a publish (fewer flushes, e.g. "
+                               "with --fsync; a SIGKILL loses at most that long of them; default 0: every pass)")
     serve.add_argument("--heartbeat-timeout", type=_seconds, default=5.0, metavar="S",
                        help="drop a client whose connection is silent this long (default 5)")
     serve.add_argument("--session-timeout", type=_seconds, default=300.0, metavar="S",
@@ -324,6 +327,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         advertise_read=args.advertise_read,
         num_readers=args.readers,
         fsync=args.fsync,
+        priority_publish_interval=args.priority_publish_interval,
         metrics_port=args.metrics_port,
         metrics_address=args.metrics_address,
         auth_dir=args.auth,

@@ -85,6 +85,11 @@ class ServerConfig:
     max_clients_per_key: int = 64
     actor_slots: int | None = None
     fsync: bool = False  # fsync every commit: survives power loss, not just a process crash
+    # Priority updates are acknowledged once applied in memory and published (written, flushed,
+    # shown to readers) at the end of the writer's pass, with its commits. A value > 0 lets a
+    # pass that only applied updates leave them unpublished until the oldest is this many seconds
+    # old: fewer flushes (worth it with fsync), and a SIGKILL may lose that long of updates.
+    priority_publish_interval: float = 0.0
     # Seconds opening the file may take (a damaged file keeps HDF5 retrying); SIGTERM stops it too.
     open_timeout: float = 30.0
     # Bytes one client may have in flight towards a server process, and bytes of replies it may
@@ -124,6 +129,9 @@ class ServerConfig:
                      "reader_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if not 0 <= self.priority_publish_interval <= 1:
+            raise ConfigError(f"priority_publish_interval must be between 0 and 1 second, got "
+                              f"{self.priority_publish_interval!r}")
         if self.max_in_flight < 1:
             raise ConfigError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
         for name in ("client_bytes_in", "client_bytes_out", "total_bytes_in", "total_bytes_out"):

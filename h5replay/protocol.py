@@ -19,7 +19,10 @@ Ids are global (see h5replay.records): a row id never changes while the row is h
 reused. Every read reply says which published state ("view") answered it: ``seq`` (the journal's
 publish counter), ``generation`` (its clear counter) and the row ids ``begin`` (oldest held) and
 ``end`` (the next to be given). A learner sends the highest ``seq`` it has seen as ``min_seq``, and
-a reader never answers from an older state, so a learner's view never goes back in time.
+a reader never answers from an older state, so a learner's view never goes back in time. The
+``seq`` of an update_priorities reply is the writer's next publish, which will carry the update:
+it follows the reply at the end of the writer's pass (or up to the server's
+priority_publish_interval later); a reader asked for it waits for it.
 
 A reply has kind "reply", ``"ok": true`` and ``"for": <the kind it answers>``. An error reply is
 ``{"version", "kind": "reply", "id", "ok": false, "fields": {"code", "message"}, "arrays": []}``;
@@ -523,7 +526,7 @@ class PushEpisodeReply(Reply):
 class UpdatePrioritiesReply(Reply):
     KIND = Kind.UPDATE_PRIORITIES
     ignored: int  # ids no longer held (evicted, cleared or removed): ignored, as Reverb does
-    seq: int  # the publish that made the new priorities durable
+    seq: int  # the publish that makes the new priorities durable and visible to readers (may follow the reply)
 
 
 @dataclass(frozen=True, eq=False, repr=False)

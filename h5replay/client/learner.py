@@ -464,8 +464,11 @@ class LearnerClient:
 
     def update_priorities(self, row_ids: Any, priorities: Any) -> int:
         """Set the priorities of rows by id (a prioritized server), e.g. to |TD error| after a
-        learning step. Ids no longer held are ignored (and counted by the server). Returns when
-        the server has published them (durable; every later sample of this client sees them).
+        learning step. Ids no longer held are ignored (and counted by the server). Blocks until
+        the writer has applied them to its sum tree, at most `timeout`; they are published (made
+        durable and shown to the readers) at the end of the writer's pass, a moment after the
+        reply, and every later read of this client waits for that publish, so it sees them. A
+        SIGKILL of the server before that publish loses them (see the README).
 
         Returns:
             How many ids were ignored.

@@ -8,7 +8,6 @@ Every method either returns a reply or raises; the caller turns exceptions into 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
@@ -93,19 +92,25 @@ def _check_reply_rows(buffer: ReplayBuffer, rows: int, limits: P.Limits, per_sam
         )
 
 
-_FRESH_RETRIES = 5
-_FRESH_PAUSE = 0.01
+_FRESH_WAIT = 2.0  # seconds a read waits for a publish the client was promised (one writer pass)
+_FRESH_PAUSE = 0.001
 
 
 def _at_least(buffer: ReplayBuffer, min_seq: int) -> None:
-    """Never answer from a state older than one the client has already seen."""
-    for _ in range(_FRESH_RETRIES):
-        if buffer.view.seq >= min_seq:
-            return
+    """Never answer from a state older than one the client has already seen, or was promised:
+    a priority update's reply names the publish that ends the writer's pass, which may follow the
+    reply by a moment; the wait for it polls the state row (a memory map) from 50 µs up."""
+    if buffer.view.seq >= min_seq:
+        return
+    pause, deadline = 5e-5, time.monotonic() + _FRESH_WAIT
+    while not buffer.is_mutable:  # the writer's own view is the newest there is: no wait there
         buffer.refresh()
-        if buffer.view.seq >= min_seq:
-            return
-        time.sleep(_FRESH_PAUSE)
+        if buffer.view.seq >= min_seq or time.monotonic() >= deadline:
+            break
+        time.sleep(pause)
+        pause = min(2 * pause, _FRESH_PAUSE)
+    if buffer.view.seq >= min_seq:
+        return
     raise ServerUnavailableError(
         f"this server's newest state is publish {buffer.view.seq}, older than publish {min_seq} this client has "
         f"already seen: it was restored from an older copy of the file, or serves another replay"
@@ -178,6 +183,7 @@ class Service:
         read_endpoint: str,
         *,
         fsync: bool = False,
+        priority_publish_interval: float = 0.0,
         extra_stats: Callable[[], dict[str, Any]] | None = None,
         instance_id: str = "",
         min_free_bytes: int = 0,
@@ -205,6 +211,8 @@ class Service:
         self.limits = limits
         self.read_endpoint = read_endpoint
         self.fsync = fsync
+        self.priority_publish_interval = priority_publish_interval
+        self._updates_since = 0.0  # when the oldest priority update not yet published was applied
         self.sessions: dict[bytes, Session] = {}
         self.stats = Stats()
         # Set when a write to the file failed (a full disk, an I/O error): HDF5's state can no
@@ -321,9 +329,10 @@ class Service:
             self._waiting_bytes -= sum(a.nbytes for a in request.arrays.values())
 
     def needs_publish(self, reply: P.Reply) -> bool:
-        """Whether a reply may leave only after the pass's publish: commits, priority updates, and
-        samples that changed the buffer (counted, or rows removed)."""
-        if isinstance(reply, (P.CommitReply, P.PushEpisodeReply, P.UpdatePrioritiesReply)):
+        """Whether a reply may leave only after the pass's publish: commits, and samples that
+        changed the buffer (counted, or rows removed). Priority updates leave at once: their reply
+        names the publish that will carry them (see `update_priorities`)."""
+        if isinstance(reply, (P.CommitReply, P.PushEpisodeReply)):
             return True
         return self.writer_samples and isinstance(reply, (P.SampleReply, P.SampleSequencesReply))
 
@@ -620,23 +629,41 @@ class Service:
                 writer.abort()
 
     def update_priorities(self, request: P.UpdatePriorities, session: Session) -> P.UpdatePrioritiesReply:
-        """Set priorities (any client: an actor's own, a learner's TD errors). Published before the
-        reply leaves; its `seq` is filled in then (`after_publish`)."""
+        """Set priorities (any client: an actor's own, a learner's TD errors). The reply leaves
+        once they are in the writer's tree, before they are published: its `seq` is the next
+        publish (at the end of this pass, or up to `priority_publish_interval` later), which
+        writes them to the file and shows them to the readers; the client's later reads ask for at
+        least that publish, so it sees them."""
         if self.write_failure is not None:
             raise StorageError(f"this server stopped writing after a failed write ({self.write_failure}); it serves "
                                "reads until it is restarted")
-        ignored = self.buffer.update_priorities(request.row_ids, request.priorities)
-        self.unpublished += 1
-        return P.UpdatePrioritiesReply(request.request_id, ignored, 0)
+        pending = self.updates_pending
+        try:
+            ignored = self.buffer.update_priorities(request.row_ids, request.priorities)
+        except StorageError as exc:  # a checkpoint or the log's write failed: as any failed write
+            self.write_failure = str(exc)
+            log.error("a write to the file failed: %s; refusing writes from now on, serving reads", exc)
+            raise
+        if not pending:
+            self._updates_since = time.monotonic()
+        return P.UpdatePrioritiesReply(request.request_id, ignored, self.buffer.published.seq + 1)
 
-    def after_publish(self, reply: P.Reply) -> P.Reply:
-        """A deferred reply as it leaves: priority updates name the publish that made them durable."""
-        if isinstance(reply, P.UpdatePrioritiesReply):
-            return dataclasses.replace(reply, seq=self.buffer.published.seq)
-        return reply
+    @property
+    def updates_pending(self) -> bool:
+        """Whether priority updates wait for a publish (never after a failed write: the file
+        takes no more, and the loop must not retry it on every turn)."""
+        return self.write_failure is None and self.buffer.view.plog > self.buffer.published.plog
 
-    def publish(self) -> None:
-        """Publish the commits placed since the last call (flushed; with fsync, on disk).
+    def updates_due_in(self) -> float | None:
+        """Seconds until the priority updates not yet published must be (None: none wait)."""
+        if not self.updates_pending:
+            return None
+        return max(0.0, self._updates_since + self.priority_publish_interval - time.monotonic())
+
+    def publish(self, force: bool = False) -> None:
+        """Publish the commits placed since the last call (flushed; with fsync, on disk), and the
+        priority updates applied since the last publish when they are due (`priority_publish_interval`
+        after the first of them) or `force` (a read served here must see them).
 
         Raises:
             StorageError: the file could not take them; the service stops writing. Commits whose
@@ -644,7 +671,9 @@ class Service:
                 eviction published them on the way): `is_durable` tells them apart.
         """
         if not self.unpublished:
-            return
+            due = self.updates_due_in()
+            if due is None or (due > 0 and not force):
+                return
         try:
             self.buffer.flush(fsync=self.fsync)
         except StorageError as exc:

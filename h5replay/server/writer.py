@@ -21,6 +21,7 @@ import collections
 import contextlib
 import errno
 import logging
+import math
 import multiprocessing as mp
 import os
 import queue
@@ -186,6 +187,7 @@ class Server:
             read_endpoint = config.advertise_read if config.num_readers and config.advertise_read else read_bound
             service = Service(
                 buffer, config.limits, read_endpoint, fsync=config.fsync,
+                priority_publish_interval=config.priority_publish_interval,
                 extra_stats=readers.totals if readers else None, instance_id=self.instance_id,
                 min_free_bytes=config.resolved_min_free_bytes(),
                 max_clients_per_key=config.max_clients_per_key if auth is not None else None,
@@ -255,7 +257,9 @@ class Server:
         next_probe = next_expire = time.monotonic()
         keys_seen = auth.generation if auth is not None else 0
         while not self._stop.is_set():
-            events = dict(poller.poll(0 if self._reads else _POLL_MS))
+            due = service.updates_due_in()  # priority updates published on time while nothing comes
+            wait = _POLL_MS if due is None else min(_POLL_MS, math.ceil(due * 1000))
+            events = dict(poller.poll(0 if self._reads else wait))
             if sock in events:
                 # Writes first: reads (only with --readers 0) wait for the end of the pass, and get
                 # a bounded share of it, so that reads cannot starve ingest.
@@ -272,6 +276,8 @@ class Server:
             elif service.waiting:
                 self._release(sock, service)  # timeouts end while nothing arrives
                 self._publish(sock, service)
+            elif due is not None:
+                self._publish(sock, service)  # the priority updates' time is up
             if self._reads:
                 self._serve_reads(sock, service)
             now = time.monotonic()
@@ -310,13 +316,14 @@ class Server:
         for identity in demoted:
             log.warning("client %s: its key was moved to learners; its open segments were aborted", identity.hex())
 
-    def _publish(self, sock: zmq.Socket[Any], service: Service) -> None:
+    def _publish(self, sock: zmq.Socket[Any], service: Service, force: bool = False) -> None:
         """Publish the commits of this pass, then send their replies: a commit is acknowledged only
         once it is in the file and flushed. One publish serves every commit of the pass (and every
-        priority update, and every sample that counted against the rate limit)."""
+        priority update, whose reply has already left naming this publish, and every sample that
+        counted against the rate limit)."""
         deferred, self._deferred = self._deferred, []
         try:
-            service.publish()
+            service.publish(force)
         except Exception as exc:  # the file refused them: the commits it did not take failed
             deferred = [
                 (identity, P.ErrorReply.from_exception(reply.request_id, exc)
@@ -324,7 +331,7 @@ class Server:
                 for identity, reply in deferred
             ]
         for identity, reply in deferred:
-            self._send(sock, service, identity, service.after_publish(reply))
+            self._send(sock, service, identity, reply)
 
     def _release(self, sock: zmq.Socket[Any], service: Service) -> None:
         """Serve the requests the rate limit let go since (and refuse those whose timeout ended)."""
@@ -364,8 +371,10 @@ class Server:
                 return
             if isinstance(request, WRITE_KINDS):
                 self._last_write = time.monotonic()
-            if service.unpublished and isinstance(request, READ_KINDS):
-                self._publish(sock, service)  # a read must not see a commit before it is acknowledged
+            if (service.unpublished or service.updates_pending) and isinstance(request, READ_KINDS):
+                # A read must not see a commit before it is acknowledged, and must see every
+                # priority update acknowledged (its client may ask for the publish named in the reply).
+                self._publish(sock, service, force=True)
             answer = service.submit(identity, request, role, key)
         except Exception as exc:  # the boundary: every refusal becomes an error reply
             answer = self._refusal(service, body, exc)
@@ -399,8 +408,8 @@ class Server:
             self._reads.popleft()
             self._last_read = time.monotonic()
             started = time.perf_counter()
-            if service.unpublished:
-                self._publish(sock, service)  # a read must not see a commit before it is acknowledged
+            if service.unpublished or service.updates_pending:
+                self._publish(sock, service, force=True)  # as in _serve
             answer: P.Reply | None
             try:
                 answer = service.submit(identity, request, role, key)

@@ -3,9 +3,10 @@
 `Sampling` keeps, per physical row (slot), what the sampler needs: a sum tree of weights
 (priority ** exponent for a prioritized sampler; 1 for a row that may still be sampled when rows
 are removed; 0 for a slot not held), the raw priorities (writer) and how often each row was
-sampled (writer, with `max_times_sampled`). The writer keeps it exact as rows come and go; a
-reader rebuilds it from the file once and then follows the priority log (`_sampling_file.py`),
-reading only what changed.
+sampled (writer, with `max_times_sampled`). The writer keeps it exact as rows come and go, and
+holds the priority log entries of its updates until the next publish writes them; a reader
+rebuilds it from the file once and then follows the priority log (`_sampling_file.py`), reading
+only what changed.
 
 Draws come back as row ids with the probability each was drawn with, computed from the same
 weights the draw used. Pure numpy apart from the `SamplingFile` it is given (None: nothing kept).
@@ -54,9 +55,15 @@ class Sampling:
         self.removed = 0
         #: Priority updates that named a row no longer held (ignored).
         self.ignored_updates = 0
-        self._dirty_chunks: set[int] = set()
+        # Chunks of `priorities` updated since the last checkpoint (one flag per chunk).
+        self._dirty_chunks = np.zeros(-(-size // _CHECKPOINT_CHUNK), dtype=bool)
         #: Entries of the priority log ring (a checkpoint before the ring overwrites unsaved ones).
         self.log_entries = store.log_entries if store is not None else LOG_ENTRIES
+        # Log entries not yet in the file: (row ids, values) for updates _pending_at, ... in order.
+        # Written by `write_log`, which every publish calls first (nothing reads them before).
+        self._pending: list[tuple[np.ndarray, np.ndarray]] = []
+        self._pending_at = 0
+        self._pending_count = 0
 
     # ------------------------------------------------------------------ slots and ids
 
@@ -97,6 +104,10 @@ class Sampling:
                 grown = np.full(max(need, 2 * arr.shape[0]), np.nan if name == "priorities" else 0, dtype=arr.dtype)
                 grown[: arr.shape[0]] = arr
                 setattr(self, name, grown)
+        if self.priorities is not None and self.priorities.shape[0] > self._dirty_chunks.shape[0] * _CHECKPOINT_CHUNK:
+            dirty = np.zeros(-(-self.priorities.shape[0] // _CHECKPOINT_CHUNK), dtype=bool)
+            dirty[: self._dirty_chunks.shape[0]] = self._dirty_chunks
+            self._dirty_chunks = dirty
 
     def _weights(self, priorities: np.ndarray) -> np.ndarray:
         if self.config.prioritized:
@@ -152,7 +163,7 @@ class Sampling:
             w = self._weights(p)
             if self.times is not None:
                 w = np.where(self.times[s0:s1] >= self.config.max_times_sampled, 0.0, w)
-            self.tree.set(np.arange(s0, s1), w)
+            self.tree.set_range(s0, w)
         self._apply_log(state, state.pckpt, state.plog)
         if self.priorities is not None and state.length:
             held = np.concatenate([self.priorities[s0:s1] for s0, s1, _ in self._pieces(state.begin, state.end, state)])
@@ -163,7 +174,9 @@ class Sampling:
             return
         ids, values = self.store.read_log(first, stop)
         held = (ids >= state.begin) & (ids < state.end)
-        self._set_priorities(ids[held], values[held], state)
+        slots = self._set_priorities(ids[held], values[held], state)
+        if self.writer:  # a writer reopening the file: its next checkpoint must save these too
+            self._dirty_chunks[slots // _CHECKPOINT_CHUNK] = True
 
     def sync(self, old: State, new: State, read_state: Callable[[], State]) -> None:
         """Reader: follow the writer from `old` to `new`, reading only what changed."""
@@ -182,7 +195,7 @@ class Sampling:
             p = np.where(np.isfinite(p), p, self._default())
             if self.priorities is not None:
                 self.priorities[s0:s1] = p
-            self.tree.set(np.arange(s0, s1), self._weights(p))
+            self.tree.set_range(s0, self._weights(p))
         self._apply_log(new, old.plog, new.plog)
         if new.plog > old.plog and read_state().pckpt > old.plog:
             self.load(new, read_state)  # the log moved under us: start from the file
@@ -192,8 +205,7 @@ class Sampling:
     def _zero(self, first: int, stop: int, state: State) -> None:
         """Rows [first, stop) leave the buffer."""
         for s0, s1, _ in self._pieces(first, stop, state):
-            slots = np.arange(s0, s1)
-            self.tree.set(slots, 0.0)
+            self.tree.set_range(s0, 0.0, s1 - s0)
             if self.times is not None:
                 self.removed -= int(np.count_nonzero(self.times[s0:s1] >= self.config.max_times_sampled))
 
@@ -231,13 +243,13 @@ class Sampling:
                 self.times[s0:s1] = 0
             if self.priorities is not None:
                 self.priorities[s0:s1] = part
-            self.tree.set(np.arange(s0, s1), self._weights(part))
+            self.tree.set_range(s0, self._weights(part))
 
     def forget(self, first: int, stop: int, state: State) -> None:
         """Undo `added` for rows [first, stop) that a failed commit never made visible."""
         if self.weighted:
             for s0, s1, _ in self._pieces(first, stop, state):
-                self.tree.set(np.arange(s0, s1), 0.0)
+                self.tree.set_range(s0, 0.0, s1 - s0)
 
     def clear(self) -> None:
         self.tree.clear()
@@ -245,7 +257,8 @@ class Sampling:
             self.times[:] = 0
         self.removed = 0
 
-    def _set_priorities(self, ids: np.ndarray, values: np.ndarray, state: State) -> None:
+    def _set_priorities(self, ids: np.ndarray, values: np.ndarray, state: State) -> np.ndarray:
+        """Returns the slots of `ids`."""
         slots = self._slots(ids, state)
         w = self._weights(values)
         if self.times is not None:
@@ -253,11 +266,13 @@ class Sampling:
         self.tree.set(slots, w)
         if self.priorities is not None:
             self.priorities[slots] = values
+        return slots
 
     def update(self, ids: np.ndarray, values: np.ndarray, state: State) -> tuple[int, int]:
         """Set the priorities of rows `ids` (checked: held or older); logs every held one.
 
-        Returns (entries logged, ids ignored: no longer held or removed)."""
+        Returns (entries logged, ids ignored: no longer held or removed). The log entries stay in
+        memory until `write_log` (every publish calls it first): an update costs no file write."""
         if not self.config.prioritized:
             raise ConfigError(f"this buffer's sampler is {self.config.sampler!r}: only a Prioritized sampler keeps "
                               "priorities (choose it when the file is created)")
@@ -265,26 +280,50 @@ class Sampling:
         if self.times is not None and held.any():
             slots = self._slots(np.where(held, ids, state.begin), state)
             held &= self.times[slots] < self.config.max_times_sampled
-        ids, values = ids[held], values[held]
+        if not held.all():
+            ids, values = ids[held], values[held]
         ignored = int(held.shape[0] - ids.shape[0])
         self.ignored_updates += ignored
         if ids.size:
-            self.max_priority = max(self.max_priority, float(values.max()))
             if self.store is not None:
-                self.store.write_log(state.plog, ids, values)
-            self._set_priorities(ids, values, state)
-            self._dirty_chunks.update(np.unique(self._slots(ids, state) // _CHECKPOINT_CHUNK).tolist())
+                if self._pending_count >= _PENDING_ENTRIES:
+                    self.write_log()  # first: if the file refuses, nothing of this update is applied
+                if not self._pending:
+                    self._pending_at = state.plog
+                self._pending.append((ids, values))
+                self._pending_count += ids.shape[0]
+            self.max_priority = max(self.max_priority, float(values.max()))
+            slots = self._set_priorities(ids, values, state)
+            self._dirty_chunks[slots // _CHECKPOINT_CHUNK] = True
         return int(ids.shape[0]), ignored
+
+    def write_log(self) -> None:
+        """Write the log entries of the updates so far to the file (not yet published).
+
+        Raises:
+            StorageError: the file refused them (they stay waiting).
+        """
+        if not self._pending or self.store is None:
+            return
+        pending = self._pending
+        ids = np.concatenate([p[0] for p in pending]) if len(pending) > 1 else pending[0][0]
+        values = np.concatenate([p[1] for p in pending]) if len(pending) > 1 else pending[0][1]
+        self.store.write_log(self._pending_at, ids, values)
+        self._pending, self._pending_count = [], 0
+
+    def drop_log(self) -> None:
+        """Forget the log entries not yet written (the buffer went back to its last publish)."""
+        self._pending, self._pending_count = [], 0
 
     def checkpoint(self) -> None:
         """Write every priority updated since the last checkpoint into the priorities dataset."""
+        chunks = np.flatnonzero(self._dirty_chunks)
+        self._dirty_chunks[:] = False
         if self.store is None or self.priorities is None:
-            self._dirty_chunks.clear()
             return
-        for chunk in sorted(self._dirty_chunks):
+        for chunk in chunks.tolist():
             s0 = chunk * _CHECKPOINT_CHUNK
             self.store.write_priorities(s0, self.priorities[s0 : s0 + _CHECKPOINT_CHUNK])
-        self._dirty_chunks.clear()
 
     def priorities_of(self, ids: np.ndarray, state: State) -> np.ndarray:
         """The current priorities of held rows `ids`."""
@@ -454,3 +493,4 @@ class Sampling:
 
 
 _CHECKPOINT_CHUNK = 4096  # priorities rewritten per dirty chunk at a checkpoint
+_PENDING_ENTRIES = 1 << 16  # log entries kept in memory at most before they are written (1 MiB)

@@ -12,7 +12,9 @@ Under `/_h5replay/replay/` (made with the file, only those the settings need):
     the entries between the state they saw and the new one: O(updates), never O(capacity).
   * `times_sampled` (uint32, one per physical row), when `max_times_sampled` is set.
 
-The writer checkpoints (writes the updated priorities into `priorities`, then publishes `pckpt`)
+The writer keeps an update's entries in memory and writes them with the next publish (one write
+per publish, not per update; nothing reads past the published `plog`). It checkpoints (writes
+the updated priorities into `priorities`, then publishes `pckpt`)
 before the ring would overwrite an entry at or after the published `pckpt`; so a reader that
 re-reads the state after reading entries [a, b) and finds `pckpt <= a` read them intact.
 """

@@ -1,116 +1,174 @@
-"""A sum tree over weights, for prioritized sampling: O(log n) updates and draws, in numpy.
+"""A sum tree over weights, for prioritized sampling: a wide (B-ary) tree of numpy levels.
 
-Leaf i holds weight w_i >= 0; every inner node the sum of its two children; the root the total.
-Updates and draws take whole arrays at once (one numpy operation per tree level), so a batch of
-256 draws or updates costs about as much as one. Pure: no files, no processes.
+Leaf i holds weight w_i >= 0; every inner node the sum of its B children; the root the total.
+With B = 32 a million leaves need 4 levels above them, so an update or a draw of a whole batch
+costs a few numpy calls per level, not per leaf (a binary tree needs 20 levels). A node is always
+recomputed from its children (never adjusted by a delta), so the sums carry no drift and the tree
+equals one built afresh from its leaves. Draws read running sums along each row of siblings,
+kept beside the levels and brought up to date, for the rows that changed, by the next draw:
+updates pay nothing for them, and draws between two updates share the work. Pure: no files, no
+processes.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["SumTree"]
+__all__ = ["SumTree", "FANOUT"]
+
+FANOUT = 32  # children per node: 32 * 8 bytes, a row of siblings fits in four cache lines
+_SEARCHED = 16384  # a level this small is searched whole by draws (its running sum, kept, costs little)
+
+
+def _rows(n: int) -> int:
+    """Nodes of the level above `n` nodes (every one has B child slots)."""
+    return -(-n // FANOUT)
 
 
 class SumTree:
     """Weights of `size` leaves (growable), with prefix-sum draws.
 
-    Leaves live at positions [P, 2P) of one float64 array (P a power of two >= size); node k's
-    children are 2k and 2k + 1; node 1 is the root.
+    `levels[0]` holds the leaves, `levels[-1]` the root alone; node k of level j + 1 holds the
+    sum of `levels[j][k * B : (k + 1) * B]`. Each level below the root is zero-padded to a
+    multiple of B, so `levels[j].reshape(-1, B)` lines every node's children up as a row.
+    Draws descend from the first level of at most _SEARCHED nodes (`depth`): its running sum,
+    and below it each level's running sums within rows (`_sums`), which `_stale` says which
+    rows of are out of date (None: all of them).
     """
 
     def __init__(self, size: int = 0) -> None:
-        self._p = 1
-        while self._p < max(1, size):
-            self._p *= 2
-        self._nodes = np.zeros(2 * self._p, dtype=np.float64)
         self.size = int(size)
+        self._reset(max(1, self.size))
+
+    def _reset(self, size: int) -> None:
+        levels = []
+        n = size
+        while True:
+            levels.append(np.zeros(_rows(n) * FANOUT, dtype=np.float64))
+            n = _rows(n)
+            if n == 1:
+                levels.append(np.zeros(1, dtype=np.float64))
+                break
+        self._levels = levels
+        self._depth = next(j for j, level in enumerate(levels) if level.shape[0] <= _SEARCHED)
+        self._sums = [np.zeros_like(level) for level in levels[: self._depth]]
+        self._running = np.zeros_like(levels[self._depth])
+        self._stale: list[list[np.ndarray]] | None = None
+        self._stale_rows = 0  # rows of leaves listed in _stale (past a quarter of them: all)
 
     def __len__(self) -> int:
         return self.size
 
     @property
     def total(self) -> float:
-        return float(self._nodes[1])
+        return float(self._levels[-1][0])
 
     def grow(self, size: int) -> None:
         """Hold at least `size` leaves (new ones weigh 0)."""
-        if size <= self._p:
+        if size <= self._levels[0].shape[0]:
             self.size = max(self.size, int(size))
             return
-        leaves = self._nodes[self._p : self._p + self.size].copy()
-        p = self._p
-        while p < size:
-            p *= 2
-        self._p = p
-        self._nodes = np.zeros(2 * p, dtype=np.float64)
+        leaves = self._levels[0][: self.size]
+        self._reset(int(size))
+        self._levels[0][: leaves.shape[0]] = leaves
         self.size = int(size)
-        self._nodes[p : p + leaves.shape[0]] = leaves
-        self._rebuild()
+        self._rebuild(0, self._levels[0].shape[0])
 
-    def _rebuild(self) -> None:
-        p = self._p
-        while p > 1:
-            half = p // 2
-            self._nodes[half:p] = self._nodes[p : 2 * p : 2] + self._nodes[p + 1 : 2 * p : 2]
-            p = half
+    def _rebuild(self, first: int, stop: int) -> None:
+        """Recompute every ancestor of leaves [first, stop) (a contiguous run)."""
+        for j, (below, above) in enumerate(zip(self._levels, self._levels[1:])):
+            first, stop = first // FANOUT, _rows(stop)
+            above[first:stop] = below[first * FANOUT : stop * FANOUT].reshape(-1, FANOUT).sum(axis=1)
+            self._mark(j, np.arange(first, stop))
+
+    def _mark(self, level: int, rows: np.ndarray) -> None:
+        """Rows of `level` whose running sums are out of date. Past a quarter of the leaves' rows
+        (a writer that updates and seldom draws), all of them: one pass over them costs as much."""
+        if self._stale is None or level >= self._depth:
+            return
+        self._stale[level].append(rows)
+        if level == 0:
+            self._stale_rows += rows.shape[0]
+            if 4 * self._stale_rows > self._levels[0].shape[0] // FANOUT:
+                self._stale = None
 
     def get(self, leaves: np.ndarray) -> np.ndarray:
         """The weights of `leaves` (a copy)."""
-        return self._nodes[self._p + np.asarray(leaves, dtype=np.int64)]
+        return self._levels[0][np.asarray(leaves, dtype=np.int64)]
 
     def set(self, leaves: np.ndarray, weights: np.ndarray | float) -> None:
         """Set the weights of `leaves` (for a leaf named twice, the last weight wins)."""
         idx = np.asarray(leaves, dtype=np.int64).reshape(-1)
         if idx.size == 0:
             return
-        values = np.broadcast_to(np.asarray(weights, dtype=np.float64), idx.shape)
-        self._nodes[self._p + idx] = values  # numpy assigns in order: the last duplicate wins
-        # The parents to recompute, level by level: sorted once, then halving keeps them sorted,
-        # so equal neighbours are the only duplicates (cheaper than a unique per level).
-        nodes = np.sort((self._p + idx) // 2)
-        while nodes[0] >= 1:  # node 0 is unused: a tree of one leaf has no parent to update
-            if nodes.shape[0] > 1:
+        self._levels[0][idx] = weights  # numpy assigns in order: the last duplicate wins
+        # The parents to recompute, level by level, each from its B children. Sorted once, the
+        # parents stay sorted as they climb, so equal neighbours are the only duplicates; the
+        # ones left (a parent recomputed twice gets the same sum twice) are harmless.
+        nodes = np.sort(idx // FANOUT)
+        for j, (below, above) in enumerate(zip(self._levels, self._levels[1:])):
+            if nodes.shape[0] > 8:
                 nodes = nodes[np.concatenate(([True], nodes[1:] != nodes[:-1]))]
-            self._nodes[nodes] = self._nodes[2 * nodes] + self._nodes[2 * nodes + 1]
-            nodes //= 2
+            above[nodes] = below.reshape(-1, FANOUT)[nodes].sum(axis=1)
+            self._mark(j, nodes.copy())
+            nodes //= FANOUT
+
+    def set_range(self, first: int, weights: np.ndarray | float, count: int | None = None) -> None:
+        """Set the weights of leaves [first, first + n) (n: len(weights), or `count` for a scalar)."""
+        n = int(count) if count is not None else int(np.shape(weights)[0])
+        if n <= 0:
+            return
+        self._levels[0][first : first + n] = weights
+        self._rebuild(first, first + n)
 
     def clear(self) -> None:
-        self._nodes[:] = 0.0
+        for level in self._levels:
+            level[:] = 0.0
+        self._stale = None
+
+    def _refresh(self) -> None:
+        """Bring the running sums draws read up to date (only the rows changed since the last)."""
+        if self._stale is None:
+            for level, sums in zip(self._levels, self._sums):
+                np.cumsum(level.reshape(-1, FANOUT), axis=1, out=sums.reshape(-1, FANOUT))
+            changed = True
+        else:
+            changed = False
+            for level, sums, stale in zip(self._levels, self._sums, self._stale):
+                if stale:
+                    rows = np.concatenate(stale) if len(stale) > 1 else stale[0]
+                    sums.reshape(-1, FANOUT)[rows] = np.cumsum(level.reshape(-1, FANOUT)[rows], axis=1)
+                    changed = True
+        if changed or self._depth == 0:
+            np.cumsum(self._levels[self._depth], out=self._running)
+        self._stale = [[] for _ in self._sums]
+        self._stale_rows = 0
 
     def find(self, targets: np.ndarray) -> np.ndarray:
         """For each target t in [0, total), the leaf i with sum(w[:i]) <= t < sum(w[:i + 1]).
 
-        Never lands on a zero-weight leaf while the total is positive (a target that rounding puts
-        on a boundary goes to the side that carries weight).
+        Never lands on a zero-weight leaf while the total is positive: at each step the node
+        taken is the first whose running sum exceeds t, so it carries weight; a target that
+        rounding puts at or past a sum goes to the last weighted node there.
         """
-        targets = np.asarray(targets, dtype=np.float64)
-        # The plain descent (a few numpy calls a level); the rare target that rounding leaves on a
-        # zero-weight leaf is walked again with the careful rule.
-        u = targets.copy()
-        node = np.ones(u.shape, dtype=np.int64)
-        nodes = self._nodes
-        for _ in range(self._p.bit_length() - 1):
-            node *= 2
-            left = nodes.take(node)
-            go_right = u >= left
-            u -= left * go_right
-            node += go_right
-        stray = nodes.take(node) <= 0
-        if stray.any():
-            node[stray] = self._find_carefully(targets[stray])
-        return node - self._p
-
-    def _find_carefully(self, targets: np.ndarray) -> np.ndarray:
-        """`find`'s descent (as nodes) that never enters a zero-weight subtree beside a weighted one."""
-        u = targets.copy()
-        node = np.ones(u.shape, dtype=np.int64)
-        nodes = self._nodes
-        for _ in range(self._p.bit_length() - 1):
-            left = nodes[2 * node]
-            go_right = ((u >= left) | (left <= 0)) & (nodes[2 * node + 1] > 0)
-            u -= np.where(go_right, left, 0.0)
-            node = 2 * node + go_right
+        self._refresh()
+        u = np.array(targets, dtype=np.float64, copy=True).reshape(-1)
+        level, running = self._levels[self._depth], self._running
+        node = np.searchsorted(running, u, side="right")
+        past = node >= level.shape[0]
+        if past.any():
+            node[past] = int(np.flatnonzero(level > 0)[-1]) if running[-1] > 0 else 0
+        u -= np.where(node > 0, running.take(node - 1), 0.0)
+        flat_base = np.arange(u.shape[0], dtype=np.int64) * FANOUT
+        for j in reversed(range(self._depth)):
+            sums = self._sums[j].reshape(-1, FANOUT)[node]  # (n, B): running sums of each node's children
+            child = np.argmax(sums > u[:, None], axis=1)
+            past = sums[:, -1] <= u
+            if past.any():  # rounding: t at or past the row's sum; take the last weighted child
+                rows = self._levels[j].reshape(-1, FANOUT)[node[past]]
+                child[past] = FANOUT - 1 - np.argmax(rows[:, ::-1] > 0, axis=1)
+            u -= np.where(child > 0, sums.reshape(-1).take(flat_base + child - 1), 0.0)
+            node = node * FANOUT + child
         return node
 
     def sample(self, rng: np.random.Generator, count: int) -> np.ndarray:
@@ -121,18 +179,21 @@ class SumTree:
         return self.find(rng.random(count) * total)
 
     def range_sums(self, starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
-        """sum(w[start:stop]) for each pair, through prefix sums of the tree (O(log n) each)."""
+        """sum(w[start:stop]) for each pair, through prefix sums of the tree."""
         sums: np.ndarray = self.prefix(np.asarray(stops, np.int64)) - self.prefix(np.asarray(starts, np.int64))
         return sums
 
     def prefix(self, ends: np.ndarray) -> np.ndarray:
-        """sum(w[:end]) for each end in [0, size]: climbing from the leaf at `end`, every right
-        child passed adds its left sibling, which holds leaves wholly before `end`."""
-        full = ends >= self._p
-        node = np.where(full, 0, ends) + self._p
+        """sum(w[:end]) for each end in [0, size]: climbing from the leaf at `end`, each level adds
+        the siblings to the left of the node passed, which hold leaves wholly before `end`."""
+        ends = np.asarray(ends, dtype=np.int64).reshape(-1)
+        full = ends >= self._levels[0].shape[0]
+        pos = np.where(full, 0, ends)
         out = np.zeros(ends.shape, dtype=np.float64)
-        while np.any(node > 1):
-            right_child = (node % 2 == 1) & (node > 1)
-            out += np.where(right_child, self._nodes[node - 1], 0.0)
-            node = node // 2
+        flat_base = np.arange(ends.shape[0], dtype=np.int64) * FANOUT
+        for level in self._levels[:-1]:
+            row, offset = pos // FANOUT, pos % FANOUT
+            sums = np.cumsum(level.reshape(-1, FANOUT)[row], axis=1)
+            out += np.where(offset > 0, sums.reshape(-1).take(flat_base + offset - 1), 0.0)
+            pos = row
         return np.where(full, self.total, out)

@@ -327,7 +327,9 @@ class ReplayBuffer:
     def _publish(self, fsync: bool = False) -> None:
         """Make the current rows durable, then point the file's state at them (see module doc)."""
         state = self._state.replace(seq=max(self._state.seq, self._published.seq) + 1)
-        self._journal_or_raise.publish(state, fsync=fsync)
+        journal = self._journal_or_raise
+        self._sampling.write_log()  # the priority log entries the new state counts (`plog`)
+        journal.publish(state, fsync=fsync)
         self._state = self._published = state
 
     def _evict(self, new_end: int) -> None:
@@ -371,6 +373,7 @@ class ReplayBuffer:
             self._publish(fsync=fsync)
         except StorageError:
             self._keys.forget_from(self._published.ep_end)
+            self._sampling.drop_log()
             self._state = self._published
             self._episodes.set_range(self._published.ep_begin, self._published.ep_end)
             raise

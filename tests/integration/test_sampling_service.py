@@ -75,6 +75,61 @@ def test_priorities_survive_a_restart_and_evicted_ids_are_counted(start_server: 
         assert np.allclose(info.probabilities, [weights[i] / total for i in info.row_ids.tolist()])
 
 
+def test_priority_updates_are_answered_before_their_publish_and_a_sigkill_loses_only_the_last_interval(
+    start_server: Any,
+) -> None:
+    """An update's reply leaves once the writer applied it; the publish follows within
+    `priority_publish_interval`. The learner's next read waits for that publish (it sees its
+    update); after a SIGKILL the updates acknowledged more than an interval before are in the
+    file, the later ones may be lost, and every row is there."""
+    interval = 0.3
+    sampling = SamplingConfig(Prioritized(exponent=1.0))
+    server = start_server("k.h5", capacity=64, sampling=sampling, priority_publish_interval=interval)
+    with ActorClient(server.endpoint, timeout=10) as actor:
+        for k in range(4):
+            actor.push_episode(episode_rows(1, k, 8), priorities=np.ones(8))
+    with LearnerClient(server.endpoint, timeout=10) as learner:
+        seq = learner.info()["seq"]
+        for first in range(0, 16, 2):  # 8 acknowledged calls, none published yet
+            assert learner.update_priorities([first, first + 1], [0.0, 0.0]) == 0
+        _, info = learner.sample(2000, seed=1, with_info=True)  # waits for the publish the replies named
+        assert learner.views[0] is not None and learner.views[0].seq > seq
+        assert not set(info.row_ids.tolist()) & set(range(16)), "a read after an update must see it"
+        assert learner.info()["priority_updates"] == 16
+        time.sleep(3 * interval)  # published by now, even with nothing else coming
+        assert learner.update_priorities([20, 21], [0.0, 0.0]) == 0  # may be lost: killed at once
+    server.kill()
+    again = start_server("k.h5", capacity=64)
+    with LearnerClient(again.endpoint, timeout=10) as learner:
+        assert len(learner) == 32, "a SIGKILL never loses rows"
+        assert not row_problems(learner.get_rows(np.arange(32)))
+        _, info = learner.sample(4000, seed=2, with_info=True)
+        drawn = set(info.row_ids.tolist())
+        assert not drawn & set(range(16)), "updates acknowledged an interval before the kill must survive it"
+        assert learner.info()["priority_updates"] in (16, 18)
+        weights = np.ones(32)
+        weights[:16] = 0.0
+        if learner.info()["priority_updates"] == 18:
+            weights[20:22] = 0.0
+        assert np.allclose(info.probabilities, weights[info.row_ids.astype(np.int64)] / weights.sum())
+
+
+def test_a_writer_serving_reads_publishes_updates_before_a_read(start_server: Any) -> None:
+    """With --readers 0 the writer answers reads itself: one after an update publishes it first
+    (the read asks for the publish the update's reply named, and the writer never waits)."""
+    server = start_server(sampling=SamplingConfig(Prioritized(exponent=1.0)), num_readers=0,
+                          priority_publish_interval=1.0)
+    with ActorClient(server.endpoint, timeout=10) as actor:
+        actor.push_episode(episode_rows(1, 0, 8), priorities=np.ones(8))
+    with LearnerClient(server.endpoint, timeout=10) as learner:
+        for round_ in range(3):
+            assert learner.update_priorities([round_], [0.0]) == 0
+            started = time.monotonic()
+            _, info = learner.sample(500, seed=round_, with_info=True)
+            assert time.monotonic() - started < 0.5, "the read waited for the interval instead of publishing"
+            assert not set(info.row_ids.tolist()) & set(range(round_ + 1))
+
+
 def test_a_file_with_other_settings_is_refused(start_server: Any, tmp_path: Any) -> None:
     start_server("s.h5", sampling=SamplingConfig(Prioritized())).stop()
     with pytest.raises(RuntimeError, match="did not start"):

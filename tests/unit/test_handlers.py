@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from memory_backend import MemoryJournal, memory_replay_buffer
+from memory_backend import MemoryJournal, MemoryStorage, memory_replay_buffer
 
 from h5replay import protocol as P
 from h5replay.errors import (
@@ -25,6 +25,7 @@ from h5replay.errors import (
     SpaceMismatchError,
     StorageError,
 )
+from h5replay.sampling import Prioritized, SamplingConfig
 from h5replay.server.handlers import Service, read_reply
 from h5replay.storage import BoxSpace, DictSpace, ReplayBuffer
 
@@ -174,6 +175,49 @@ def test_commits_an_eviction_already_published_are_durable_when_the_pass_fails(m
     with pytest.raises(StorageError):
         h.service.publish()
     assert h.service.is_durable(first) and not h.service.is_durable(second)
+
+
+def prioritized_service(interval: float = 0.0) -> Service:
+    storage = MemoryStorage(SPACE, 100)
+    buffer = ReplayBuffer(storage, journal=MemoryJournal(storage), sampling=SamplingConfig(Prioritized()))  # type: ignore[arg-type]
+    service = Service(buffer, P.Limits(), "tcp://127.0.0.1:9", instance_id="i", priority_publish_interval=interval)
+    service.handle(A, P.PushEpisode(1, 4, wire([1, 2, 3, 4])), None, None)
+    service.publish()
+    return service
+
+
+def test_a_priority_update_is_answered_before_its_publish_and_names_it() -> None:
+    service = prioritized_service()
+    buffer, seq = service.buffer, service.buffer.published.seq
+    reply = service.handle(B, P.UpdatePriorities(2, np.array([0, 1]), np.array([3.0, 1.0])), None, None)
+    with pytest.raises(IndexError, match="never committed"):  # refused whole: nothing of it applied
+        service.handle(B, P.UpdatePriorities(3, np.array([1, 50]), np.array([7.0, 7.0])), None, None)
+    assert reply.seq == seq + 1 and service.updates_pending and buffer.published.seq == seq
+    assert buffer.priorities([0, 1]).tolist() == [3.0, 1.0]  # applied at once, in the writer's tree
+    service.publish()  # the end of the pass
+    assert buffer.published.seq == seq + 1 and not service.updates_pending and buffer.published.plog == 2
+
+
+def test_an_interval_lets_updates_wait_unless_a_read_forces_them_and_a_failed_publish_is_not_retried(
+    monkeypatch: Any,
+) -> None:
+    service = prioritized_service(interval=60.0)
+    seq = service.buffer.published.seq
+    service.handle(B, P.UpdatePriorities(2, np.array([0]), np.array([3.0])), None, None)
+    service.publish()
+    assert service.buffer.published.seq == seq and 59 < (service.updates_due_in() or 0) <= 60
+    service.publish(force=True)
+    assert service.buffer.published.seq == seq + 1 and service.updates_due_in() is None
+    service.handle(B, P.UpdatePriorities(3, np.array([1]), np.array([4.0])), None, None)
+
+    def refuse(state: Any, fsync: bool = False) -> None:
+        raise StorageError("injected: the state row could not be written")
+
+    monkeypatch.setattr(service.buffer._journal, "publish", refuse)
+    with pytest.raises(StorageError):
+        service.publish(force=True)
+    assert service.write_failure is not None
+    assert not service.updates_pending and service.updates_due_in() is None  # the loop does not spin on it
 
 
 def test_reads_answer_from_a_view_and_refuse_what_cannot_be(h: Harness) -> None:

@@ -16,7 +16,7 @@ from h5replay.errors import (
     ReadOnlyError,
 )
 from h5replay.sampling import Fifo, Lifo, Prioritized, RateLimit, SamplingConfig, Uniform
-from h5replay.storage import BoxSpace, ReplayBuffer, export_buffer
+from h5replay.storage import BoxSpace, ReplayBuffer, _sampling_file, export_buffer
 from h5replay.storage._sumtree import SumTree
 
 SPACE = BoxSpace(0, 2**40, (), np.int64)  # every row holds its own id
@@ -83,6 +83,27 @@ def fill(rb: ReplayBuffer, priorities: list[float]) -> None:
 def frequencies(rb: ReplayBuffer, n: int, rows: int, seed: int = 0) -> np.ndarray:
     batch = rb.sample(n, np.random.default_rng(seed))
     return np.bincount(batch, minlength=rows).astype(np.float64)
+
+
+def test_a_reopened_writer_checkpoints_the_updates_it_read_from_the_log(tmp_path: os.PathLike[str],
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A writer reopening the file applies the log past the last checkpoint; its own next
+    checkpoint must write those priorities too, or the log entries it then lets go are lost
+    (found by the sampling state machine: row 2's 20.0 came back as the default after a reopen)."""
+    monkeypatch.setattr(_sampling_file, "LOG_ENTRIES", 8)  # a checkpoint every few updates
+    path = os.path.join(tmp_path, "b.h5")
+    with ReplayBuffer.create(SPACE, None, path, sampler=Prioritized(1.0)) as rb:
+        rb.extend(np.arange(3))
+        rb.end_episode()
+    with ReplayBuffer.load_from(path, read_only=False) as rb:
+        rb.update_priorities([0], [0.0])
+        rb.update_priorities([0] * 10, [0.0] * 10)  # a checkpoint after 5 of the 11 updates
+        rb.update_priorities([0, 2], [0.0, 20.0])  # in the log only (13 updates, 8 since the checkpoint)
+    with ReplayBuffer.load_from(path, read_only=False) as rb:
+        rb.update_priorities([0], [0.0])  # checkpoints first: the ring holds no more
+    with ReplayBuffer.load_from(path, read_only=False) as rb:
+        assert rb.priorities([0, 1, 2]).tolist() == [0.0, 1.0, 20.0]
+        assert rb.info()["priority_sum"] == 21.0
 
 
 def test_prioritized_frequencies_follow_priority_to_the_exponent(tmp_path: os.PathLike[str]) -> None:
