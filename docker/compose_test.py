@@ -504,7 +504,7 @@ def exercise_shards(deployment: ShardsDeployment) -> None:
         def settled() -> bool:  # every episode an actor kept in doubt was settled on its shard
             nonlocal logs
             logs = deployment.compose("logs", "--no-color", "actor", "learner", timeout=60).stdout
-            return logs.count("settled an episode in doubt") == logs.count("keeps an episode of")
+            return bool(logs.count("settled an episode in doubt") == logs.count("keeps an episode of"))
 
         with step(f"{name}: every episode kept in doubt by an actor was settled on its shard"):
             wait_for("the episodes kept in doubt settled", settled, 60)
