@@ -84,6 +84,10 @@ class Connection:
             self._sock.curve_serverkey = curve["server_key"]
         self._sock.connect(endpoint)
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def _check(self) -> None:
         if self._closed:
             raise ClosedError(f"this connection to {self.endpoint} was closed")

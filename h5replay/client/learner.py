@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import collections
 import itertools
+import logging
 import os
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple, overload
 
 import numpy as np
 
@@ -29,10 +31,12 @@ from h5replay import protocol as P
 from h5replay.client._connection import Connection, curve_keys, say_hello
 from h5replay.client._shards import ShardedLearner
 from h5replay.config import DEFAULT_ENDPOINT, ClientConfig, process_name
-from h5replay.errors import ConfigError, ProtocolError
+from h5replay.errors import ClosedError, ConfigError, ProtocolError, ServerUnavailableError
 from h5replay.records import Episode, SampleInfo
 from h5replay.sampling import check_priorities
 from h5replay.spaces import Schema, Space, space_from_json
+
+log = logging.getLogger("h5replay.client")
 
 __all__ = ["LearnerClient", "View"]
 
@@ -162,6 +166,11 @@ class LearnerClient:
         # Samples that change the buffer (a rate limit, removals) are drawn by the writer.
         self._samples: Connection = self._conn if hello.sampling.get("writer_samples") else self._reads
         self._seen_seq = 0  # the newest publish this client's own writes (priority updates) made
+        # Priority updates sent with wait=False whose replies were not read yet (request ids).
+        self._updates_in_flight: collections.deque[int] = collections.deque()
+        self._updates_lock = threading.RLock()
+        #: Ids ignored by the priority updates sent with wait=False, as their replies came back.
+        self.ignored_priority_updates = 0
         self.schema = Schema(self.space)
         row_bytes = self.schema.row_bytes
         room = self.limits.max_message_bytes - P.ROWS_MESSAGE_OVERHEAD
@@ -192,6 +201,8 @@ class LearnerClient:
 
     @property
     def _min_seq(self) -> int:
+        if self._updates_in_flight:  # every read sees this client's own priority updates
+            self.flush_priorities()
         return max(self._view.seq if self._view is not None else 0, self._seen_seq)
 
     def _observe(self, reply: P.ReadReply) -> View:
@@ -462,7 +473,14 @@ class LearnerClient:
             info = info.concatenate(more)
         return info
 
-    def update_priorities(self, row_ids: Any, priorities: Any) -> int:
+    @overload
+    def update_priorities(self, row_ids: Any, priorities: Any, *, wait: Literal[True] = True) -> int: ...
+    @overload
+    def update_priorities(self, row_ids: Any, priorities: Any, *, wait: Literal[False]) -> None: ...
+    @overload
+    def update_priorities(self, row_ids: Any, priorities: Any, *, wait: bool) -> int | None: ...
+
+    def update_priorities(self, row_ids: Any, priorities: Any, *, wait: bool = True) -> int | None:
         """Set the priorities of rows by id (a prioritized server), e.g. to |TD error| after a
         learning step. Ids no longer held are ignored (and counted by the server). Blocks until
         the writer has applied them to its sum tree, at most `timeout`; they are published (made
@@ -470,8 +488,16 @@ class LearnerClient:
         reply, and every later read of this client waits for that publish, so it sees them. A
         SIGKILL of the server before that publish loses them (see the README).
 
+        `wait=False` (as Acme's learners update Reverb's priorities from a background executor):
+        checked here, sent, and returns None at once, with up to `max_in_flight` updates
+        travelling (a further one waits for the oldest reply), so the writer applies several in
+        one pass and publishes them once. Their replies are read by `flush_priorities()`, which
+        the next read of this client calls first (so it still sees them) and `close()` too;
+        their ignored ids add up in `ignored_priority_updates`, and an update the server refused
+        raises there. Over several servers, updates are always waited for.
+
         Returns:
-            How many ids were ignored.
+            How many ids were ignored (None with wait=False).
 
         Raises:
             ConfigError: the server's sampler keeps no priorities, or a priority is negative, NaN
@@ -485,10 +511,43 @@ class LearnerClient:
         if ids.size and int(ids.min()) < 0:
             raise IndexError(f"row id {int(ids.min())} is negative; row ids count from 0")
         parts = _chunks(ids.shape[0], self._ids_per_message // 2) or [(0, 0)]
-        replies = self._read_many([_request(P.UpdatePriorities, ids[lo:hi], values[lo:hi]) for lo, hi in parts],
-                                  self._conn)
+        requests = [_request(P.UpdatePriorities, ids[lo:hi], values[lo:hi]) for lo, hi in parts]
+        if not wait:
+            with self._updates_lock:
+                for request in requests:
+                    while len(self._updates_in_flight) >= self.config.max_in_flight:
+                        self._settle_update(self._updates_in_flight.popleft())
+                    self._updates_in_flight.append(self._conn.send(request))
+            return None
+        replies = self._read_many(requests, self._conn)
         self._seen_seq = max(self._seen_seq, *(int(r.seq) for r in replies))
         return sum(int(r.ignored) for r in replies)
+
+    def _settle_update(self, request_id: int) -> None:
+        """Read the reply of one update sent with wait=False (raises the server's refusal)."""
+        reply = self._conn.wait(request_id)
+        self._seen_seq = max(self._seen_seq, int(reply.seq))  # type: ignore[attr-defined]
+        self.ignored_priority_updates += int(reply.ignored)  # type: ignore[attr-defined]
+
+    def flush_priorities(self) -> None:
+        """Wait for the replies of every priority update sent with wait=False. The server's
+        refusal of one of them (ConfigError, IndexError) is raised after the others were read;
+        when the server does not answer (ServerUnavailableError) the rest are given up."""
+        error: BaseException | None = None
+        with self._updates_lock:
+            while self._updates_in_flight:
+                request_id = self._updates_in_flight.popleft()
+                try:
+                    self._settle_update(request_id)
+                except (ServerUnavailableError, ClosedError):
+                    for rest in self._updates_in_flight:
+                        self._conn.forget(rest)
+                    self._updates_in_flight.clear()
+                    raise
+                except Exception as exc:  # a refusal of this update: the others still count
+                    error = error or exc
+        if error is not None:
+            raise error
 
     def episodes(self) -> list[Episode]:
         """Every complete episode held, oldest first: Episode(episode_id, first_row_id, length).
@@ -508,10 +567,16 @@ class LearnerClient:
     # ------------------------------------------------------------------ closing
 
     def close(self) -> None:
-        """Close both sockets. Safe to call twice."""
+        """Close both sockets (after reading the replies of priority updates sent with
+        wait=False; a refusal among them is logged). Safe to call twice."""
         if self._router is not None:
             self._router.close()
             return
+        if self._updates_in_flight and not self._conn.closed:
+            try:
+                self.flush_priorities()
+            except Exception as exc:  # closing must not raise; the caller gave up on their replies
+                log.warning("a priority update sent with wait=False failed: %s", exc)
         if self._reads is not None and self._reads is not self._conn:
             self._reads.close()
         self._conn.close()

@@ -160,6 +160,31 @@ def test_bad_priority_updates_are_refused_and_the_server_keeps_serving(start_ser
         assert len(learner) == 4 and learner.info()["priority_updates"] == 0
 
 
+def test_pipelined_priority_updates_are_seen_by_the_next_read_and_their_refusals_raise_there(
+        start_server: Any, caplog: Any) -> None:
+    """update_priorities(wait=False) returns at once with several updates travelling; the next read
+    reads their replies first (so it sees them), their ignored ids add up, and a refusal is raised
+    there, after the other updates were applied; close() reads what is left and logs a refusal."""
+    server = start_server(sampling=SamplingConfig(Prioritized(exponent=1.0)), capacity=8)
+    with ActorClient(server.endpoint, timeout=10) as actor:
+        actor.push_episode(episode_rows(1, 0, 8), priorities=[1.0] * 8)
+    with LearnerClient(config=ClientConfig(endpoint=server.endpoint, timeout=10, max_in_flight=2)) as learner:
+        for row in range(6):  # more than max_in_flight: the oldest replies are read on the way
+            assert learner.update_priorities([row], [0.0], wait=False) is None
+        _, info = learner.sample(500, seed=3, with_info=True)
+        assert set(info.row_ids.tolist()) <= {6, 7} and learner.ignored_priority_updates == 0
+        learner.update_priorities([6], [0.0], wait=False)
+        learner.update_priorities([50], [1.0], wait=False)  # never committed: refused
+        learner.update_priorities([0], [3.0], wait=False)
+        with pytest.raises(IndexError, match="never committed"):
+            learner.flush_priorities()
+        _, info = learner.sample(500, seed=4, with_info=True)  # the updates around the refused one count
+        assert set(info.row_ids.tolist()) == {0, 7}
+        assert learner.info()["priority_updates"] == 8
+        learner.update_priorities([60], [1.0], wait=False)
+    assert "a priority update sent with wait=False failed" in caplog.text and "never committed" in caplog.text
+
+
 # ------------------------------------------------------------------------------------ rate limits
 
 
