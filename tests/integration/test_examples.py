@@ -205,6 +205,7 @@ def test_the_learner_reports_rows_episodes_returns_and_fields(start_server):
     assert last.startswith("learner done:") and not last.startswith("learner done: 0 batches")
 
 
+@pytest.mark.serial  # the learner runs 6 s, in which a server must start and an actor push 3 episodes
 def test_the_learner_waits_for_a_server_that_comes_up_later_and_for_data(tmp_path):
     # A fixed port (not port 0): the learner dials it before the server exists.
     config = server_config(tmp_path / "rb.h5", space=CARTPOLE, bind=endpoint(), read_bind=endpoint())
