@@ -31,9 +31,15 @@ demo: $(STAMP)
 check: lint
 	$(BIN)/python -m pytest tests/unit tests/property
 
-# Everything: lint and types first (seconds), then the whole suite (minutes).
+# Everything: lint and types first (seconds), then the whole suite. Most of it runs in 4 worker
+# processes (pytest-xdist): many of its tests wait, on sockets, timeouts and processes starting,
+# and 4 workers on 2 cores overlap those waits. A module whose fixture serves all its tests stays
+# on one worker (xdist_group, --dist loadgroup). Then the tests marked `serial` run alone: they
+# measure rates or wall time, which tests running beside them would skew.
+XDIST_WORKERS ?= 4
 test: lint
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(XDIST_WORKERS) --dist loadgroup -m "not serial"
+	$(BIN)/python -m pytest -m serial
 
 lint: $(STAMP)
 	$(BIN)/ruff check h5replay tests docker

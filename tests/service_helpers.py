@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import random
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -47,9 +48,41 @@ SPAWN = mp.get_context("spawn")
 # ------------------------------------------------------------------------------ ports and servers
 
 
+_PORTS_PER_WORKER = 1000
+
+
+def _port_slice() -> range:
+    """The ports this test process draws from: below the kernel's ephemeral range, one slice per
+    pytest-xdist worker (PYTEST_XDIST_WORKER is gw0, gw1, ...; unset in a plain run)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768  # Linux's default
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    number = int(worker) if worker.isdigit() else 0
+    slices = max(1, (ephemeral_low - 10_000) // _PORTS_PER_WORKER)
+    low = ephemeral_low - _PORTS_PER_WORKER * (1 + number % slices)
+    return range(low, low + _PORTS_PER_WORKER)
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A TCP port on 127.0.0.1 that nothing listens on right now, for a server that binds it later.
+
+    Not one the kernel picks for port 0: such a port is in the ephemeral range, where any bind to
+    port 0 or outgoing connection of the tests running beside this one (pytest-xdist) could take it
+    before the server binds it, or while a test restarts its server on it. Ports below that range
+    are handed out only on request, and each xdist worker draws from its own slice of them.
+    """
+    ports = _port_slice()
+    for port in random.Random().sample(ports, 100):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # a crowded slice: any free port
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 

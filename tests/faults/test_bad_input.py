@@ -30,6 +30,9 @@ from h5replay.errors import (
 from h5replay.protocol import Limits
 from h5replay.storage import BinarySpace, BoxSpace, DictSpace, ReplayBuffer, TextSpace
 
+# One server (the module's `live` fixture) serves every test here: one xdist worker runs them all.
+pytestmark = pytest.mark.xdist_group("test_bad_input")
+
 SPACE = DictSpace({
     "done": BinarySpace(),
     "note": TextSpace(4),  # stored as |S16: up to 4 characters of up to 4 UTF-8 bytes each

@@ -22,6 +22,9 @@ from h5replay.client import ActorClient, LearnerClient
 from h5replay.errors import H5ReplayError, StorageError
 from h5replay.server import ServerProcess
 
+# Two disk-full runs (module fixtures) serve every test here: one xdist worker runs them all.
+pytestmark = pytest.mark.xdist_group("test_disk_full")
+
 FSIZE = 2_000_000  # bytes the server's files may reach
 EPISODE_ROWS = 200  # 16 kB an episode: the limit is hit after about 100
 MAX_EPISODES = 1000

@@ -29,6 +29,9 @@ from h5replay.errors import LimitExceededError, ProtocolError, ServerUnavailable
 from h5replay.server import ServerProcess
 from h5replay.storage import ReplayBuffer
 
+# The module's `limited` server serves several tests: one xdist worker runs them all.
+pytestmark = pytest.mark.xdist_group("test_fuzz_live")
+
 PACKAGE = Path(__file__).resolve().parents[2] / "h5replay"
 DECODER_MESSAGES = 100_000
 FUZZ_SECONDS = 20.0

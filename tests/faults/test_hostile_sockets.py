@@ -27,6 +27,10 @@ from h5replay.client import ActorClient, LearnerClient
 from h5replay.server import ServerProcess
 from h5replay.storage import BoxSpace, DictSpace
 
+# Each test here pushes hundreds of MB through a server: one xdist worker runs them one at a
+# time, so two of them never load the machine at once (the tests beside them still run).
+pytestmark = pytest.mark.xdist_group("test_hostile_sockets")
+
 MB = 1 << 20
 RSS_LIMIT = 512 * MB
 IMAGE = DictSpace({"img": BoxSpace(0, 255, (128, 128, 4), np.uint8), "step": BoxSpace(0, 1 << 30, (), np.int64)})

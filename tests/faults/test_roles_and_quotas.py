@@ -255,6 +255,7 @@ def _commits_in(endpoint: str, seconds: float) -> int:
     return done
 
 
+@pytest.mark.serial  # compares two commit rates: tests running beside it would skew one or the other
 @pytest.mark.timeout(120)
 def test_reads_on_the_writer_endpoint_cannot_starve_ingest(start_server):
     """Issue 14, case 9: one learner sampling images on the writer endpoint took commits from 2,250
@@ -290,6 +291,7 @@ def _reader_pids(server: ServerProcess) -> list[int]:
     return found
 
 
+@pytest.mark.serial  # a replacement reader process must start and answer within 15 s; not so at load 9
 @pytest.mark.timeout(120)
 def test_a_stopped_reader_is_replaced_after_a_deadline(start_server):
     """Issue 14, case 10: a SIGSTOPped reader was never replaced; learners failed as long as it

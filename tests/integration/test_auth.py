@@ -42,6 +42,9 @@ from h5replay.sampling import Prioritized, SamplingConfig
 from h5replay.server import ServerProcess
 from h5replay.server.auth import generate_keys
 
+# The module's keys and `secured` server serve many tests: one xdist worker runs them all.
+pytestmark = pytest.mark.xdist_group("test_auth")
+
 REFUSED_WITHIN = 1.0  # seconds a refused client waits before ServerUnavailableError
 KEY_FILES = ["server.key", "server.key_secret", "actor.key", "actor.key_secret", "learner.key",
              "learner.key_secret", "actors/actor.key", "learners/learner.key"]

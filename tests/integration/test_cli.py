@@ -235,6 +235,7 @@ def _listening() -> tuple[socket.socket, int]:
     return holder, holder.getsockname()[1]
 
 
+@pytest.mark.serial  # "at once" is a whole `h5replay serve` run in under 10 s: 10.5 s beside 4 workers at load 9
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("which", ["--bind", "--read-bind"])
 def test_a_taken_port_fails_at_once_in_one_line_and_leaves_no_file(tmp_path, space_file, which):

@@ -205,6 +205,7 @@ def test_the_learner_reports_rows_episodes_returns_and_fields(start_server):
     assert last.startswith("learner done:") and not last.startswith("learner done: 0 batches")
 
 
+@pytest.mark.serial  # the learner runs 6 s, in which a server must start and an actor push 3 episodes
 def test_the_learner_waits_for_a_server_that_comes_up_later_and_for_data(tmp_path):
     # A fixed port (not port 0): the learner dials it before the server exists.
     config = server_config(tmp_path / "rb.h5", space=CARTPOLE, bind=endpoint(), read_bind=endpoint())
@@ -337,6 +338,7 @@ def _example_against(tmp_path: Path, what: str, server_fate: str, sig: int) -> I
             server.kill()
 
 
+@pytest.mark.serial  # exits within _STOP_WITHIN of a signal: 2.17 s once beside 4 workers at load 8
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("server_fate", ["stop", "kill"])
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -346,6 +348,7 @@ def test_the_actor_exits_within_2_s_of_a_signal_while_its_server_is_stopped_or_g
     assert "stopped by a signal" in err.read_text()
 
 
+@pytest.mark.serial  # exits within _STOP_WITHIN of a signal (see the actor test above)
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_the_learner_exits_within_2_s_of_a_signal_while_its_server_is_stopped(tmp_path, sig):
@@ -353,6 +356,7 @@ def test_the_learner_exits_within_2_s_of_a_signal_while_its_server_is_stopped(tm
         assert took < _STOP_WITHIN, (took, err.read_text())
 
 
+@pytest.mark.serial  # exits within _STOP_WITHIN of a signal (see the actor test above)
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("what", ["actor", "learner"])
 def test_the_examples_exit_within_2_s_of_sigterm_while_a_server_never_answers(tmp_path, what):

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from service_helpers import free_port
 
 from h5replay.spaces import space_from_json
 
@@ -28,9 +29,7 @@ def python_block(after_heading: str) -> str:
 def two_free_ports() -> int:
     """A port p with p + 1 free too (the server's default read port is the next one)."""
     for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
+        port = free_port()  # outside the ephemeral range, as free_port says why
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port + 1))

@@ -19,6 +19,9 @@ from h5replay.errors import ClosedError
 from h5replay.storage import fastread
 from h5replay.storage.fastread import MappedRows
 
+# The module's `store` file serves every case: one xdist worker builds it once.
+pytestmark = pytest.mark.xdist_group("test_fastread")
+
 STRING = h5py.string_dtype("utf-8", length=8)
 
 KINDS: list[tuple[str, tuple[int, ...]]] = [

@@ -26,6 +26,9 @@ from h5replay.storage.indexing import (
     write_sorted_unique_rows,
 )
 
+# The module's `store` file serves every case: one xdist worker builds it once.
+pytestmark = pytest.mark.xdist_group("test_indexing")
+
 STRING = h5py.string_dtype("utf-8", length=8)
 
 # (dtype name, row shape); every one is stored in each layout below.
