@@ -71,6 +71,15 @@ _EPISODE_CHUNK_ROWS = 4096
 _TORN_RETRIES = 100  # a reader re-reads a torn state row this often (about 0.1 s) before calling it damaged
 
 
+class RecordsMoved(Exception):
+    """A reader read episode records whose slots the writer reused after the state it synced to
+    (internal: ReplayBuffer.refresh syncs again to `latest`)."""
+
+    def __init__(self, latest: State) -> None:
+        super().__init__(f"the writer published seq {latest.seq} meanwhile")
+        self.latest = latest
+
+
 @dataclass(frozen=True)
 class State:
     """The published state of a replay buffer (all ids global).
@@ -527,7 +536,13 @@ class Journal:
 
     def _check_records(self, records: np.ndarray, state: State, first_id: int, previous_end: int | None) -> None:
         """Records of episodes first_id, first_id + 1, ... must lie inside the rows held, in order,
-        after `previous_end` (the end of the record before them): else the file is damaged."""
+        after `previous_end` (the end of the record before them): else the file is damaged.
+
+        A reader may also have read them after the writer reused their slots (the table is a
+        ring of `capacity` slots, and a reader can be descheduled while the writer commits that
+        many episodes): a reused slot holds a newer episode, whose rows lie past `state.end`,
+        so it fails here too. Then the published state has moved on: RecordsMoved, with it,
+        tells the caller to sync again; only a state that did not move means a damaged file."""
         if not records.shape[0]:
             return
         s, n = records[:, 0], records[:, 1]
@@ -536,6 +551,10 @@ class Journal:
         if previous_end is not None:
             bad[0] |= s[0] < previous_end
         if bad.any():
+            if self._reader:
+                latest = self.read()
+                if latest.seq != state.seq:
+                    raise RecordsMoved(latest)
             i = int(np.argmax(bad))
             raise StorageError(f"{self._where} has an impossible episode record {first_id + i}: "
                                f"rows [{int(s[i])}, {int(s[i] + n[i])}) in a buffer of rows "

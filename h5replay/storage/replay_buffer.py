@@ -45,7 +45,7 @@ from h5replay.spaces import Schema, Space
 from h5replay.storage import _h5file, hdf5
 from h5replay.storage._draws import Sampling
 from h5replay.storage._indices import normalize_index
-from h5replay.storage._journal import EpisodeTable, Journal, JournalStore, State
+from h5replay.storage._journal import EpisodeTable, Journal, JournalStore, RecordsMoved, State
 from h5replay.storage._keys import DEFAULT_KEY_WINDOW, KeyTable, check_key
 from h5replay.storage.hdf5 import HDF5Storage
 from h5replay.storage.segment import SegmentWriter
@@ -123,8 +123,7 @@ class ReplayBuffer:
             self._state = self._published = State(end=end, open_start=end)
         else:
             self._journal = journal if journal is not None else Journal(storage)
-            self._state = self._published = self._journal.read()
-            self._journal.load(self._episodes, self._state)
+            self._state = self._published = self._load_episodes(self._journal)
             store = self._journal.sampling
         key_file = self._journal.keys if self._journal is not None else None
         self._keys = KeyTable(key_file.window if key_file is not None else DEFAULT_KEY_WINDOW, key_file)
@@ -531,6 +530,19 @@ class ReplayBuffer:
 
     # ------------------------------------------------------------------ reading
 
+    def _load_episodes(self, journal: JournalStore) -> State:
+        """Read the published state and every episode record it holds (again, with a newer
+        state, when the writer reused record slots meanwhile: see Journal._check_records)."""
+        state = journal.read()
+        for _ in range(_READ_RETRIES):
+            try:
+                journal.load(self._episodes, state)
+                return state
+            except RecordsMoved as moved:
+                state = moved.latest
+        raise StorageError(f"the episode table of {self.storage.filename!r} kept changing while it was opened "
+                           f"({_READ_RETRIES} tries); the writer commits faster than a reader can follow")
+
     def refresh(self) -> None:
         """Reader side: pick up what the writer published since the last call. Reads only what
         changed (new episode records); a new generation drops every cache, memory maps included."""
@@ -541,12 +553,20 @@ class ReplayBuffer:
         old = self._state
         if new == old:
             return
-        if new.generation != old.generation or new.origin != old.origin:
-            self.storage.invalidate_maps()
-            self.storage.refresh()
+        for _ in range(_READ_RETRIES):
+            if new.generation != old.generation or new.origin != old.origin:
+                self.storage.invalidate_maps()
+                self.storage.refresh()
+            else:
+                self.storage.mark_stale()
+            try:
+                self._journal.sync(self._episodes, old, new)
+                break
+            except RecordsMoved as moved:  # the writer reused record slots meanwhile: to its newer state
+                new = moved.latest
         else:
-            self.storage.mark_stale()
-        self._journal.sync(self._episodes, old, new)
+            raise StorageError(f"the episode table of {self.storage.filename!r} kept changing under this reader "
+                               f"({_READ_RETRIES} tries); the writer commits faster than it can follow")
         self._sampling.sync(old, new, self._journal.read)
         self._state = self._published = new
 

@@ -205,3 +205,55 @@ def test_readers_are_exact_under_random_interleavings(tmp_path, monkeypatch, cap
     finally:
         again.close()
 
+
+
+def _commands_main(path: str, inbox: Any, done: Any) -> None:
+    """A writer process: creates the file, then commits as many 1-row episodes as each command says."""
+    rb = ReplayBuffer.create(SPACE, 16, path, multiprocessing=True)
+    uid = 0
+    try:
+        done.put("ready")
+        while (count := inbox.get(timeout=60)) is not None:
+            for _ in range(count):
+                rb.extend(rows_of(uid, 1, 0, uid))
+                rb.end_episode()
+                uid += 1
+            rb.flush()
+            done.put(uid)
+    finally:
+        rb.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_reader_descheduled_while_the_writer_reuses_episode_record_slots_syncs_to_the_newer_state(tmp_path):
+    """The episode table is a ring of `capacity` slots: a reader that read the published state
+    and then read the records after the writer committed that many more episodes finds newer
+    episodes in their slots. It used to call the file damaged ("impossible episode record"; seen
+    once under load in the interleaving test); it now syncs to the newer state."""
+    path = str(tmp_path / "rb.h5")
+    inbox, done = mp.get_context("spawn").Queue(), mp.get_context("spawn").Queue()
+    writer = mp.get_context("spawn").Process(target=_commands_main, args=(path, inbox, done))
+    writer.start()
+    try:
+        assert done.get(timeout=60) == "ready"
+        inbox.put(4)
+        assert done.get(timeout=60) == 4
+        with ReplayBuffer.load_from(path, read_only=True, multiprocessing=True) as rb:
+            assert len(rb) == 4
+            inbox.put(2)
+            assert done.get(timeout=60) == 6
+            journal = rb._journal
+            real_read = journal.read
+            stale = real_read()  # the state with 6 episodes, as a reader about to be descheduled reads it
+            inbox.put(40)  # meanwhile: 40 more episodes, through every one of the 16 record slots
+            assert done.get(timeout=60) == 46
+            reads = iter([stale])
+            journal.read = lambda: next(reads, None) or real_read()  # type: ignore[method-assign]
+            rb.refresh()
+            assert len(rb) == 16 and [e.episode_id for e in rb.episodes()] == list(range(30, 46))
+            assert rb.get_rows(np.arange(30, 46))["uid"].tolist() == list(range(30, 46))
+    finally:
+        inbox.put(None)
+        writer.join(30)
+        if writer.is_alive():
+            writer.kill()
