@@ -742,12 +742,8 @@ class Schema:
             arr = leaf.encode_batch(flat[name], num_rows, key=name)
             num_rows = arr.shape[0] if num_rows is None else num_rows
             encoded[name] = arr
-        self._check_bounds(encoded)
+        self.check_values(encoded)
         return encoded, int(num_rows or 0)
-
-    def _check_bounds(self, encoded: Mapping[str, np.ndarray], first_row: int = 0) -> None:
-        for name, leaf in self._bounded:
-            leaf.check_bounds(encoded[name], name, first_row)
 
     def check_values(self, encoded: Mapping[str, np.ndarray], first_row: int = 0) -> None:
         """Check the Box bounds (and NaN) of stored rows already checked for keys, dtypes and
@@ -756,7 +752,8 @@ class Schema:
         Raises:
             SpaceMismatchError: names the leaf, the row and index of the first bad value, and the bound.
         """
-        self._check_bounds(encoded, first_row)
+        for name, leaf in self._bounded:
+            leaf.check_bounds(encoded[name], name, first_row)
 
     def encode_one(self, sample: Any, *, check_values: bool = True) -> dict[str, np.ndarray]:
         """Check one sample; returns {leaf name: stored batch of one row}. `check_values=False`
@@ -768,7 +765,7 @@ class Schema:
         flat = self.flatten(sample)
         encoded = {name: leaf.encode_one(flat[name], key=name) for name, leaf in self.leaves}
         if check_values:
-            self._check_bounds(encoded)
+            self.check_values(encoded)
         return encoded
 
     def decode(self, stored: Mapping[str, np.ndarray]) -> Any:
@@ -795,5 +792,5 @@ class Schema:
                 f"the space's leaves are {list(self.names)}; check the actor's spaces"
             )
         checked = {name: leaf.validate_stored(arrays[name], num_rows, key=name) for name, leaf in self.leaves}
-        self._check_bounds(checked)
+        self.check_values(checked)
         return checked

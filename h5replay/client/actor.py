@@ -260,8 +260,7 @@ class ActorSegment:
                     column[row] = value
                 self._buffered_rows = row + 1
                 self.length += 1
-                if (row + 1 == self._batch_capacity
-                        or time.monotonic() - self._buffered_since >= self._config.batch_seconds):
+                if self._batch_due():
                     self._send_buffered()
                 return
         given = _check_priorities(None if priority is None else [priority], 1)
@@ -300,11 +299,13 @@ class ActorSegment:
             self._buffered_rows += take
             self.length += take
             offset += take
-            if (
-                self._buffered_rows == self._batch_capacity
-                or time.monotonic() - self._buffered_since >= self._config.batch_seconds
-            ):
+            if self._batch_due():
                 self._send_buffered()
+
+    def _batch_due(self) -> bool:
+        """Whether the buffered rows leave now: the batch is full, or its first row is old enough."""
+        return (self._buffered_rows == self._batch_capacity
+                or time.monotonic() - self._buffered_since >= self._config.batch_seconds)
 
     def _send_buffered(self) -> None:
         if not self._buffered_rows or self._batch is None:

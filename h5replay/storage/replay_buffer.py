@@ -531,16 +531,19 @@ class ReplayBuffer:
     # ------------------------------------------------------------------ reading
 
     def _load_episodes(self, journal: JournalStore) -> State:
-        """Read the published state and every episode record it holds (again, with a newer
-        state, when the writer reused record slots meanwhile: see Journal._check_records)."""
-        state = journal.read()
+        """Read the published state and every episode record it holds."""
+        return self._follow(journal.read(), lambda state: journal.load(self._episodes, state))
+
+    def _follow(self, state: State, take: Callable[[State], None]) -> State:
+        """`take(state)`, again with the newer state when the writer reused episode record slots
+        meanwhile (see Journal._check_records); returns the state taken."""
         for _ in range(_READ_RETRIES):
             try:
-                journal.load(self._episodes, state)
+                take(state)
                 return state
             except RecordsMoved as moved:
                 state = moved.latest
-        raise StorageError(f"the episode table of {self.storage.filename!r} kept changing while it was opened "
+        raise StorageError(f"the episode table of {self.storage.filename!r} kept changing under this reader "
                            f"({_READ_RETRIES} tries); the writer commits faster than a reader can follow")
 
     def refresh(self) -> None:
@@ -553,21 +556,18 @@ class ReplayBuffer:
         old = self._state
         if new == old:
             return
-        for _ in range(_READ_RETRIES):
+        journal = self._journal
+
+        def take(new: State) -> None:
             if new.generation != old.generation or new.origin != old.origin:
                 self.storage.invalidate_maps()
                 self.storage.refresh()
             else:
                 self.storage.mark_stale()
-            try:
-                self._journal.sync(self._episodes, old, new)
-                break
-            except RecordsMoved as moved:  # the writer reused record slots meanwhile: to its newer state
-                new = moved.latest
-        else:
-            raise StorageError(f"the episode table of {self.storage.filename!r} kept changing under this reader "
-                               f"({_READ_RETRIES} tries); the writer commits faster than it can follow")
-        self._sampling.sync(old, new, self._journal.read)
+            journal.sync(self._episodes, old, new)
+
+        new = self._follow(new, take)
+        self._sampling.sync(old, new, journal.read)
         self._state = self._published = new
 
     def _consistent(self, attempt: Callable[[State], tuple[_T, int]]) -> _T:

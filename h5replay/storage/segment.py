@@ -62,11 +62,9 @@ class SegmentTarget(Protocol):
     """What a segment writer needs of its storage (HDF5Storage is one)."""
 
     capacity: int | None
-    schema: Schema
+    schema: Schema  # how samples are checked and encoded
 
     def __len__(self) -> int: ...
-    def encode_one(self, sample: Any) -> dict[str, np.ndarray]: ...
-    def encode_batch(self, batch: Any, num_rows: int | None = None) -> tuple[dict[str, np.ndarray], int]: ...
     def write_ring(self, start: int, encoded: Mapping[str, np.ndarray]) -> None: ...
     def extend_length(self, length: int) -> None: ...
     def _require_mutable(self, what: str) -> None: ...
@@ -268,7 +266,7 @@ class SegmentWriter:
         self._require_open("extend")
         if self.is_finished:
             raise SegmentStateError("cannot extend a finished segment writer")
-        encoded, n = self.storage.encode_batch(batch)
+        encoded, n = self._schema.encode_batch(batch)
         self._push(encoded, n, self._note_priorities(priorities, n))
 
     def extend_stored(self, arrays: Mapping[str, np.ndarray], num_rows: int, priorities: Any = None, *,
