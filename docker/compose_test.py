@@ -566,7 +566,15 @@ def exercise(deployment: Deployment) -> None:
         raise Failure(f"networks left after the test: {sorted(left)}")
 
 
+DEPLOYMENTS = {"plain": ["compose.yaml"], "auth": ["compose.yaml", "compose.auth.yaml"],
+               "shards": ["compose.shards.yaml"]}
+
+
 def main(only: list[str]) -> int:
+    unknown = sorted(set(only) - set(DEPLOYMENTS))
+    if unknown:
+        say(f"unknown deployment(s) {unknown}: choose among {', '.join(DEPLOYMENTS)} (none: all)")
+        return 2
     started = time.monotonic()
     engine = Engine()
     results: dict[str, str] = {}
@@ -592,8 +600,7 @@ def main(only: list[str]) -> int:
         except Failure as exc:
             say(f"FAILED to build the image: {exc}")
             return 1
-        for name, files in (("plain", ["compose.yaml"]), ("auth", ["compose.yaml", "compose.auth.yaml"]),
-                            ("shards", ["compose.shards.yaml"])):
+        for name, files in DEPLOYMENTS.items():
             if only and name not in only:
                 continue
             try:

@@ -21,7 +21,14 @@ from h5replay import protocol as P
 from h5replay.client._connection import Connection, NotSentError, curve_keys, say_hello
 from h5replay.client._shards import InDoubt, ShardedActor, ShardedSegment
 from h5replay.config import DEFAULT_ENDPOINT, ClientConfig, process_name
-from h5replay.errors import ClosedError, DiskFullError, RateLimitedError, SegmentStateError, ServerUnavailableError
+from h5replay.errors import (
+    ClosedError,
+    ConfigError,
+    DiskFullError,
+    RateLimitedError,
+    SegmentStateError,
+    ServerUnavailableError,
+)
 from h5replay.records import Receipt
 from h5replay.sampling import check_priorities
 from h5replay.spaces import Schema, Space, space_from_json
@@ -129,7 +136,14 @@ class ActorClient:
     def settle(self, timeout: float | None = None) -> list[InDoubt]:
         """Wait up to `timeout` seconds (None: the client's timeout) for every episode in doubt to
         be settled on its shard; returns those still in doubt (none for a single server, whose
-        commit either returns or raises). `close()` settles only on shards that answer at once."""
+        commit either returns or raises). `close()` settles only on shards that answer at once.
+
+        Raises:
+            ConfigError: `timeout` is not a number of seconds >= 0 (nor None).
+        """
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not timeout >= 0):
+            raise ConfigError(f"settle's timeout must be a number of seconds >= 0, or None, got {timeout!r}")
         return self._router.settle(timeout) if self._router is not None else []
 
     def segment(self) -> ActorSegment | ShardedSegment:

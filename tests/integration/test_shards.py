@@ -335,3 +335,13 @@ def test_actors_in_containers_with_the_same_pid_spread_over_the_shards_by_defaul
                 names.add(actor.config.name)
                 homes.add(actor.shard)
         assert len(names) == 16 and homes == {0, 1}
+
+
+@pytest.mark.parametrize("timeout", [-1, float("nan"), "5", True])
+def test_settle_refuses_a_timeout_that_is_not_seconds(tmp_path, timeout):
+    with running_shards(tmp_path, 2) as shards:
+        with ActorClient(endpoints=shards.endpoints, timeout=10, name="settler") as actor:
+            actor.push_episode(episode_rows(0, 0, 3))
+            with pytest.raises(ConfigError, match="settle's timeout must be a number of seconds"):
+                actor.settle(timeout)
+            assert actor.settle(0) == [] and actor.in_doubt == []
