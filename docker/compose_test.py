@@ -376,8 +376,17 @@ class Deployment:
         done = self.h5replay("stats", self.endpoint, "--timeout", "2", check=False)
         if done.returncode != 1 or len(done.stderr.strip().splitlines()) != 1:
             raise Failure(f"stats without keys: exit {done.returncode}, {done.stdout + done.stderr!r}")
-        wait_for("the server's log line about the refused handshake",
-                 lambda: "without CURVE keys" in self.compose("logs", "--no-color", "server", timeout=60).stdout, 30)
+        logs = ""
+
+        def logged() -> bool:
+            nonlocal logs
+            logs = self.compose("logs", "--no-color", "server", timeout=60).stdout
+            return "without CURVE keys" in logs
+
+        try:
+            wait_for("the server's log line about the refused handshake", logged, 30)
+        except Failure as exc:
+            raise Failure(f"{exc}; the server's log:\n{_tail(logs, 30)}") from None
 
     def down(self) -> tuple[float, float]:
         """`down` within DOWN_SECONDS, every container exiting 0; returns (seconds `down` took, seconds

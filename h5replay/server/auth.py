@@ -195,16 +195,29 @@ class RefusalLog:
         return True
 
 
-def handshake_failure(code: int, endpoint: str, directory: str) -> tuple[str, str]:
-    """(kind, message) for a handshake that failed before any key was checked: libzmq's socket
-    monitor reports it (EVENT_HANDSHAKE_FAILED_PROTOCOL) with the listening endpoint, not the peer."""
-    if code == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
-        return "no keys", (f"refused a client without CURVE keys on {endpoint}: this server runs with --auth, so "
-                           "clients need --secret-key and --server-key (secret_key= and server_key= in Python)")
-    if code == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
+def handshake_failure(event: int, value: int, endpoint: str, directory: str) -> tuple[str, str]:
+    """(kind, message) for a handshake that failed before any key was checked, as libzmq's socket
+    monitor reports it: `event` is EVENT_HANDSHAKE_FAILED_PROTOCOL (`value`, a ZMTP protocol error)
+    or EVENT_HANDSHAKE_FAILED_NO_DETAIL (`value`, an errno), and `endpoint` is the local address
+    the connection came in on (not the peer's).
+
+    A client without keys is not always seen as one: through a proxy that hands it the server's
+    whole greeting at once (Docker's port proxy does, now and then), libzmq's client finds the
+    mechanism mismatch and hangs up before its own greeting has gone out, so the server sees only
+    a connection ending mid-handshake (NO_DETAIL). That is logged too, as the likely mistake."""
+    keys_needed = ("this server runs with --auth, so clients need --secret-key and --server-key "
+                   "(secret_key= and server_key= in Python)")
+    if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+        why = os.strerror(value) if value > 0 else "the connection closed"
+        # Kind "no keys", as a mismatch: one mistake, one line, whichever way libzmq saw it first.
+        return "no keys", (f"a client on {endpoint} hung up during its handshake ({why}), before saying which "
+                           f"mechanism it speaks: most likely a client without CURVE keys; {keys_needed}")
+    if value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+        return "no keys", f"refused a client without CURVE keys on {endpoint}: {keys_needed}"
+    if value == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
         return "server key", (f"refused a CURVE handshake on {endpoint}: the client's server key is not this "
                               f"server's public key ({os.path.join(directory, 'server.key')})")
-    return f"protocol {code:#x}", f"a handshake on {endpoint} failed (ZMTP protocol error {code:#x})"
+    return f"protocol {value:#x}", f"a handshake on {endpoint} failed (ZMTP protocol error {value:#x})"
 
 
 class RoleAuthenticator(ThreadAuthenticator):

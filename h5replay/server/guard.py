@@ -56,7 +56,8 @@ _ALLOWANCE = 4096
 _TCP_INFO_BYTES = 232
 _BYTES_ACKED, _BYTES_RECEIVED = 120, 128  # offsets of tcpi_bytes_acked / tcpi_bytes_received (Linux >= 4.1)
 MONITOR_EVENTS = (zmq.EVENT_ACCEPTED | zmq.EVENT_CLOSED | zmq.EVENT_DISCONNECTED
-                  | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+                  | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+_HANDSHAKE_FAILURES = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
 
 @dataclass(frozen=True)
@@ -126,12 +127,12 @@ class ConnectionGuard:
 
     The server's loop calls `consumed` for each message it takes off a socket and `sent` for each
     reply it sends, naming the connection by the "__fd" of the message (`fd_of`). Everything
-    else runs in the guard's thread. `refused(code, endpoint)` is called for handshakes that
-    failed before a key was checked; `disconnects` is set when a peer went away.
+    else runs in the guard's thread. `refused(event, value, endpoint)` is called for handshakes
+    that failed before a key was checked (the monitor's event, its value and endpoint); `disconnects` is set when a peer went away.
     """
 
     def __init__(self, budgets: Budgets, *, name: str, interval: float = 0.02,
-                 refused: Callable[[int, str], None] | None = None) -> None:
+                 refused: Callable[[int, int, str], None] | None = None) -> None:
         self.budgets = budgets
         self.name = name
         self.interval = interval
@@ -247,9 +248,9 @@ class ConnectionGuard:
         elif kind in (zmq.EVENT_CLOSED, zmq.EVENT_DISCONNECTED):
             self._connections.pop(value, None)
             self.disconnects.set()
-        elif kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and self._refused is not None:
+        elif kind in _HANDSHAKE_FAILURES and self._refused is not None:
             endpoint = event["endpoint"]
-            self._refused(value, endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint))
+            self._refused(kind, value, endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint))
 
     def _check(self, elapsed: float) -> None:
         budgets = self.budgets

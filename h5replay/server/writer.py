@@ -157,9 +157,9 @@ class Server:
         broken = serving = False
         refusals = RefusalLog()
 
-        def refused(code: int, endpoint: str) -> None:  # a handshake refused before any key was looked at
+        def refused(event: int, value: int, endpoint: str) -> None:  # a handshake failed before any key was looked at
             if auth is not None:
-                kind, message = handshake_failure(code, endpoint, auth.directory)
+                kind, message = handshake_failure(event, value, endpoint, auth.directory)
                 refusals.refused(kind, endpoint, message)
 
         guard = self._guard = ConnectionGuard(Budgets(*config.byte_budgets()), name="writer", refused=refused)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 
 import zmq
 
@@ -48,9 +50,18 @@ def test_a_flood_of_distinct_refusals_is_capped_and_counted(caplog):
 
 
 def test_handshake_failures_say_what_the_client_got_wrong():
-    kind, text = handshake_failure(zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH, "tcp://0.0.0.0:5555", "/keys")
+    protocol = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    kind, text = handshake_failure(protocol, zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH, "tcp://0.0.0.0:5555", "/keys")
     assert kind == "no keys" and "without CURVE keys" in text and "--secret-key" in text
-    kind, text = handshake_failure(zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC, "tcp://0.0.0.0:5555", "/keys")
+    kind, text = handshake_failure(protocol, zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC, "tcp://0.0.0.0:5555", "/keys")
     assert kind == "server key" and "/keys/server.key" in text
-    kind, text = handshake_failure(0x10000001, "tcp://0.0.0.0:5555", "/keys")
+    kind, text = handshake_failure(protocol, 0x10000001, "tcp://0.0.0.0:5555", "/keys")
     assert "0x10000001" in text
+
+
+def test_a_client_hanging_up_mid_handshake_is_told_as_the_likely_missing_keys():
+    kind, text = handshake_failure(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, errno.EPIPE, "tcp://172.17.0.2:5555", "/keys")
+    assert kind == "no keys" and "tcp://172.17.0.2:5555" in text and os.strerror(errno.EPIPE) in text
+    assert "without CURVE keys" in text and "--secret-key" in text
+    _, text = handshake_failure(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, 0, "tcp://127.0.0.1:5555", "/keys")
+    assert "the connection closed" in text
