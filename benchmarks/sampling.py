@@ -9,9 +9,9 @@
    publishes updates (log entries written, file flushed, readers see them) at the end of its
    pass, after the reply (so one learner calling in turn causes a publish per call), and as a
    second figure with priority_publish_interval=0.002 (a pass of updates alone publishes them
-   once the oldest is 2 ms old), and with `wait=False` (up to max_in_flight updates travelling,
-   their replies read at the end of the round: the writer applies several per pass and publishes
-   them once). Target: at least 5,000 calls/s.
+   once the oldest is 2 ms old), and with `wait=False` (up to max_in_flight messages travelling,
+   the updates made meanwhile held by the client and sent merged; every reply read by the end of
+   the round). Target: at least 5,000 calls/s.
 3. A rate-limited run: 4 actor processes, 1 learner, samples_per_insert 8: the observed ratio
    sampled / inserted, and how long each side waited for the limiter, against the same processes
    with no rate limit (the baseline: rows in and batches out per second).
@@ -159,6 +159,8 @@ def update_rates(directory: str, rows: int, rounds: int, seconds: float) -> None
             fill(s.endpoint, rows, True)
         with LearnerClient(servers[0].endpoint, timeout=30) as wire, \
                 LearnerClient(servers[1].endpoint, timeout=30) as interval:
+            for learner in (wire, interval):  # as a learner does: its updates name rows it has sampled
+                learner.sample(BATCH)
             cases = {"raw": lambda i, v: None, "local": rb.update_priorities, "wire": wire.update_priorities,
                      "interval": interval.update_priorities,
                      "pipelined": lambda i, v: wire.update_priorities(i, v, wait=False)}

@@ -128,16 +128,28 @@ class Connection:
                         break
                     self._outstanding.discard(request_id)
                     raise ServerUnavailableError(self._no_answer(timeout))
-                frames = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)  # the poll said one is there
-                reply = P.decode(frames, self.limits or P.DEFAULT_LIMITS, expect=P.Reply)
-                # Keep replies someone waits for; drop liveness probes (id 0) and late answers.
-                if reply.request_id in self._outstanding:
-                    self._replies[reply.request_id] = reply
+                self._take_reply()  # the poll said one is there
             reply = self._replies.pop(request_id)
             self._outstanding.discard(request_id)
         if isinstance(reply, P.ErrorReply):
             raise reply.exception()
         return reply
+
+    def arrived(self, request_id: int) -> bool:
+        """Whether the reply to `request_id` is here, never blocking (`wait` then returns it at once)."""
+        with self._lock:
+            self._check()
+            while request_id not in self._replies and self._sock.poll(0, zmq.POLLIN):
+                self._take_reply()
+            return request_id in self._replies
+
+    def _take_reply(self) -> None:
+        """Read one reply that is waiting in the socket; keep it if someone waits for it (liveness
+        probes, id 0, and late answers are dropped)."""
+        frames = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+        reply = P.decode(frames, self.limits or P.DEFAULT_LIMITS, expect=P.Reply)
+        if reply.request_id in self._outstanding:
+            self._replies[reply.request_id] = reply
 
     def _no_answer(self, timeout: float) -> str:
         """Why nothing came back, as far as a client can tell (a refused CURVE handshake looks like

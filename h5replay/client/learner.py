@@ -168,6 +168,11 @@ class LearnerClient:
         self._seen_seq = 0  # the newest publish this client's own writes (priority updates) made
         # Priority updates sent with wait=False whose replies were not read yet (request ids).
         self._updates_in_flight: collections.deque[int] = collections.deque()
+        # Priority updates made with wait=False, checked, that wait for room among those in
+        # flight: (row ids, priorities) in call order, sent merged into as few messages as fit.
+        self._updates_held: list[tuple[np.ndarray, np.ndarray]] = []
+        self._held_ids = 0
+        self._update_refusal: Exception | None = None  # the first refusal of one, raised by the next call
         self._updates_lock = threading.RLock()
         #: Ids ignored by the priority updates sent with wait=False, as their replies came back.
         self.ignored_priority_updates = 0
@@ -201,7 +206,7 @@ class LearnerClient:
 
     @property
     def _min_seq(self) -> int:
-        if self._updates_in_flight:  # every read sees this client's own priority updates
+        if self._updates_in_flight or self._updates_held:  # every read sees this client's own priority updates
             self.flush_priorities()
         return max(self._view.seq if self._view is not None else 0, self._seen_seq)
 
@@ -489,12 +494,19 @@ class LearnerClient:
         SIGKILL of the server before that publish loses them (see the README).
 
         `wait=False` (as Acme's learners update Reverb's priorities from a background executor):
-        checked here, sent, and returns None at once, with up to `max_in_flight` updates
-        travelling (a further one waits for the oldest reply), so the writer applies several in
-        one pass and publishes them once. Their replies are read by `flush_priorities()`, which
-        the next read of this client calls first (so it still sees them) and `close()` too;
-        their ignored ids add up in `ignored_priority_updates`, and an update the server refused
-        raises there. Over several servers, updates are always waited for.
+        checked here and returns None at once. Up to `max_in_flight` messages of updates travel
+        at once; while they do, further updates are held here and leave merged into one message
+        (in call order: a later priority for a row still wins) as soon as a reply makes room, at
+        the latest when a message's worth is held, at this client's next read, at
+        `flush_priorities()` or at `close()`. So a learner that updates faster than one writer
+        pass sends fewer, bigger messages, and the writer applies and publishes them at once.
+        Their replies are read as they come, and by `flush_priorities()`, which the next read of
+        this client calls first (so it sees its own updates); their ignored ids add up in
+        `ignored_priority_updates`, and an update the server refused raises there (or in a later
+        call). Only updates whose ids this client has seen in a reply are merged: a merged
+        message can then be refused only for what would refuse each of its parts (an update
+        naming an id never committed travels alone). Over several servers, updates are always
+        waited for.
 
         Returns:
             How many ids were ignored (None with wait=False).
@@ -510,44 +522,87 @@ class LearnerClient:
         values = check_priorities(priorities, ids.shape[0])
         if ids.size and int(ids.min()) < 0:
             raise IndexError(f"row id {int(ids.min())} is negative; row ids count from 0")
-        parts = _chunks(ids.shape[0], self._ids_per_message // 2) or [(0, 0)]
-        requests = [_request(P.UpdatePriorities, ids[lo:hi], values[lo:hi]) for lo, hi in parts]
         if not wait:
             with self._updates_lock:
-                for request in requests:
-                    while len(self._updates_in_flight) >= self.config.max_in_flight:
-                        self._settle_update(self._updates_in_flight.popleft())
-                    self._updates_in_flight.append(self._conn.send(request))
+                seen = self._view.end if self._view is not None else 0
+                try:
+                    if ids.size and int(ids.max()) >= seen:  # may be refused (never committed): alone
+                        self._send_held(block=True)
+                        self._send_updates(ids, values)
+                    else:
+                        self._updates_held.append((ids, values))
+                        self._held_ids += ids.shape[0]
+                        self._send_held(block=self._held_ids >= self._ids_per_message // 2)
+                except (ServerUnavailableError, ClosedError):
+                    self._give_up_updates()
+                    raise
+                self._raise_refusal()
             return None
+        parts = _chunks(ids.shape[0], self._ids_per_message // 2) or [(0, 0)]
+        requests = [_request(P.UpdatePriorities, ids[lo:hi], values[lo:hi]) for lo, hi in parts]
         replies = self._read_many(requests, self._conn)
         self._seen_seq = max(self._seen_seq, *(int(r.seq) for r in replies))
         return sum(int(r.ignored) for r in replies)
 
+    def _send_held(self, block: bool) -> None:
+        """Send the held updates, merged, once replies make room among those in flight; with
+        `block`, wait for that room (else leave them held when there is none)."""
+        while self._updates_in_flight and self._conn.arrived(self._updates_in_flight[0]):
+            self._settle_update(self._updates_in_flight.popleft())
+        if not self._updates_held or (not block and len(self._updates_in_flight) >= self.config.max_in_flight):
+            return
+        held, self._updates_held, self._held_ids = self._updates_held, [], 0
+        ids = np.concatenate([h[0] for h in held]) if len(held) > 1 else held[0][0]
+        values = np.concatenate([h[1] for h in held]) if len(held) > 1 else held[0][1]
+        self._send_updates(ids, values)
+
+    def _send_updates(self, ids: np.ndarray, values: np.ndarray) -> None:
+        """Send checked updates in messages that fit, each once one of `max_in_flight` is free."""
+        for lo, hi in _chunks(ids.shape[0], self._ids_per_message // 2) or [(0, 0)]:
+            while len(self._updates_in_flight) >= self.config.max_in_flight:
+                self._settle_update(self._updates_in_flight.popleft())
+            self._updates_in_flight.append(self._conn.send(_request(P.UpdatePriorities, ids[lo:hi], values[lo:hi])))
+
     def _settle_update(self, request_id: int) -> None:
-        """Read the reply of one update sent with wait=False (raises the server's refusal)."""
-        reply = self._conn.wait(request_id)
+        """Read the reply of one update sent with wait=False. The server's refusal is kept, the
+        first one only, for `_raise_refusal` (the updates after it still count); a server that
+        does not answer raises here."""
+        try:
+            reply = self._conn.wait(request_id)
+        except (ServerUnavailableError, ClosedError):
+            raise
+        except Exception as exc:  # the server refused this update: nothing of it was applied
+            self._update_refusal = self._update_refusal or exc
+            return
         self._seen_seq = max(self._seen_seq, int(reply.seq))  # type: ignore[attr-defined]
         self.ignored_priority_updates += int(reply.ignored)  # type: ignore[attr-defined]
 
-    def flush_priorities(self) -> None:
-        """Wait for the replies of every priority update sent with wait=False. The server's
-        refusal of one of them (ConfigError, IndexError) is raised after the others were read;
-        when the server does not answer (ServerUnavailableError) the rest are given up."""
-        error: BaseException | None = None
-        with self._updates_lock:
-            while self._updates_in_flight:
-                request_id = self._updates_in_flight.popleft()
-                try:
-                    self._settle_update(request_id)
-                except (ServerUnavailableError, ClosedError):
-                    for rest in self._updates_in_flight:
-                        self._conn.forget(rest)
-                    self._updates_in_flight.clear()
-                    raise
-                except Exception as exc:  # a refusal of this update: the others still count
-                    error = error or exc
+    def _raise_refusal(self) -> None:
+        error, self._update_refusal = self._update_refusal, None
         if error is not None:
             raise error
+
+    def flush_priorities(self) -> None:
+        """Send the priority updates made with wait=False that are still held here, and wait for
+        the replies of all of them. The server's refusal of one (ConfigError, IndexError) is
+        raised after the others were read; when the server does not answer
+        (ServerUnavailableError) the rest are given up."""
+        with self._updates_lock:
+            try:
+                self._send_held(block=True)
+                while self._updates_in_flight:
+                    self._settle_update(self._updates_in_flight.popleft())
+            except (ServerUnavailableError, ClosedError):
+                self._give_up_updates()
+                raise
+            self._raise_refusal()
+
+    def _give_up_updates(self) -> None:
+        """The server did not answer: forget the updates travelling and those held."""
+        for rest in self._updates_in_flight:
+            self._conn.forget(rest)
+        self._updates_in_flight.clear()
+        self._updates_held, self._held_ids = [], 0
 
     def episodes(self) -> list[Episode]:
         """Every complete episode held, oldest first: Episode(episode_id, first_row_id, length).
@@ -572,7 +627,7 @@ class LearnerClient:
         if self._router is not None:
             self._router.close()
             return
-        if self._updates_in_flight and not self._conn.closed:
+        if (self._updates_in_flight or self._updates_held) and not self._conn.closed:
             try:
                 self.flush_priorities()
             except Exception as exc:  # closing must not raise; the caller gave up on their replies

@@ -20,6 +20,14 @@ FANOUT = 32  # children per node: 32 * 8 bytes, a row of siblings fits in four c
 _SEARCHED = 16384  # a level this small is searched whole by draws (its running sum, kept, costs little)
 
 
+def _row_sums(rows: np.ndarray) -> np.ndarray:
+    """The sum of each row of B siblings. einsum's kernel adds a row in the same order whatever the
+    rows around it, so a node comes out the same recomputed alone or with its whole level, and at
+    a third of the cost of `sum(axis=1)` on rows this short."""
+    sums: np.ndarray = np.einsum("ij->i", rows)
+    return sums
+
+
 def _rows(n: int) -> int:
     """Nodes of the level above `n` nodes (every one has B child slots)."""
     return -(-n // FANOUT)
@@ -78,7 +86,7 @@ class SumTree:
         """Recompute every ancestor of leaves [first, stop) (a contiguous run)."""
         for j, (below, above) in enumerate(zip(self._levels, self._levels[1:])):
             first, stop = first // FANOUT, _rows(stop)
-            above[first:stop] = below[first * FANOUT : stop * FANOUT].reshape(-1, FANOUT).sum(axis=1)
+            above[first:stop] = _row_sums(below[first * FANOUT : stop * FANOUT].reshape(-1, FANOUT))
             self._mark(j, np.arange(first, stop))
 
     def _mark(self, level: int, rows: np.ndarray) -> None:
@@ -108,8 +116,11 @@ class SumTree:
         nodes = np.sort(idx // FANOUT)
         for j, (below, above) in enumerate(zip(self._levels, self._levels[1:])):
             if nodes.shape[0] > 8:
-                nodes = nodes[np.concatenate(([True], nodes[1:] != nodes[:-1]))]
-            above[nodes] = below.reshape(-1, FANOUT)[nodes].sum(axis=1)
+                first = np.empty(nodes.shape[0], dtype=bool)
+                first[0] = True
+                np.not_equal(nodes[1:], nodes[:-1], out=first[1:])
+                nodes = nodes[first]
+            above[nodes] = _row_sums(below.reshape(-1, FANOUT).take(nodes, axis=0))
             self._mark(j, nodes.copy())
             nodes //= FANOUT
 

@@ -393,3 +393,26 @@ def test_a_reader_endpoint_refuses_samples_that_only_the_writer_may_draw(start_s
         assert learner.sample(3)["step"].tolist() == [0, 1, 2]
         with pytest.raises(RateLimitedError, match="holds 0 rows, fewer than min_size_to_sample=1"):
             learner.sample(1)
+
+
+def test_updates_made_while_others_travel_leave_merged_in_call_order(start_server: Any) -> None:
+    """With wait=False and one message in flight, updates made meanwhile are held and leave merged:
+    fewer messages than calls, every id applied, and a later priority for a row still wins."""
+    server = start_server(sampling=SamplingConfig(Prioritized(exponent=1.0)), capacity=8)
+    with ActorClient(server.endpoint, timeout=10) as actor:
+        actor.push_episode(episode_rows(1, 0, 8), priorities=[1.0] * 8)
+    with LearnerClient(config=ClientConfig(endpoint=server.endpoint, timeout=10, max_in_flight=1)) as learner:
+        learner.sample(8, seed=1)  # ids this client has seen: its updates of them may be merged
+        before = learner.info()
+        calls = 300
+        for k in range(calls):  # each row gets 1..5 in turn; rows 0-3 get 0 last
+            row = k % 8
+            learner.update_priorities([row], [0.0 if k >= calls - 8 and row < 4 else 1.0 + k % 5], wait=False)
+        learner.flush_priorities()
+        after = learner.info()
+        messages = after["requests"] - before["requests"] - 1  # less the second info itself
+        assert messages < calls / 2, f"{messages} messages for {calls} updates: nothing was merged"
+        assert after["priority_updates"] - before["priority_updates"] == calls
+        _, info = learner.sample(2000, seed=2, with_info=True)
+        assert set(info.row_ids.tolist()) == {4, 5, 6, 7}
+        assert learner.ignored_priority_updates == 0
