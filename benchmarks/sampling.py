@@ -186,7 +186,7 @@ def update_rates(directory: str, rows: int, rounds: int, seconds: float) -> None
     print(f"   the same, publishing within 2 ms   {within:8.0f} calls/s  {within / raw:5.2f}x   "
           f"(priority_publish_interval=0.002)")
     print(f"   LearnerClient, wait=False          {pipelined:8.0f} calls/s  {pipelined / raw:5.2f}x   target >= 5000: "
-          f"{verdict(pipelined >= 5000)} (max_in_flight={ClientConfig().max_in_flight} updates travelling)")
+          f"{verdict(pipelined >= 5000)} (max_in_flight={ClientConfig().max_in_flight} messages travelling)")
 
 
 # ------------------------------------------------------------------------------------------- 3
@@ -266,14 +266,20 @@ def rate_limited_run(directory: str, seconds: float) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smoke test: small and short")
+    parser.add_argument("--only", type=int, choices=(1, 2, 3), action="append",
+                        help="run only this figure (1, 2 or 3; may be given twice)")
     args = parser.parse_args()
     rows, rounds, seconds, run = (20_000, 2, 0.5, 3.0) if args.quick else (100_000, 5, 2.0, 15.0)
+    only = set(args.only or (1, 2, 3))
     directory = tempfile.mkdtemp(prefix="h5r-bench-sampling-")
     try:
         print(f"h5replay sampling benchmark, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}")
-        prioritized_against_uniform(directory, rows, rounds, seconds)
-        update_rates(directory, rows, rounds, seconds)
-        rate_limited_run(directory, run)
+        if 1 in only:
+            prioritized_against_uniform(directory, rows, rounds, seconds)
+        if 2 in only:
+            update_rates(directory, rows, rounds, seconds)
+        if 3 in only:
+            rate_limited_run(directory, run)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     return 0

@@ -39,9 +39,10 @@ class SumTree:
     `levels[0]` holds the leaves, `levels[-1]` the root alone; node k of level j + 1 holds the
     sum of `levels[j][k * B : (k + 1) * B]`. Each level below the root is zero-padded to a
     multiple of B, so `levels[j].reshape(-1, B)` lines every node's children up as a row.
-    Draws descend from the first level of at most _SEARCHED nodes (`depth`): its running sum,
-    and below it each level's running sums within rows (`_sums`), which `_stale` says which
-    rows of are out of date (None: all of them).
+    Draws descend from the first level of at most _SEARCHED nodes (`depth`): the sums of its
+    nodes before each node (`_before`, one longer than the level), and below it each level's
+    running sums within rows (`_sums`), which `_stale` says which rows of are out of date
+    (None: all of them).
     """
 
     def __init__(self, size: int = 0) -> None:
@@ -60,7 +61,7 @@ class SumTree:
         self._levels = levels
         self._depth = next(j for j, level in enumerate(levels) if level.shape[0] <= _SEARCHED)
         self._sums = [np.zeros_like(level) for level in levels[: self._depth]]
-        self._running = np.zeros_like(levels[self._depth])
+        self._before = np.zeros(levels[self._depth].shape[0] + 1)
         self._stale: list[list[np.ndarray]] | None = None
         self._stale_rows = 0  # rows of leaves listed in _stale (past a quarter of them: all)
 
@@ -151,7 +152,7 @@ class SumTree:
                     sums.reshape(-1, FANOUT)[rows] = np.cumsum(level.reshape(-1, FANOUT)[rows], axis=1)
                     changed = True
         if changed or self._depth == 0:
-            np.cumsum(self._levels[self._depth], out=self._running)
+            np.cumsum(self._levels[self._depth], out=self._before[1:])
         self._stale = [[] for _ in self._sums]
         self._stale_rows = 0
 
@@ -163,22 +164,31 @@ class SumTree:
         rounding puts at or past a sum goes to the last weighted node there.
         """
         self._refresh()
-        u = np.array(targets, dtype=np.float64, copy=True).reshape(-1)
-        level, running = self._levels[self._depth], self._running
-        node = np.searchsorted(running, u, side="right")
-        past = node >= level.shape[0]
-        if past.any():
-            node[past] = int(np.flatnonzero(level > 0)[-1]) if running[-1] > 0 else 0
-        u -= np.where(node > 0, running.take(node - 1), 0.0)
-        flat_base = np.arange(u.shape[0], dtype=np.int64) * FANOUT
+        return self._descend(np.array(targets, dtype=np.float64, copy=True).reshape(-1))
+
+    def _descend(self, u: np.ndarray) -> np.ndarray:
+        """`find` for targets `u` (consumed: reduced to the remainder at each level)."""
+        level, before = self._levels[self._depth], self._before
+        node = np.searchsorted(before[1:], u, side="right")
+        if node.shape[0] and int(node.max()) >= level.shape[0]:  # rounding: t at or past the total
+            past = node >= level.shape[0]
+            node[past] = int(np.flatnonzero(level > 0)[-1]) if before[-1] > 0 else 0
+        u -= before.take(node)
+        n = u.shape[0]
+        # Each row: 0, then the running sums of one node's children; so the sum before child c
+        # is entry c, and the remainder takes one `take` (fewer numpy calls than a `where`).
+        rows = np.empty((n, FANOUT + 1))
+        rows[:, 0] = 0.0
+        starts = np.arange(n, dtype=np.int64) * (FANOUT + 1)
         for j in reversed(range(self._depth)):
-            sums = self._sums[j].reshape(-1, FANOUT)[node]  # (n, B): running sums of each node's children
+            sums = self._sums[j].reshape(-1, FANOUT).take(node, axis=0)  # (n, B)
+            rows[:, 1:] = sums
             child = np.argmax(sums > u[:, None], axis=1)
             past = sums[:, -1] <= u
             if past.any():  # rounding: t at or past the row's sum; take the last weighted child
-                rows = self._levels[j].reshape(-1, FANOUT)[node[past]]
-                child[past] = FANOUT - 1 - np.argmax(rows[:, ::-1] > 0, axis=1)
-            u -= np.where(child > 0, sums.reshape(-1).take(flat_base + child - 1), 0.0)
+                weights = self._levels[j].reshape(-1, FANOUT)[node[past]]
+                child[past] = FANOUT - 1 - np.argmax(weights[:, ::-1] > 0, axis=1)
+            u -= rows.reshape(-1).take(starts + child)
             node = node * FANOUT + child
         return node
 
@@ -187,7 +197,8 @@ class SumTree:
         total = self.total
         if total <= 0:
             return np.zeros(0, dtype=np.int64)
-        return self.find(rng.random(count) * total)
+        self._refresh()
+        return self._descend(rng.random(count) * total)
 
     def range_sums(self, starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
         """sum(w[start:stop]) for each pair, through prefix sums of the tree."""
