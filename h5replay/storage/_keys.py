@@ -143,6 +143,12 @@ class KeyTable:
             self._receipts[key] = Receipt(episode_id, int(row[3]), int(row[4]))
             self._slots[slot] = key
 
+    def held(self, ep_end: int) -> list[tuple[bytes, Receipt]]:
+        """(key, receipt) of every episode below `ep_end` in the window that has a key."""
+        return [(key, receipt) for slot, key in self._slots.items()
+                if (receipt := self._receipts.get(key)) is not None and receipt.episode_id % self.window == slot
+                and ep_end - self.window <= receipt.episode_id < ep_end]
+
     def find(self, key: bytes, length: int | None, ep_end: int) -> Receipt | None:
         """The receipt of `key` if an episode below `ep_end` in the window was committed with it.
 

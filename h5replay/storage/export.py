@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from h5replay.errors import ConfigError, StorageError
+from h5replay.records import Receipt
 from h5replay.storage import _h5file
 from h5replay.storage.replay_buffer import ReplayBuffer
 
@@ -35,8 +36,9 @@ def export_buffer(
     **storage_kwargs: Any,
 ) -> None:
     """Write the rows and episodes `buffer` holds to a new buffer file, oldest row first, keeping
-    their ids, priorities, sampling settings and rate-limit counters (not how often each row was
-    sampled: the copy starts those at 0); `storage_kwargs` go to `HDF5Storage.create`.
+    their ids, priorities, idempotency keys (and their window), sampling settings and rate-limit
+    counters (not how often each row was sampled: the copy starts those at 0); `storage_kwargs`
+    go to `HDF5Storage.create`.
 
     A file cut short (see `ReplayBuffer.load_from`) is copied from the newest row back to the
     newest row that lies in its missing part, left out with everything older (a warning says how
@@ -67,18 +69,21 @@ def export_buffer(
     if os.path.exists(partial):
         os.unlink(partial)
     episode_ids = [episode for _, _, _, episode in spans if episode is not None]
+    # Episodes keep their idempotency keys (and the window stays): a commit retried after a
+    # compaction is answered with its receipt, not stored a second time.
+    keys = {receipt: key for key, receipt in buffer.idempotency_keys()}
     sampling = buffer.sampling
     copy = type(buffer).create(
         buffer.space, new_capacity, partial, first_row_id=first_row,  # type: ignore[arg-type]
         first_episode_id=episode_ids[0] if episode_ids else view.ep_end, sampler=sampling.sampler,
         rate_limit=sampling.rate_limit, max_times_sampled=sampling.max_times_sampled,
-        check_bounds=False, **storage_kwargs,  # copy what is held
+        idempotency_window=buffer.idempotency_window, check_bounds=False, **storage_kwargs,  # copy what is held
     )
     copy.carry_over(inserted=view.inserted, sampled=view.sampled, limit_inserts=False)
     try:
         block = max(1, _BLOCK_BYTES // max(1, buffer.storage.row_bytes))
         done = 0
-        for first, stop, record, _ in spans:
+        for first, stop, record, episode in spans:
             for lo in range(first, stop, block):
                 hi = min(stop, lo + block)
                 ids = np.arange(lo, hi, dtype=np.int64)
@@ -87,7 +92,8 @@ def export_buffer(
                 if progress is not None:
                     progress(done, total)
             if record is not None:
-                copy.end_episode(record=record)
+                key = keys.get(Receipt(episode, first, stop - first)) if episode is not None else None
+                copy.end_episode(record=record, idempotency_key=key)
         copy.carry_over(inserted=view.inserted, sampled=view.sampled, limit_inserts=True)
         copy.close()
         os.replace(partial, target)

@@ -45,8 +45,8 @@ from h5replay.spaces import Schema, Space
 from h5replay.storage import _h5file, hdf5
 from h5replay.storage._draws import Sampling
 from h5replay.storage._indices import normalize_index
-from h5replay.storage._journal import EpisodeTable, Journal, JournalStore, RecordsMoved, State
-from h5replay.storage._keys import DEFAULT_KEY_WINDOW, KeyTable, check_key
+from h5replay.storage._journal import REPLAY_GROUP, EpisodeTable, Journal, JournalStore, RecordsMoved, State
+from h5replay.storage._keys import DEFAULT_KEY_WINDOW, KeyFile, KeyTable, check_key
 from h5replay.storage.hdf5 import HDF5Storage
 from h5replay.storage.segment import SegmentWriter
 
@@ -417,13 +417,20 @@ class ReplayBuffer:
             self._roll_back(before, None)
             raise
 
-    def end_episode(self, record: bool = True) -> None:
+    def end_episode(self, record: bool = True, idempotency_key: bytes | None = None) -> None:
         """Close the episode built by `append` / `extend`; it joins `episodes()` if whole.
-        With `record=False` its rows stay but form no episode (e.g. a fragment)."""
+        With `record=False` its rows stay but form no episode (e.g. a fragment).
+        `idempotency_key`: the episode's key, as `commit_segment` records it (export keeps the
+        keys of the episodes it copies this way).
+
+        Raises:
+            ConfigError: the key is not 16 bytes.
+        """
         self._require_writable("end an episode")
+        key = check_key(idempotency_key)
         s = self._state
         if record and s.begin <= s.open_start < s.end:
-            self._record_episode(s.open_start, s.end - s.open_start)
+            self._record_episode(s.open_start, s.end - s.open_start, key)
         self._state = self._state.replace(open_start=self._state.end)
 
     mark_segment_end = end_episode
@@ -432,6 +439,34 @@ class ReplayBuffer:
         """A streaming writer for one episode; publish it with `commit_segment`."""
         self._require_writable("open a segment writer")
         return self.storage.open_segment_writer()
+
+    @property
+    def idempotency_window(self) -> int:
+        """How many of the latest episodes keep their idempotency keys (fixed when the file was made)."""
+        file = self._read_only_keys()
+        return file.window if file is not None else self._keys.window
+
+    def idempotency_keys(self) -> list[tuple[bytes, Receipt]]:
+        """(key, receipt) of the episodes in the key window that were committed with a key, as
+        published (`export` carries them to the copy, so a retry after a compaction is still
+        answered with its receipt). A writer's from memory; a read-only buffer's read from the
+        file; none for an SWMR reader (it never opens the table) or a raw or pre-key file."""
+        self._check_open()
+        ep_end = self._published.ep_end
+        file = self._read_only_keys()
+        if file is None:
+            return self._keys.held(ep_end)
+        table = KeyTable(file.window, file)
+        table.load(ep_end)
+        return table.held(ep_end)
+
+    def _read_only_keys(self) -> KeyFile | None:
+        """The key table of a file opened read-only (not as an SWMR reader, which leaves it to
+        the writer), opened on demand; None otherwise."""
+        if self.storage.is_mutable or self._raw or self._is_reader:
+            return None
+        with _h5file.h5_errors("opening the idempotency key table"):
+            return KeyFile.of(self.storage.file[REPLAY_GROUP])
 
     def receipt_for(self, idempotency_key: bytes | None, length: int | None = None) -> Receipt | None:
         """The receipt of the episode committed with `idempotency_key`, if it is one of the last

@@ -82,3 +82,30 @@ def test_export_copies_values_a_buffer_holds_outside_its_bounds(tmp_path):
     export_file(tmp_path / "a.h5", tmp_path / "b.h5")
     with ReplayBuffer.load_from(tmp_path / "b.h5") as copy:
         np.testing.assert_array_equal(copy.get_at(np.arange(2)), rows)
+
+
+def test_export_and_compact_keep_the_idempotency_keys_and_their_window(tmp_path):
+    """A commit retried after its file was compacted (or exported) is answered with its original
+    receipt, not stored a second time: the copy keeps the keys of the episodes it holds, and the
+    key window. Keys of episodes the ring overwrote are not carried over."""
+    path = tmp_path / "a.h5"
+    rb = ReplayBuffer.create(SPACE, 20, path, idempotency_window=4)
+    keys, receipts = [], []
+    for e in range(6):  # 30 rows into 20: the first two episodes and their keys go
+        w = rb.open_segment_writer()
+        w.extend({"x": np.arange(5) + 100 * e, "t": ["k"] * 5})
+        keys.append(bytes([e]) * 16)
+        receipts.append(rb.commit_segment(w, idempotency_key=keys[-1] if e != 4 else None))  # episode 4: no key
+    rb.close()
+    export_file(path, tmp_path / "copy.h5")  # from a read-only open
+    compact_file(path)  # from the writer
+    for target in (path, tmp_path / "copy.h5"):
+        again = ReplayBuffer.load_from(target, read_only=False)
+        assert [again.receipt_for(k) for k in keys] == [None, None, receipts[2], receipts[3], None, receipts[5]]
+        assert again.idempotency_window == 4
+        held = again.episodes()
+        w = again.open_segment_writer()  # the retry of episode 5's commit
+        w.extend({"x": np.arange(5) + 500, "t": ["k"] * 5})
+        assert again.commit_segment(w, idempotency_key=keys[5]) == receipts[5]
+        assert again.episodes() == held and held[-1].episode_id == 5  # nothing stored twice
+        again.close()
