@@ -121,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument("--priority-publish-interval", type=float, default=0.0, metavar="S",
                           help="let priority updates wait up to S seconds for a publish (fewer flushes, e.g. "
                                "with --fsync; a SIGKILL loses at most that long of them; default 0: every pass)")
+    serve.add_argument("--idempotency-window", type=_positive_int, metavar="N",
+                       help="a new file remembers the idempotency keys of its last N episodes (default 65536): a "
+                            "commit retried later than N episodes is stored again; an existing file keeps its own")
     serve.add_argument("--heartbeat-timeout", type=_seconds, default=5.0, metavar="S",
                        help="drop a client whose connection is silent this long (default 5)")
     serve.add_argument("--session-timeout", type=_seconds, default=300.0, metavar="S",
@@ -234,6 +237,10 @@ def build_parser() -> argparse.ArgumentParser:
     ray_start.add_argument("--readers", type=_non_negative_int, default=1, metavar="K",
                            help="reader processes per shard (default 1)")
     ray_start.add_argument("--fsync", action="store_true", help="fsync every commit")
+    ray_start.add_argument("--no-check-bounds", dest="check_bounds", action="store_false",
+                           help="store Box values outside the space's bounds, and NaN (see `serve --no-check-bounds`)")
+    ray_start.add_argument("--idempotency-window", type=_positive_int, metavar="N",
+                           help="new files remember the idempotency keys of their last N episodes (default 65536)")
     ray_start.add_argument("--auth", metavar="DIR", help="CURVE keys, in DIR on every node (see `serve --auth`)")
     ray_start.add_argument("--insecure", action="store_true",
                            help="bind the nodes' IPs without --auth (Ray's own network is trusted anyway)")
@@ -341,6 +348,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         actor_slots=args.actor_slots,
         sampling=_sampling_config(args),
         check_bounds=args.check_bounds,
+        idempotency_window=args.idempotency_window,
     )
     return Server(config).run()
 
@@ -455,7 +463,8 @@ def cmd_ray(args: argparse.Namespace) -> int:
     if args.ray_command == "endpoints":
         print(" ".join(ShardSet.connect(args.name).endpoints))
         return 0
-    options: dict[str, Any] = {"num_readers": args.readers, "fsync": args.fsync, "insecure": args.insecure}
+    options: dict[str, Any] = {"num_readers": args.readers, "fsync": args.fsync, "insecure": args.insecure,
+                               "check_bounds": args.check_bounds, "idempotency_window": args.idempotency_window}
     if args.auth:
         options["auth_dir"] = args.auth
     if not args.space and not args.capacity and not args.unbounded:

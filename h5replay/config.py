@@ -119,8 +119,14 @@ class ServerConfig:
     # Refuse Box values outside the space's bounds, and NaN, as gymnasium's `contains` would
     # (`serve --no-check-bounds` turns it off: then the server stores what fits the dtype and shape).
     check_bounds: bool = True
+    # How many of the latest episodes keep their idempotency keys, for a new file (None: 65,536);
+    # an existing file keeps its own (when given, it must be the file's).
+    idempotency_window: int | None = None
 
     def __post_init__(self) -> None:
+        if self.idempotency_window is not None and (
+                type(self.idempotency_window) is not int or self.idempotency_window < 1):
+            raise ConfigError(f"idempotency_window must be an int >= 1 (episodes) or None, got {self.idempotency_window!r}")
         if self.num_readers < 0:
             raise ConfigError(f"num_readers must be >= 0, got {self.num_readers}")
         if self.num_readers and not self.multiprocessing:

@@ -87,10 +87,14 @@ def _open_buffer(config: ServerConfig) -> ReplayBuffer:
             differences.append(f"space {buffer.space!r}, not the {config.space!r} asked for")
         if config.capacity is not None and config.capacity != buffer.capacity:
             differences.append(f"capacity {buffer.capacity or 'unbounded'}, not the {config.capacity} asked for")
+        if config.idempotency_window is not None and config.idempotency_window != buffer.idempotency_window:
+            differences.append(f"an idempotency window of {buffer.idempotency_window} episodes, not the "
+                               f"{config.idempotency_window} asked for")
         if differences:
             buffer.close()
             raise ConfigError(f"{config.path!r} exists with {'; and '.join(differences)}; a space, a capacity and "
-                              "sampling settings are only for a new file: leave them out to serve this one, or give "
+                              "sampling settings (and the idempotency window) are only for a new file: leave them out "
+                              "to serve this one, or give "
                               "a new path")
         return buffer
     if config.space is None:
@@ -99,7 +103,9 @@ def _open_buffer(config: ServerConfig) -> ReplayBuffer:
     return ReplayBuffer.create(
         config.space, config.capacity, config.path, multiprocessing=config.multiprocessing,
         open_timeout=config.open_timeout, sampler=sampling.sampler, rate_limit=sampling.rate_limit,
-        max_times_sampled=sampling.max_times_sampled, check_bounds=config.check_bounds, **config.storage_kwargs,
+        max_times_sampled=sampling.max_times_sampled, check_bounds=config.check_bounds,
+        **({} if config.idempotency_window is None else {"idempotency_window": config.idempotency_window}),
+        **config.storage_kwargs,
     )
 
 

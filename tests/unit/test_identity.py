@@ -314,3 +314,25 @@ def test_windows_longer_than_the_buffer_are_refused_before_any_arithmetic(tmp_pa
         with pytest.raises(NotEnoughDataError, match="no window"):
             rb.sample_sequences(1, steps)
     rb.close()
+
+
+def test_serve_sets_the_key_window_of_a_new_file_and_an_existing_file_keeps_its_own(tmp_path):
+    """`serve --idempotency-window N` (ServerConfig.idempotency_window): the window of a new file;
+    an existing file with another one is refused, as another capacity is; None serves it as is."""
+    from h5replay.config import ServerConfig
+    from h5replay.server.writer import open_buffer
+
+    path = str(tmp_path / "w.h5")
+    space = BoxSpace(0, 1, (), np.float32)
+    rb = open_buffer(ServerConfig(path=path, space=space, capacity=10, idempotency_window=8))
+    assert rb.idempotency_window == 8
+    rb.close()
+    for window in (None, 8):
+        rb = open_buffer(ServerConfig(path=path, idempotency_window=window))
+        assert rb.idempotency_window == 8
+        rb.close()
+    with pytest.raises(ConfigError, match="idempotency window of 8 episodes, not the 9"):
+        open_buffer(ServerConfig(path=path, idempotency_window=9))
+    for bad in (0, -1, 2.5, "8"):
+        with pytest.raises(ConfigError, match="idempotency_window must be an int >= 1"):
+            ServerConfig(path=path, idempotency_window=bad)
