@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from service_helpers import RawClient, episode_rows, error_of, processes, row_problems
+from service_helpers import RawClient, episode_rows, error_of, processes, row_problems, wait_until
 
 from h5replay import protocol as P
 from h5replay.client import ActorClient, LearnerClient
@@ -246,9 +246,12 @@ def test_samples_per_insert_holds_across_processes(start_server: Any, fast: str)
             procs.append(SPAWN.Process(target=limited_actor_main, args=(server.endpoint, a, episodes, out)))
         procs.append(SPAWN.Process(target=limited_learner_main,
                                    args=(server.endpoint, batches, 0.05 if fast == "actors" else 0.0, out)))
-        if fast == "learner":  # the actors are the slow side: they start late
+        if fast == "learner":  # the actors are the slow side: they start once the learner waits
             procs[-1].start()
-            time.sleep(0.5)
+            with LearnerClient(server.endpoint, timeout=10) as watcher:
+                # Not a fixed head start: under load the learner's process may take longer than
+                # that to start, and would then find the rows already there.
+                assert wait_until(lambda: watcher.info()["waiting_samples"] > 0, timeout=60)
             for p in procs[:-1]:
                 p.start()
         else:
