@@ -619,10 +619,15 @@ class TcpRecorder:
 
     Clients connect to `endpoint`; what they send is in `upstream`, what comes back in `downstream`.
     No root and no capture tools: it sits in the path, as a man in the middle would.
+
+    `hold_first`: on each connection, the client's first that many bytes reach the server in one
+    piece (as a port proxy that is slow to connect its far side delivers them).
     """
 
-    def __init__(self, target_port: int) -> None:
+    def __init__(self, target_port: int, hold_first: int = 0) -> None:
         self.target_port = target_port
+        self.hold_first = hold_first
+        self.connections = 0
         self.upstream = bytearray()
         self.downstream = bytearray()
         self._stop = threading.Event()
@@ -653,13 +658,16 @@ class TcpRecorder:
                 continue
             with self._lock:
                 self._sockets += [client, server]
-            for src, dst, record in ((client, server, self.upstream), (server, client, self.downstream)):
-                thread = threading.Thread(target=self._pump, args=(src, dst, record), daemon=True)
+                self.connections += 1
+            for src, dst, record, hold in ((client, server, self.upstream, self.hold_first),
+                                           (server, client, self.downstream, 0)):
+                thread = threading.Thread(target=self._pump, args=(src, dst, record, hold), daemon=True)
                 thread.start()
                 self._threads.append(thread)
 
-    def _pump(self, src: socket.socket, dst: socket.socket, record: bytearray) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, record: bytearray, hold: int = 0) -> None:
         src.settimeout(0.1)
+        held = b""
         while not self._stop.is_set():
             try:
                 data = src.recv(65536)
@@ -671,6 +679,11 @@ class TcpRecorder:
                 break
             with self._lock:
                 record += data
+            if hold:
+                held += data
+                if len(held) < hold:
+                    continue
+                data, held, hold = held, b"", 0
             try:
                 dst.sendall(data)
             except OSError:
