@@ -42,7 +42,7 @@ test: lint
 	$(BIN)/python -m pytest -m serial
 
 lint: $(STAMP)
-	$(BIN)/ruff check h5replay tests docker
+	$(BIN)/ruff check h5replay tests docker benchmarks
 	$(BIN)/mypy
 
 # The PyTorch integration's tests, which `make test` skips while torch is not installed.

@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     directory = tempfile.mkdtemp(prefix="h5replay-bench-")
     try:
         print(f"sample({BATCH}) by an SWMR reader process, median of {rounds} rounds", file=sys.stderr)
-        print(f"| episodes held | no change (ms) | after a commit (ms) | ratio | target |")
+        print("| episodes held | no change (ms) | after a commit (ms) | ratio | target |")
         print("|---|---|---|---|---|")
         for episodes in sizes:
             still, after, length = measure(directory, episodes, rounds)

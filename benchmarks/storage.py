@@ -227,6 +227,19 @@ def ingest_h5replay(path: str, data: np.ndarray, kind: str, seg: int, batch: int
     return summarize(times, total, len(data), data.nbytes)
 
 
+def ingest_cases(path: str, data: np.ndarray, kind: str, seg: int) -> dict[str, Callable[[], dict[str, float]]]:
+    """The ingest cases of one row kind, each a call that writes `data` into `path`."""
+    return {
+        "raw h5py, row by row": lambda: ingest_raw(path, data, seg, 1),
+        "raw h5py, batch 64": lambda: ingest_raw(path, data, seg, WRITE_BATCH),
+        "raw h5py, batch 64 + 2 flushes/seg": lambda: ingest_raw(path, data, seg, WRITE_BATCH, flushes=2),
+        "unienv-style buffered writer, append": lambda: ingest_raw(path, data, seg, 1, buffered=True),
+        "segment writer, append": lambda: ingest_h5replay(path, data, kind, seg, 1, False),
+        "segment writer, extend 64": lambda: ingest_h5replay(path, data, kind, seg, WRITE_BATCH, False),
+        "ReplayBuffer.commit_segment, extend 64": lambda: ingest_h5replay(path, data, kind, seg, WRITE_BATCH, True),
+    }
+
+
 def run_ingest(tmp: str, sizes: Sizes, repeat: int) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for kind in (SMALL, IMAGE):
@@ -234,15 +247,7 @@ def run_ingest(tmp: str, sizes: Sizes, repeat: int) -> dict[str, Any]:
         data = make_rows(kind, n, seed=1)
         path = os.path.join(tmp, f"ingest-{kind}.h5")
         ingest_raw(path, data, seg, WRITE_BATCH)  # warm-up, untimed: page cache and allocator
-        cases: dict[str, Callable[[], dict[str, float]]] = {
-            "raw h5py, row by row": lambda: ingest_raw(path, data, seg, 1),
-            "raw h5py, batch 64": lambda: ingest_raw(path, data, seg, WRITE_BATCH),
-            "raw h5py, batch 64 + 2 flushes/seg": lambda: ingest_raw(path, data, seg, WRITE_BATCH, flushes=2),
-            "unienv-style buffered writer, append": lambda: ingest_raw(path, data, seg, 1, buffered=True),
-            "segment writer, append": lambda: ingest_h5replay(path, data, kind, seg, 1, False),
-            "segment writer, extend 64": lambda: ingest_h5replay(path, data, kind, seg, WRITE_BATCH, False),
-            "ReplayBuffer.commit_segment, extend 64": lambda: ingest_h5replay(path, data, kind, seg, WRITE_BATCH, True),
-        }
+        cases = ingest_cases(path, data, kind, seg)
         # Round-robin over the cases, so a slow spell of this shared host hits all of them alike.
         runs: dict[str, list[dict[str, float]]] = {name: [] for name in cases}
         for _ in range(repeat):
