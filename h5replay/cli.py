@@ -131,7 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--idle-timeout", type=_seconds, default=30.0, metavar="S",
                        help="forget a client with no open segment idle this long, freeing its slot (default 30)")
     serve.add_argument("--max-clients-per-key", type=_positive_int, default=64, metavar="N",
-                       help="with --auth: clients one key may have connected at once (default 64)")
+                       help="with --auth: clients one key may have connected at once, on the writer's endpoint "
+                            "and on the learners' (default 64)")
     serve.add_argument("--actor-slots", type=_non_negative_int, metavar="N",
                        help="with --auth: client slots only actor keys may take (default: a quarter of them)")
     serve.add_argument("--min-free-bytes", type=_byte_size, metavar="N",

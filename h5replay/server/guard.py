@@ -180,6 +180,10 @@ class ConnectionGuard:
         if conn is not None:
             conn.sent += nbytes
 
+    def live(self) -> set[int]:
+        """The descriptors of the connections open now, as far as the monitor has told."""
+        return set(self._connections)  # one C call under the GIL: the guard's thread cannot change it meanwhile
+
     def disconnect(self, fd: int, why: str) -> None:
         """Close the connection `fd` now (a client whose key was revoked)."""
         conn = self._connections.get(fd)

@@ -37,7 +37,7 @@ import zmq
 
 from h5replay import protocol as P
 from h5replay.config import ServerConfig
-from h5replay.errors import AccessDeniedError, ProtocolError, ServerUnavailableError
+from h5replay.errors import AccessDeniedError, LimitExceededError, ProtocolError, ServerUnavailableError
 from h5replay.server.auth import RoleAuthenticator, server_keys
 from h5replay.server.guard import MONITOR_EVENTS, Budgets, ConnectionGuard
 from h5replay.server.handlers import READ_KINDS, read_reply, reply_rows
@@ -108,20 +108,46 @@ class _Learners:
         #: The learners' endpoint as bound (port 0 becomes a free port).
         self.endpoint = bound_endpoint(self.sock)
         self.sock.linger = 0
+        self._max_per_key = config.max_clients_per_key
+        self._fds_of_key: dict[str, set[int]] = {}  # a key's connections that sent a message
+        self._key_of_fd: dict[int, str] = {}
 
-    def admitted(self, frame: Any, fd: int) -> bool:
-        """Whether the key a message came with is listed now (always, without --auth); a client
-        whose key was removed is disconnected."""
+    def refusal(self, frame: Any, fd: int) -> Exception | None:
+        """Why a message may not be served (None: it may; always None without --auth): its key
+        is no longer listed (the client is disconnected), or it comes on a new connection of a
+        key that already has `max_clients_per_key` connections to this endpoint, as the writer
+        bounds one key's sessions (refused with an error reply, as the writer does)."""
         if self.auth is None:
-            return True
+            return None
         try:
             key = str(frame.get("User-Id"))
         except (zmq.ZMQError, AttributeError):
-            return False
-        if self.auth.role_of(key) is not None:
-            return True
-        self.guard.disconnect(fd, "its key was removed from the key directories")
-        return False
+            key = None
+        if key is None or self.auth.role_of(key) is None:
+            self.guard.disconnect(fd, "its key was removed from the key directories")
+            return AccessDeniedError("this client's key is no longer listed in the server's key directories")
+        if fd < 0 or self._key_of_fd.get(fd) == key:
+            return None
+        return self._count_connection(key, fd)
+
+    def _count_connection(self, key: str, fd: int) -> Exception | None:
+        """A first message of `key` on connection `fd` (or a descriptor reused by another key)."""
+        previous = self._key_of_fd.pop(fd, None)
+        if previous is not None:
+            self._fds_of_key.get(previous, set()).discard(fd)
+        fds = self._fds_of_key.setdefault(key, set())
+        fds.intersection_update(self.guard.live())  # connections that ended no longer count
+        if len(fds) >= self._max_per_key:
+            return LimitExceededError(
+                f"this key already has {len(fds)} connections to the learners' endpoint, the limit max_clients_per_key="
+                f"{self._max_per_key} (--max-clients-per-key); close some, or give each host a key")
+        if len(self._key_of_fd) > 100_000:  # descriptors of connections long gone: start afresh
+            self._key_of_fd.clear()
+            self._fds_of_key.clear()
+            fds = self._fds_of_key.setdefault(key, set())
+        fds.add(fd)
+        self._key_of_fd[fd] = key
+        return None
 
     def close(self) -> None:
         self.guard.stop()
@@ -191,8 +217,9 @@ def reader_main(
                 fd = guard.fd_of(frames[0])
                 guard.consumed(fd, sum(len(f) for f in frames), len(frames))
             try:
-                if learners is not None and frames and not learners.admitted(frames[0], fd):
-                    raise AccessDeniedError("this client's key is no longer listed in the server's key directories")
+                refusal = learners.refusal(frames[0], fd) if learners is not None and frames else None
+                if refusal is not None:
+                    raise refusal
                 request = P.decode(frames, limits, expect=P.Request)
                 reply = answer(buffer, request, rng, config, instance_id, served)
                 counters[2 * index + 1] += reply_rows(reply)
@@ -303,10 +330,8 @@ def front_main(config: ServerConfig, behind: tuple[str, bytes], ready: Any, stop
                     continue
                 fd = guard.fd_of(frames[1])
                 guard.consumed(fd, sum(len(f) for f in frames[1:]), len(frames) - 1)
-                refusal: Exception | None = None
-                if not learners.admitted(frames[1], fd):
-                    refusal = AccessDeniedError("this client's key is no longer listed in the server's key directories")
-                else:
+                refusal = learners.refusal(frames[1], fd)
+                if refusal is None:
                     if len(fds) > 100_000:
                         fds.clear()
                     fds[frames[0].bytes] = fd

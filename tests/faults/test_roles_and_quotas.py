@@ -449,3 +449,31 @@ def test_loopback_is_decided_by_parsing_the_address(tmp_path):
             ServerConfig(path=path, bind=f"tcp://{host}:{port}")
     for host in ("127.0.0.1", "127.1.2.3", "[::1]", "localhost"):
         ServerConfig(path=path, bind=f"tcp://{host}:{port}")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("readers", [1, 2])  # one reader binds the endpoint itself; two sit behind a front
+def test_one_key_cannot_open_connections_without_end_to_the_learners_endpoint(tmp_path, keys, readers):
+    """`--max-clients-per-key` bounds one key's connections to the learners' endpoint too, as it
+    bounds its sessions on the writer: a key over it is refused with an error reply naming the
+    limit, another key is not, and a connection that ends frees its place."""
+    config = server_config(tmp_path / "rb.h5", auth_dir=str(keys), num_readers=readers, max_clients_per_key=3)
+    with ServerProcess(config, timeout=60) as server, contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(curve_dealer(server.read_endpoint, keys, "learner")) for _ in range(3)]
+        for k, sock in enumerate(socks):
+            assert isinstance(call(sock, P.Heartbeat(k + 1)), P.HeartbeatReply)
+        with curve_dealer(server.read_endpoint, keys, "learner") as fourth:
+            reply = call(fourth, P.Heartbeat(10))
+            assert isinstance(reply, P.ErrorReply), reply
+            assert "max_clients_per_key=3" in str(reply.exception()) and "learners' endpoint" in str(reply.exception())
+        for k, sock in enumerate(socks):  # the three admitted go on being served
+            assert isinstance(call(sock, P.Heartbeat(20 + k)), P.HeartbeatReply)
+        with curve_dealer(server.read_endpoint, keys, "actor") as other:  # another key has its own share
+            assert isinstance(call(other, P.Heartbeat(30)), P.HeartbeatReply)
+        socks[0].close(0)  # a connection that ends frees its place, once the server has seen it end
+
+        def admitted() -> bool:
+            with curve_dealer(server.read_endpoint, keys, "learner") as again:
+                return isinstance(call(again, P.Heartbeat(40)), P.HeartbeatReply)
+
+        assert wait_until(admitted, timeout=10)
