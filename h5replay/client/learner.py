@@ -532,15 +532,13 @@ class LearnerClient:
                     else:
                         self._updates_held.append((ids, values))
                         self._held_ids += ids.shape[0]
-                        self._send_held(block=self._held_ids >= self._ids_per_message // 2)
+                        self._send_held(block=self._held_ids >= self._ids_per_message // 2)  # a message's worth
                 except (ServerUnavailableError, ClosedError):
                     self._give_up_updates()
                     raise
                 self._raise_refusal()
             return None
-        parts = _chunks(ids.shape[0], self._ids_per_message // 2) or [(0, 0)]
-        requests = [_request(P.UpdatePriorities, ids[lo:hi], values[lo:hi]) for lo, hi in parts]
-        replies = self._read_many(requests, self._conn)
+        replies = self._read_many(self._update_requests(ids, values), self._conn)
         self._seen_seq = max(self._seen_seq, *(int(r.seq) for r in replies))
         return sum(int(r.ignored) for r in replies)
 
@@ -556,12 +554,18 @@ class LearnerClient:
         values = np.concatenate([h[1] for h in held]) if len(held) > 1 else held[0][1]
         self._send_updates(ids, values)
 
+    def _update_requests(self, ids: np.ndarray, values: np.ndarray) -> list[Callable[[int], P.Request]]:
+        """Checked updates as requests that fit a message each (ids and priorities share it; one
+        empty request for no ids)."""
+        parts = _chunks(ids.shape[0], self._ids_per_message // 2) or [(0, 0)]
+        return [_request(P.UpdatePriorities, ids[lo:hi], values[lo:hi]) for lo, hi in parts]
+
     def _send_updates(self, ids: np.ndarray, values: np.ndarray) -> None:
         """Send checked updates in messages that fit, each once one of `max_in_flight` is free."""
-        for lo, hi in _chunks(ids.shape[0], self._ids_per_message // 2) or [(0, 0)]:
+        for request in self._update_requests(ids, values):
             while len(self._updates_in_flight) >= self.config.max_in_flight:
                 self._settle_update(self._updates_in_flight.popleft())
-            self._updates_in_flight.append(self._conn.send(_request(P.UpdatePriorities, ids[lo:hi], values[lo:hi])))
+            self._updates_in_flight.append(self._conn.send(request))
 
     def _settle_update(self, request_id: int) -> None:
         """Read the reply of one update sent with wait=False. The server's refusal is kept, the

@@ -128,7 +128,8 @@ class ConnectionGuard:
     The server's loop calls `consumed` for each message it takes off a socket and `sent` for each
     reply it sends, naming the connection by the "__fd" of the message (`fd_of`). Everything
     else runs in the guard's thread. `refused(event, value, endpoint)` is called for handshakes
-    that failed before a key was checked (the monitor's event, its value and endpoint); `disconnects` is set when a peer went away.
+    that failed before a key was checked (the monitor's event, its value and endpoint);
+    `disconnects` is set when a peer went away.
     """
 
     def __init__(self, budgets: Budgets, *, name: str, interval: float = 0.02,

@@ -119,13 +119,14 @@ class _Learners:
         bounds one key's sessions (refused with an error reply, as the writer does)."""
         if self.auth is None:
             return None
+        unlisted = AccessDeniedError("this client's key is no longer listed in the server's key directories")
         try:
             key = str(frame.get("User-Id"))
         except (zmq.ZMQError, AttributeError):
-            key = None
-        if key is None or self.auth.role_of(key) is None:
+            return unlisted
+        if self.auth.role_of(key) is None:
             self.guard.disconnect(fd, "its key was removed from the key directories")
-            return AccessDeniedError("this client's key is no longer listed in the server's key directories")
+            return unlisted
         if fd < 0 or self._key_of_fd.get(fd) == key:
             return None
         return self._count_connection(key, fd)

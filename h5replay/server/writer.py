@@ -94,8 +94,7 @@ def _open_buffer(config: ServerConfig) -> ReplayBuffer:
             buffer.close()
             raise ConfigError(f"{config.path!r} exists with {'; and '.join(differences)}; a space, a capacity and "
                               "sampling settings (and the idempotency window) are only for a new file: leave them out "
-                              "to serve this one, or give "
-                              "a new path")
+                              "to serve this one, or give a new path")
         return buffer
     if config.space is None:
         raise ConfigError(f"{config.path!r} does not exist; creating it needs a space (--space SPACE.json)")
