@@ -114,6 +114,11 @@ class SampleInfo:
         weights: np.ndarray = np.power(self.probabilities, -float(beta))
         return weights / weights.max()  # type: ignore[no-any-return]
 
+    def slice(self, start: int, stop: int) -> SampleInfo:
+        """The entries [start, stop) (views, not copies)."""
+        shards = None if self.shard_ids is None else self.shard_ids[start:stop]
+        return SampleInfo(self.row_ids[start:stop], self.episode_ids[start:stop], self.probabilities[start:stop], shards)
+
     def concatenate(self, other: SampleInfo) -> SampleInfo:
         """This info followed by `other` (a sample put together from several requests)."""
         return SampleInfo(

@@ -41,6 +41,7 @@ log = logging.getLogger("h5replay.client")
 __all__ = ["LearnerClient", "View"]
 
 _WILDCARD_HOSTS = ("0.0.0.0", "*", "::", "[::]")
+_REQUEST_BYTES = 1 << 20  # rows one request of `batches` carries for several batches, at most
 _INT64_MAX = np.iinfo(np.int64).max
 
 
@@ -417,11 +418,15 @@ class LearnerClient:
         """Batches without end: `sample(batch_size)`, or `sample_sequences(batch_size,
         sequence_length)`, with `prefetch` batches requested ahead, so the server draws the next
         ones while the learner works on this one (no threads needed). With a `seed`, batch k is
-        drawn with seeds from `seed + k * parts` (parts: messages per batch). Leave the loop to
-        stop; requests still travelling are dropped (`prefetch - 1` batches at most: with a
-        sampler that removes what it draws, `max_times_sampled`, those rows are gone; use
-        `prefetch=1` there if no row may be missed). Over several servers, each batch is one
-        `sample` across the shards (which already fans out).
+        drawn with seeds from `seed + k * parts` (parts: messages per batch). Without a seed, from
+        a server whose readers draw (no rate limit, no rows removed as sampled), one request
+        carries several batches (up to `prefetch // 2`, about 1 MiB at most; always two requests
+        or more in flight): the draws are the same independent ones, and each batch pays a part
+        of a round trip. Leave the loop to stop; requests still travelling are dropped
+        (`prefetch - 1` batches at most: with a sampler that removes what it draws,
+        `max_times_sampled`, those rows are gone; use `prefetch=1` there if no row may be
+        missed). Over several servers, each batch is one `sample` across the shards (which
+        already fans out).
 
         Raises:
             ConfigError: `batch_size`, `sequence_length` or `prefetch` is not a positive int
@@ -441,34 +446,59 @@ class LearnerClient:
         if self._router is not None or (steps is not None and self.rows_per_message < steps):
             return (one_batch(k) for k in itertools.count())  # shards fan out; huge windows are read by id
 
+        group = 1 if seed is not None else self._batches_per_request(size * (steps or 1), ahead)
+
         def requests(batch_seed: int | None) -> list[Callable[[int], P.Request]]:
             if steps is None:
-                return self._sample_requests(size, batch_seed)
-            return self._window_requests(size, steps, batch_seed) or []
+                return self._sample_requests(size * group, batch_seed)
+            return self._window_requests(size * group, steps, batch_seed) or []
 
         parts = len(requests(None))
-        return self._pipelined(lambda k: requests(_seed(seed, k * parts)), ahead, with_info)
+        return self._pipelined(lambda k: requests(_seed(seed, k * parts)), -(-ahead // group), with_info, group)
+
+    def _batches_per_request(self, rows: int, ahead: int) -> int:
+        """How many batches of `rows` rows one request of `batches` may carry: 1 when the writer
+        draws (a rate limit counts, or rows are removed, as each batch is asked for), else up to
+        half of `ahead` (two requests or more stay in flight), within one message and 1 MiB."""
+        if self._samples is not self._reads:
+            return 1
+        fit = min(self.rows_per_message // rows, _REQUEST_BYTES // max(1, rows * int(self.schema.row_bytes)))
+        return int(max(1, min(ahead // 2, fit)))
 
     def _pipelined(
-        self, batch_requests: Callable[[int], list[Callable[[int], P.Request]]], ahead: int, with_info: bool,
+        self, group_requests: Callable[[int], list[Callable[[int], P.Request]]], ahead: int, with_info: bool,
+        group: int = 1,
     ) -> Iterator[Any]:
-        """Batch k = the replies to `batch_requests(k)`, with `ahead` batches' requests in flight."""
+        """The batches the replies to `group_requests(k)` carry, `group` batches each, with
+        `ahead` groups' requests in flight."""
         conn = self._samples
         timeout = None if conn is self._reads else self.config.timeout + self.config.rate_limit_timeout
         in_flight: collections.deque[list[int]] = collections.deque()
         try:
             for k in itertools.count():
                 while len(in_flight) < ahead:
-                    in_flight.append([conn.send(request) for request in batch_requests(k + len(in_flight))])
+                    in_flight.append([conn.send(request) for request in group_requests(k + len(in_flight))])
                 replies = [conn.wait(request_id, timeout) for request_id in in_flight.popleft()]
                 for reply in replies:
                     if isinstance(reply, P.ReadReply):
                         self._observe(reply)
-                yield self._sampled(replies, with_info)
+                if group == 1:
+                    yield self._sampled(replies, with_info)
+                else:
+                    yield from self._split(replies, group, with_info)
         finally:
             for request_ids in in_flight:
                 for request_id in request_ids:
                     conn.forget(request_id)
+
+    def _split(self, replies: list[Any], group: int, with_info: bool) -> Iterator[Any]:
+        """The `group` batches of equal size that the replies of one request carry, in order."""
+        arrays = self._joined([r.arrays for r in replies])
+        info = self._info(replies) if with_info else None
+        size = next(iter(arrays.values())).shape[0] // group
+        for lo in range(0, size * group, size):
+            batch = self._decode({name: a[lo : lo + size] for name, a in arrays.items()})
+            yield (batch, info.slice(lo, lo + size)) if info is not None else batch
 
     @staticmethod
     def _info(replies: list[Any]) -> SampleInfo:

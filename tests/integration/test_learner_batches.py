@@ -98,3 +98,26 @@ def test_a_writer_side_sampler_pipelines_too(start_server: Any) -> None:
         assert learner.sampling["writer_samples"]
         rows = [info.row_ids for _, info in itertools.islice(learner.batches(10, prefetch=3, with_info=True), 10)]
     assert np.array_equal(np.concatenate(rows), np.arange(100))  # a queue: every row once, in order
+
+
+def test_without_a_seed_one_request_carries_several_batches_of_independent_draws(start_server: Any) -> None:
+    server = start_server()
+    _fill(server.endpoint)  # 6 episodes of 40: row id r is step r % 40 of episode r // 40
+    with LearnerClient(server.endpoint, timeout=10) as learner:
+        before = learner.info()["read_requests"]
+        got = list(itertools.islice(learner.batches(16, prefetch=8, with_info=True), 40))
+        # Groups of 4 batches (prefetch // 2), two groups in flight: 10 requests, and 2 ahead.
+        assert learner.info()["read_requests"] - before <= 12
+        for batch, info in got:
+            ids = info.row_ids.astype(np.int64)
+            assert batch["obs"].shape == (16, 16) and len(info) == 16 and not row_problems(batch)
+            assert np.array_equal(batch["episode"], ids // 40) and np.array_equal(batch["step"], ids % 40)
+            assert np.array_equal(info.episode_ids, ids // 40) and np.allclose(info.probabilities, 1 / 240)
+        assert len({tuple(info.row_ids.tolist()) for _, info in got}) == 40  # every batch its own draw
+        before = learner.info()["read_requests"]
+        windows = list(itertools.islice(learner.batches(4, sequence_length=5, prefetch=4, with_info=True), 10))
+        assert learner.info()["read_requests"] - before <= 7  # groups of 2
+        for batch, info in windows:
+            ids = info.row_ids.astype(np.int64)
+            assert batch["step"].shape == (4, 5) and np.array_equal(batch["step"][:, 0], ids % 40)
+            assert np.array_equal(batch["step"], batch["step"][:, :1] + np.arange(5)) and not row_problems(batch)
