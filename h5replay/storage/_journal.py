@@ -48,7 +48,7 @@ from h5replay.storage._h5file import (
     verify_all_within,
 )
 from h5replay.storage._keys import DEFAULT_KEY_WINDOW, KeyFile
-from h5replay.storage._rowio import read_slice, write_rows
+from h5replay.storage._rowio import read_slice, write_rows, write_slots
 from h5replay.storage._sampling_file import SamplingFile
 from h5replay.storage.fastread import MappedChunk
 
@@ -343,6 +343,7 @@ class Journal:
         # refresh and an HDF5 read, paid twice by every read request.
         self._state_map = MappedChunk.open(self._state_ds) if self._reader and not self._legacy else None
         self._last_raw, self._last_state = b"", State()  # the last row read, and its state
+        self._records: dict[int, np.ndarray] = {}  # slot -> episode record, written by `publish`
 
     # ------------------------------------------------------------------ creating and upgrading
 
@@ -470,6 +471,7 @@ class Journal:
             StorageError: HDF5 failed; the file's state is the previous one or this one, never a
                 state naming rows that did not reach the file.
         """
+        self.write_records()
         self.storage.flush(fsync=fsync)
         row = state.to_row()
         with h5_errors("publishing the replay journal"):
@@ -480,17 +482,26 @@ class Journal:
     # ------------------------------------------------------------------ episode records
 
     def record(self, episode_id: int, slot: int, start: int, length: int) -> None:
-        """Write one episode record to the file (growing an unbounded table)."""
-        with h5_errors("recording an episode"):
-            ds = self._episodes_ds
-            if slot >= self._episode_slots:
+        """Record an episode (growing an unbounded table now): written to the file by the next
+        `publish`, before its state, with the other records of the group in one write per run
+        of slots (a later record for a slot replaces an earlier one not yet written)."""
+        if slot >= self._episode_slots:
+            with h5_errors("recording an episode"):
+                ds = self._episodes_ds
                 limit = ds.maxshape[0]
                 grown = max(slot + 1, 2 * ds.shape[0], _EPISODE_CHUNK_ROWS)
                 ds.resize(grown if limit is None else min(grown, limit), axis=0)
                 self._episode_slots = int(ds.shape[0])
-            row = np.array([[start, length]], dtype=np.int64)
-            if not write_rows(ds, slot, row, shape=(self._episode_slots, 2)):
-                ds[slot : slot + 1] = row
+        self._records[slot] = np.array([[start, length]], dtype=np.int64)
+
+    def write_records(self) -> None:
+        """Write the episode records and idempotency keys made since the last publish."""
+        records, self._records = self._records, {}
+        if records:
+            with h5_errors("recording episodes"):
+                write_slots(self._episodes_ds, records, (self._episode_slots, 2))
+        if self.keys is not None:
+            self.keys.write_pending()
 
     def read_records(self, table: EpisodeTable, first_id: int, stop_id: int) -> np.ndarray:
         """The file's records of episodes [first_id, stop_id) as an (n, 2) array."""

@@ -32,7 +32,7 @@ import numpy as np
 from h5replay.errors import ConfigError, SegmentStateError
 from h5replay.records import Receipt
 from h5replay.storage._h5file import h5_errors
-from h5replay.storage._rowio import read_slice, write_rows
+from h5replay.storage._rowio import read_slice, write_slots
 
 __all__ = ["KEY_BYTES", "DEFAULT_KEY_WINDOW", "KeyFile", "KeyTable", "check_key"]
 
@@ -73,6 +73,7 @@ class KeyFile:
         self._ds = ds
         self.window = int(ds.maxshape[0])
         self._rows = int(ds.shape[0])  # kept here: h5py's `shape` costs ~25 us a call
+        self._pending: dict[int, np.ndarray] = {}  # slot -> row, written by `write_pending`
 
     @staticmethod
     def check_window(window: object) -> int:
@@ -103,13 +104,20 @@ class KeyFile:
             return read_slice(self._ds, 0, self._ds.shape[0])
 
     def write(self, slot: int, row: np.ndarray) -> None:
-        with h5_errors("recording an idempotency key"):
-            ds = self._ds
-            if slot >= self._rows:
+        """Record `row` in `slot` (growing the table now): written to the file by the next
+        `write_pending`, which the journal's publish calls before it writes the state."""
+        if slot >= self._rows:
+            with h5_errors("recording an idempotency key"):
                 self._rows = min(self.window, max(slot + 1, 2 * self._rows, _CHUNK_ROWS))
-                ds.resize(self._rows, axis=0)
-            if not write_rows(ds, slot, row):
-                ds[slot : slot + 1] = row
+                self._ds.resize(self._rows, axis=0)
+        self._pending[slot] = row
+
+    def write_pending(self) -> None:
+        """Write the rows recorded since the last call, one write per run of slots."""
+        pending, self._pending = self._pending, {}
+        if pending:
+            with h5_errors("recording idempotency keys"):
+                write_slots(self._ds, pending, (self._rows, _COLUMNS))
 
 
 class KeyTable:

@@ -155,6 +155,20 @@ def read_slice(
     return out
 
 
+def write_slots(dataset: h5py.Dataset, rows: dict[int, np.ndarray], shape: tuple[int, ...]) -> None:
+    """Write one-row arrays to their slots (row numbers, any order), one low-level write per run
+    of consecutive slots: the records a group commit made, written together at its publish."""
+    slots = sorted(rows)
+    first = 0
+    for i in range(1, len(slots) + 1):
+        if i < len(slots) and slots[i] == slots[i - 1] + 1:
+            continue
+        run = np.concatenate([rows[slot] for slot in slots[first:i]])
+        if not write_rows(dataset, slots[first], run, shape=shape):
+            dataset[slots[first] : slots[first] + run.shape[0]] = run
+        first = i
+
+
 def write_rows(
     dataset: h5py.Dataset, start: int, value: Any, num_rows: int | None = None, *,
     shape: tuple[int, ...] | None = None,

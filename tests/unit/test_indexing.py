@@ -624,3 +624,33 @@ def test_cache_is_per_dataset_object(h5: h5py.File) -> None:
     gc.collect()
     live = [ref() for ref, _ in _rowio._ROW_IO.values()]
     assert all(x is not None for x in live)  # entries of dead ids were dropped
+
+
+@settings(max_examples=40, deadline=None)
+@given(slots=st.dictionaries(st.integers(0, 39), st.integers(-(2**40), 2**40), max_size=25))
+def test_write_slots_writes_each_row_to_its_slot_in_runs(tmp_path_factory: Any, slots: dict[int, int]) -> None:
+    """The records of a group commit, written at its publish: every slot gets its row, whatever
+    the order the dict holds them in and the gaps between runs; other slots are untouched."""
+    path = tmp_path_factory.mktemp("slots") / "s.h5"
+    with h5py.File(path, "w", libver="latest") as f:
+        ds = f.create_dataset("t", shape=(40, 2), maxshape=(None, 2), chunks=(8, 2), dtype=np.int64)
+        ds[...] = -1
+        rows = {slot: np.array([[value, slot]], np.int64) for slot, value in slots.items()}
+        calls: list[int] = []
+        original = _rowio.write_rows
+
+        def counting(*args: Any, **kwargs: Any) -> bool:
+            calls.append(args[1])
+            return original(*args, **kwargs)
+
+        _rowio.write_rows = counting  # type: ignore[assignment]
+        try:
+            _rowio.write_slots(ds, rows, (40, 2))
+        finally:
+            _rowio.write_rows = original  # type: ignore[assignment]
+        expected = np.full((40, 2), -1, np.int64)
+        for slot, value in slots.items():
+            expected[slot] = (value, slot)
+        assert np.array_equal(ds[...], expected)
+        runs = sum(1 for s in sorted(slots) if s - 1 not in slots)
+        assert len(calls) == runs  # one write per run of consecutive slots
