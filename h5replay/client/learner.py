@@ -482,10 +482,7 @@ class LearnerClient:
                 for reply in replies:
                     if isinstance(reply, P.ReadReply):
                         self._observe(reply)
-                if group == 1:
-                    yield self._sampled(replies, with_info)
-                else:
-                    yield from self._split(replies, group, with_info)
+                yield from self._split(replies, group, with_info)
         finally:
             for request_ids in in_flight:
                 for request_id in request_ids:

@@ -497,9 +497,8 @@ class Journal:
     def write_records(self) -> None:
         """Write the episode records and idempotency keys made since the last publish."""
         records, self._records = self._records, {}
-        if records:
-            with h5_errors("recording episodes"):
-                write_slots(self._episodes_ds, records, (self._episode_slots, 2))
+        with h5_errors("recording episodes"):
+            write_slots(self._episodes_ds, records, (self._episode_slots, 2))
         if self.keys is not None:
             self.keys.write_pending()
 

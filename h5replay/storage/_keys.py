@@ -115,9 +115,8 @@ class KeyFile:
     def write_pending(self) -> None:
         """Write the rows recorded since the last call, one write per run of slots."""
         pending, self._pending = self._pending, {}
-        if pending:
-            with h5_errors("recording idempotency keys"):
-                write_slots(self._ds, pending, (self._rows, _COLUMNS))
+        with h5_errors("recording idempotency keys"):
+            write_slots(self._ds, pending, (self._rows, _COLUMNS))
 
 
 class KeyTable:

@@ -156,17 +156,12 @@ def read_slice(
 
 
 def write_slots(dataset: h5py.Dataset, rows: dict[int, np.ndarray], shape: tuple[int, ...]) -> None:
-    """Write one-row arrays to their slots (row numbers, any order), one low-level write per run
-    of consecutive slots: the records a group commit made, written together at its publish."""
-    slots = sorted(rows)
-    first = 0
-    for i in range(1, len(slots) + 1):
-        if i < len(slots) and slots[i] == slots[i - 1] + 1:
-            continue
-        run = np.concatenate([rows[slot] for slot in slots[first:i]])
-        if not write_rows(dataset, slots[first], run, shape=shape):
-            dataset[slots[first] : slots[first] + run.shape[0]] = run
-        first = i
+    """Write one-row arrays to their slots (row numbers, any order) with
+    `write_sorted_unique_rows`: the records a group commit made, written together at its
+    publish. `shape`: the dataset's current shape, which its writer keeps."""
+    if rows:
+        slots = sorted(rows)
+        write_sorted_unique_rows(dataset, np.array(slots), np.concatenate([rows[s] for s in slots]), shape=shape)
 
 
 def write_rows(
@@ -200,7 +195,9 @@ def write_rows(
     return io.write_rows(dataset.id, shape or io.fixed_shape or dataset.shape, start, value, num_rows)
 
 
-def write_sorted_unique_rows(dataset: h5py.Dataset, index: np.ndarray, value: Any) -> None:
+def write_sorted_unique_rows(
+    dataset: h5py.Dataset, index: np.ndarray, value: Any, *, shape: tuple[int, ...] | None = None,
+) -> None:
     """Write ``dataset[index] = value`` as one write per run of consecutive rows. Blocks.
 
     Each run goes through ``write_rows``; a run it refuses (a dtype that needs HDF5's
@@ -211,6 +208,7 @@ def write_sorted_unique_rows(dataset: h5py.Dataset, index: np.ndarray, value: An
         dataset: An open, writable dataset with at least one axis.
         index: 1-D integers, strictly increasing, each in ``[0, len(dataset))``.
         value: ``len(index)`` rows, or anything numpy broadcasts to them (one row, a scalar).
+        shape: The dataset's current shape, if the caller knows it (as for ``write_rows``).
 
     Raises:
         TypeError: ``index`` is not an integer array.
@@ -218,7 +216,7 @@ def write_sorted_unique_rows(dataset: h5py.Dataset, index: np.ndarray, value: An
         IndexError: An index is negative or not below ``len(dataset)``.
     """
     io = _row_io(dataset)
-    shape = dataset.shape
+    shape = dataset.shape if shape is None else shape
     rows, steps = _checked_rows(index, shape[0])
     n = rows.shape[0]
     values = io.as_rows(value, n)

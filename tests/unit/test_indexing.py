@@ -637,17 +637,17 @@ def test_write_slots_writes_each_row_to_its_slot_in_runs(tmp_path_factory: Any, 
         ds[...] = -1
         rows = {slot: np.array([[value, slot]], np.int64) for slot, value in slots.items()}
         calls: list[int] = []
-        original = _rowio.write_rows
+        original = _rowio._RowIO.write_rows
 
-        def counting(*args: Any, **kwargs: Any) -> bool:
-            calls.append(args[1])
-            return original(*args, **kwargs)
+        def counting(self: Any, *args: Any, **kwargs: Any) -> bool:
+            calls.append(args[2])
+            return original(self, *args, **kwargs)
 
-        _rowio.write_rows = counting  # type: ignore[assignment]
+        _rowio._RowIO.write_rows = counting  # type: ignore[method-assign]
         try:
             _rowio.write_slots(ds, rows, (40, 2))
         finally:
-            _rowio.write_rows = original  # type: ignore[assignment]
+            _rowio._RowIO.write_rows = original  # type: ignore[method-assign]
         expected = np.full((40, 2), -1, np.int64)
         for slot, value in slots.items():
             expected[slot] = (value, slot)
