@@ -619,46 +619,50 @@ def _refuse_keys(space: DictSpace, value: Mapping[Any, Any], prefix: str, where:
         raise SpaceMismatchError(f"{where} does not match the space: {'; '.join(parts)}")
 
 
-def _no_exact_row(sample: Any) -> None:
-    return None
+def _no_exact_row(columns: Sequence[np.ndarray], row: int, sample: Any) -> bool:
+    return False
 
 
-def _exact_row(space: Space, leaves: Sequence[tuple[str, LeafSpace]]) -> Callable[[Any], Sequence[np.ndarray] | None]:
-    """A function giving one sample's leaf values, in the order of `leaves`, when the sample
-    already is exactly what is stored: a plain dict with exactly the space's keys (or, for a
-    single Box, the array itself), each an ndarray of exactly its leaf's dtype and shape; None
-    otherwise (then `Schema.encode_one` says why, or converts). Bounds are not checked (see
+def _put_exact_row(space: Space, leaves: Sequence[tuple[str, LeafSpace]]) -> Callable[[Sequence[np.ndarray], int, Any], bool]:
+    """A function that copies one sample into row `row` of `columns` (one array per leaf, in the
+    order of `leaves`) and returns True when the sample already is exactly what is stored: a
+    plain dict with exactly the space's keys (or, for a single Box, the array itself), each an
+    ndarray of exactly its leaf's dtype and shape. Otherwise it returns False and writes nothing
+    (then `Schema.encode_one` says why, or converts). Bounds are not checked (see
     `Schema.check_values`). Built per space, for the per-step path of writers that check bounds
     per block of rows: a few hundred nanoseconds a leaf. Spaces with text, binary or nested
-    dicts always get None."""
+    dicts always get False."""
     if not all(isinstance(leaf, BoxSpace) and leaf.storage_dtype.kind in "biuf" for _, leaf in leaves):
         return _no_exact_row
     if isinstance(space, BoxSpace):
         dtype, shape = space.storage_dtype, space.shape
 
-        def exact_leaf(sample: Any) -> Sequence[np.ndarray] | None:
+        def put_leaf(columns: Sequence[np.ndarray], row: int, sample: Any) -> bool:
             if type(sample) is np.ndarray and sample.shape == shape and (sample.dtype is dtype or sample.dtype == dtype):
-                return (sample,)
-            return None
+                columns[0][row] = sample
+                return True
+            return False
 
-        return exact_leaf
+        return put_leaf
     if not isinstance(space, DictSpace) or not all(isinstance(sub, BoxSpace) for sub in space.spaces.values()):
         return _no_exact_row
     plan = tuple((name, leaf.storage_dtype, leaf.shape) for name, leaf in leaves)
     size = len(plan)
 
-    def exact_dict(sample: Any) -> Sequence[np.ndarray] | None:
+    def put_dict(columns: Sequence[np.ndarray], row: int, sample: Any) -> bool:
         if type(sample) is not dict or len(sample) != size:
-            return None
+            return False
         values = []
         for key, dtype, shape in plan:
             value = sample.get(key)
             if type(value) is not np.ndarray or value.shape != shape or (value.dtype is not dtype and value.dtype != dtype):
-                return None
+                return False
             values.append(value)
-        return values
+        for column, value in zip(columns, values):
+            column[row] = value
+        return True
 
-    return exact_dict
+    return put_dict
 
 
 def space_from_json(obj: Any) -> Space:
@@ -710,8 +714,10 @@ class Schema:
                               if check_bounds and isinstance(leaf, BoxSpace) and leaf.checks_values)
         #: Bytes of one row as stored, every leaf included.
         self.row_bytes = sum(leaf.row_bytes for _, leaf in self.leaves)
-        #: One sample's leaf values when it is exactly what is stored, else None: see _exact_row.
-        self.exact_row: Callable[[Any], Sequence[np.ndarray] | None] = _exact_row(space, self.leaves)
+        #: put_exact_row(columns, row, sample): copy a sample that is exactly what is stored into
+        #: row `row` of `columns` (one array per leaf, in leaf order) and return True; else write
+        #: nothing and return False. See _put_exact_row.
+        self.put_exact_row: Callable[[Sequence[np.ndarray], int, Any], bool] = _put_exact_row(space, self.leaves)
 
     def __repr__(self) -> str:
         return f"Schema({self.space!r})"

@@ -244,6 +244,7 @@ class ActorSegment:
         self._batch_capacity = client.rows_per_message
         self._batch: dict[str, np.ndarray] | None = None
         self._columns: list[np.ndarray] = []  # the batch's arrays, in the schema's leaf order
+        self._put_exact_row = client.schema.put_exact_row
         self._priorities: np.ndarray | None = None  # per buffered row (NaN: none given), once one is
         self._buffered_rows = 0
         self._buffered_since = 0.0
@@ -267,11 +268,8 @@ class ActorSegment:
         ndarrays) is copied straight into the batch."""
         self._require_open("append to")
         if priority is None and self._priorities is None and self._batch is not None:
-            values = self._client.schema.exact_row(step)
-            if values is not None:  # the per-step hot path: a row copy per leaf
-                row = self._buffered_rows
-                for column, value in zip(self._columns, values):
-                    column[row] = value
+            row = self._buffered_rows
+            if self._put_exact_row(self._columns, row, step):  # the per-step hot path: a row copy per leaf
                 self._buffered_rows = row + 1
                 self.length += 1
                 if self._batch_due():

@@ -87,12 +87,16 @@ class Staging:
         rows = min(ds.shape[0] for ds in datasets.values())
         self.num_blocks = rows // self.block_rows
         self._free = list(range(self.num_blocks - 1, -1, -1))
-        # Full-size blocks kept for the next writer: fresh pages cost a fault each to touch.
+        # Writers' blocks kept for the next writers, smallest first: fresh pages cost a fault
+        # each to touch, and a block grown by doubling copies its rows at every step.
         self._spare_buffers: list[dict[str, np.ndarray]] = []
 
     def reserve(self, rows: int) -> bool:
-        """Count `rows` more rows of a writer's block against the budget; False when over it."""
+        """Count `rows` more rows of a writer's block against the budget; False when over it
+        (spare blocks are freed first to make room)."""
         size = rows * self.row_bytes
+        while self.memory_bytes is not None and self.in_memory + size > self.memory_bytes and self._spare_buffers:
+            self._free_spare(self._spare_buffers.pop(0))
         if self.memory_bytes is not None and self.in_memory + size > self.memory_bytes:
             return False
         self.in_memory += size
@@ -103,22 +107,25 @@ class Staging:
 
     def take_buffers(self, rows: int) -> dict[str, np.ndarray]:
         """A block of `rows` rows per leaf, in memory (already reserved by the caller)."""
-        if rows == self.block_rows and self._spare_buffers:
-            self.unreserve(rows)  # a spare was counted already
-            return self._spare_buffers.pop()
         return {path: np.empty((rows, *leaf.shape), dtype=leaf.storage_dtype) for path, leaf in self._leaves}
 
     def take_spare(self) -> dict[str, np.ndarray] | None:
-        """A full-size block kept from a writer that ended (still counted), or None."""
+        """The largest block kept from a writer that ended (still counted), or None."""
         return self._spare_buffers.pop() if self._spare_buffers else None
 
     def give_buffers(self, buffers: dict[str, np.ndarray]) -> None:
-        """Take back a writer's block: kept as a spare when full-size, else freed."""
-        rows = next(iter(buffers.values())).shape[0] if buffers else 0
-        if rows != self.block_rows or len(self._spare_buffers) >= _SPARE_BUFFERS:
-            self.unreserve(rows)
-        else:
-            self._spare_buffers.append(buffers)
+        """Take back a writer's block. The largest ones beyond the first size are kept as spares
+        (smallest first), so the next writers start at the size the last ones grew to."""
+        if _rows_of(buffers) <= self.first_rows:
+            self._free_spare(buffers)
+            return
+        self._spare_buffers.append(buffers)
+        self._spare_buffers.sort(key=_rows_of)
+        if len(self._spare_buffers) > _SPARE_BUFFERS:
+            self._free_spare(self._spare_buffers.pop(0))
+
+    def _free_spare(self, buffers: dict[str, np.ndarray]) -> None:
+        self.unreserve(_rows_of(buffers))
 
     def allocate(self) -> int:
         if self._free:
@@ -148,6 +155,10 @@ class Staging:
             return {path: read_slice(ds, base + first, base + stop) for path, ds in self.datasets.items()}
 
 
+def _rows_of(buffers: dict[str, np.ndarray]) -> int:
+    return next(iter(buffers.values())).shape[0] if buffers else 0
+
+
 class SegmentWriter:
     """Builds one segment off to the side; `commit(start_index)` publishes it, `abort()` drops it.
 
@@ -166,7 +177,7 @@ class SegmentWriter:
         self._staging = staging
         self._schema = storage.schema  # the storage's checks when the writer was opened
         self._names = self._schema.names
-        self._exact_row = self._schema.exact_row
+        self._put_exact_row = self._schema.put_exact_row
         self._unchecked = 0  # rows of the block in memory from here on: values not checked yet
         self._columns: list[np.ndarray] = []  # the block's arrays, in the order of self._names
         self._borrowed: dict[str, np.ndarray] | None = None  # every row, uncopied (extend_stored(borrow=True))
@@ -175,13 +186,30 @@ class SegmentWriter:
         self._buffered = 0
         self._blocks: list[tuple[int, int]] = []  # (staging block, rows written in it), in order
         self.length = 0
-        self.is_finished = False
+        # append's fast path may fill the block up to this row: the block's capacity while the
+        # writer is open, unfinished and without priorities, else 0 (then append takes the long way).
+        self._fast_stop = 0
+        self._finished = False
         self._state = "open"  # open | committed | aborted | invalid
         self._why_invalid = ""
         self._priorities: np.ndarray | None = None  # per row, NaN where none was given
 
     def __len__(self) -> int:
         return self.length
+
+    @property
+    def is_finished(self) -> bool:
+        """True once `finish`, `commit` or `abort` refused further rows."""
+        return self._finished
+
+    @is_finished.setter
+    def is_finished(self, value: bool) -> None:
+        self._finished = bool(value)
+        self._reset_fast_stop()
+
+    def _reset_fast_stop(self) -> None:
+        fast = self._state == "open" and not self._finished and self._priorities is None
+        self._fast_stop = self._capacity if fast else 0
 
     def __repr__(self) -> str:
         return f"<SegmentWriter {self._state}, {self.length} rows>"
@@ -208,6 +236,7 @@ class SegmentWriter:
             if self._priorities is not None:
                 grown[: first] = self._priorities[:first]
             self._priorities = grown
+            self._fast_stop = 0
         self._priorities[first:need] = np.nan if values is None else values
 
     @property
@@ -235,28 +264,39 @@ class SegmentWriter:
             ConfigError: the priority is not a finite number >= 0 (the writer is unchanged).
             SegmentStateError: the writer was finished, committed or aborted.
         """
+        row = self._buffered
+        if row < self._fast_stop and priority is None:
+            # The per-step hot path: a sample of exactly the stored dtypes and shapes, a row
+            # free in the block, no priorities: one row copy per leaf and two counters.
+            if self._put_exact_row(self._columns, row, value):
+                self._buffered = row + 1
+                self.length += 1
+                return
+        self._append(value, priority)
+
+    def _append(self, value: Any, priority: float | None) -> None:
+        """append's long way: checks the writer's state, converts, makes room, keeps priorities."""
         if self._state != "open" or self.is_finished:
             self._require_open("append to")
             raise SegmentStateError("cannot append to a finished segment writer")
         given = None if priority is None else self._note_priorities([priority], 1)
         if self._borrowed is not None:
             self._copy_borrowed()
-        values = self._exact_row(value)
-        if values is None:
+        row = self._buffered
+        if not (row < self._capacity and self._put_exact_row(self._columns, row, value)):
+            # Converted and checked before anything changes; a full block is made room for after.
             encoded = self._schema.encode_one(value, check_values=False)
-            values = [encoded[name][0] for name in self._names]
-        # The per-step hot path: one row straight into the block, no batch bookkeeping.
-        if self._buffered == self._capacity:
-            try:
-                self._make_room()
-            except StorageError:
-                self.abort()
-                raise
+            if self._buffered == self._capacity:
+                try:
+                    self._make_room()
+                except StorageError:
+                    self.abort()
+                    raise
+            row = self._buffered
+            for column, name in zip(self._columns, self._names):
+                column[row] = encoded[name][0]
         if given is not None or self._priorities is not None:
             self._keep_priorities(self.length, given, 1)
-        row = self._buffered
-        for column, leaf_value in zip(self._columns, values):
-            column[row] = leaf_value
         self._buffered = row + 1
         self.length += 1
 
@@ -359,16 +399,16 @@ class SegmentWriter:
         if self._buffers is None:
             spare = staging.take_spare()
             if spare is not None:
-                self._set_block(spare, staging.block_rows)
+                self._set_block(spare, _rows_of(spare))
                 return
         if self._capacity < staging.block_rows:
             grown = min(staging.block_rows, max(staging.first_rows, 2 * self._capacity))
             if staging.reserve(grown):
                 new = staging.take_buffers(grown)
-                if self._buffers is not None:
+                if self._buffers is not None:  # the outgrown block is freed, not kept as a spare
                     for path, old in self._buffers.items():
                         new[path][: self._buffered] = old[: self._buffered]
-                    staging.give_buffers(self._buffers)
+                    staging.unreserve(self._capacity)
                 self._set_block(new, grown)
                 return
             if self._buffers is None:  # over budget: even so a writer needs a row to work with
@@ -380,6 +420,7 @@ class SegmentWriter:
     def _set_block(self, buffers: dict[str, np.ndarray], rows: int) -> None:
         self._buffers, self._capacity = buffers, rows
         self._columns = [buffers[name] for name in self._names]
+        self._reset_fast_stop()
 
     def _spill(self) -> None:
         buffers = typing.cast("dict[str, np.ndarray]", self._buffers)  # _make_room allocated them
@@ -467,7 +508,7 @@ class SegmentWriter:
         self._buffers = None
         self._borrowed = None
         self._columns = []
-        self._capacity = 0
+        self._capacity = self._fast_stop = 0
         self._buffered = self._unchecked = 0
 
     def _invalidate(self, reason: str) -> None:
@@ -476,7 +517,7 @@ class SegmentWriter:
             self._buffers = None
             self._borrowed = None
             self._columns = []
-            self._capacity = 0
+            self._capacity = self._fast_stop = 0
             self._state = "invalid"
             self._why_invalid = reason
 
