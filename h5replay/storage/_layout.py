@@ -5,11 +5,16 @@ the design document live in one place and are testable without a file.
 
 Rules (per leaf):
   * fixed capacity, no compression, chunks None, not multiprocessing -> contiguous;
-  * chunks None/True with compression, an unbounded storage, or multiprocessing -> whole-row
-    chunks of about CHUNK_TARGET_BYTES, never less than one row, clamped to a fixed capacity.
-    Multiprocessing files keep chunks because an SWMR reader of HDF5 1.14.4 and later 1.14
+  * chunks None/True with compression, or an unbounded storage -> whole-row chunks of about
+    CHUNK_TARGET_BYTES, never less than one row, clamped to a fixed capacity;
+  * multiprocessing, where the rules above would give contiguous storage (fixed capacity, no
+    compression, chunks None) -> whole-row chunks of about SWMR_CONTIGUOUS_CHUNK_BYTES (1 MiB),
+    the nearest to contiguous an SWMR file can be: an SWMR reader of HDF5 1.14.4 and later 1.14
     releases cannot open a contiguous dataset ("invalid dataset size", HDFGroup/hdf5#5251, open);
-    HDF5 2.0.0 can, but h5py wheels ship either, and a file outlives the library that wrote it;
+    HDF5 2.0.0 can, but h5py wheels ship either, and a file outlives the library that wrote it.
+    Without compression a row read or write touches only its own bytes of a chunk, so big
+    chunks cost random reads nothing, and they make fewer chunks to index and write: 100-row
+    image episodes were written 1.3-1.7x faster than in 64 KiB chunks;
   * an explicit tuple is padded with the row shape;
   * chunks=False asks for contiguous storage and is refused where it cannot be honoured;
   * compression with a fixed capacity and multiprocessing (SWMR) is refused: the file would grow
@@ -51,9 +56,13 @@ def swmr_compressed_ring(path: str, compression: Any) -> str:
     )
 
 
-def whole_row_chunk_rows(row_bytes: int, capacity: int | None) -> int:
-    """Rows per chunk so one chunk holds about CHUNK_TARGET_BYTES of whole rows (at least one)."""
-    rows = max(1, CHUNK_TARGET_BYTES // max(1, row_bytes))
+SWMR_CONTIGUOUS_CHUNK_BYTES = 1 << 20
+"""Chunk size of a multiprocessing file's leaves that would otherwise be contiguous (see above)."""
+
+
+def whole_row_chunk_rows(row_bytes: int, capacity: int | None, target: int = CHUNK_TARGET_BYTES) -> int:
+    """Rows per chunk so one chunk holds about `target` bytes of whole rows (at least one)."""
+    rows = max(1, target // max(1, row_bytes))
     if capacity is not None:
         rows = min(rows, max(1, capacity))
     return rows
@@ -101,7 +110,9 @@ def dataset_kwargs(
     if chunk is None and contiguous_possible:
         return kwargs
     if chunk is None or chunk is True:
-        chunk_shape: tuple[int, ...] = (whole_row_chunk_rows(row_bytes, capacity), *row_shape)
+        contiguous_wanted = chunk is None and capacity is not None and comp is None
+        target = SWMR_CONTIGUOUS_CHUNK_BYTES if contiguous_wanted else CHUNK_TARGET_BYTES
+        chunk_shape: tuple[int, ...] = (whole_row_chunk_rows(row_bytes, capacity, target), *row_shape)
     else:
         try:
             given = tuple(int(c) for c in chunk)

@@ -173,10 +173,18 @@ class HDF5Storage:
                 raise SpaceMismatchError(f"'{path}' in the file is a group, but the space has a leaf there")
             if check_file:
                 self._check_dataset(path, leaf, ds)
+            if self._uncached_writes:
+                ds = _h5file.for_writing(ds)
             self._datasets[path] = ds
         # Asked once: Dataset.name is an HDF5 call, too dear for every read.
         self._map_keys = {path: ds.name for path, ds in self._datasets.items()}
         self._io.drop_maps()
+
+    @property
+    def _uncached_writes(self) -> bool:
+        """Whether this storage's unfiltered chunked datasets are held without HDF5's chunk cache
+        (see _h5file.for_writing): when it writes, unless h5py options chose a cache."""
+        return self.is_mutable and "rdcc_nbytes" not in self._h5py_kwargs
 
     def _check_dataset(self, path: str, leaf: LeafSpace, ds: h5py.Dataset) -> None:
         if ds.shape[1:] != leaf.shape:
@@ -883,6 +891,8 @@ class HDF5Storage:
             with h5_errors("opening the staging area"):
                 group = self.file[STAGING_GROUP]
                 datasets = {path: group[path] for path, _ in self._leaves}
+                if self._uncached_writes:
+                    datasets = {path: _h5file.for_writing(ds) for path, ds in datasets.items()}
             self._staging = Staging(datasets, self._leaves, self.segment_buffer_bytes, self.segment_memory_bytes)
         writer = SegmentWriter(self, self._staging)
         self._writers.add(writer)

@@ -1,6 +1,6 @@
 """A disk that fills up: writes fail with an error reply, reads go on, nothing committed is damaged.
 
-The server runs in a child whose RLIMIT_FSIZE stops the file at a couple of megabytes, so HDF5's
+The server runs in a child whose RLIMIT_FSIZE stops the file at a few megabytes, so HDF5's
 writes fail with EFBIG ("File too large") exactly as they would with ENOSPC on a full disk (the
 server ignores SIGXFSZ). Two runs are shared by the tests below: one where the writer serves
 reads from the same HDF5 handle whose write failed and is then stopped by SIGTERM, one with
@@ -25,8 +25,11 @@ from h5replay.server import ServerProcess
 # Two disk-full runs (module fixtures) serve every test here: one xdist worker runs them all.
 pytestmark = pytest.mark.xdist_group("test_disk_full")
 
-FSIZE = 2_000_000  # bytes the server's files may reach
-EPISODE_ROWS = 200  # 16 kB an episode: the limit is hit after about 100
+# Bytes the server's files may reach. The file's first chunks take about 4.5 MB (an SWMR file's
+# uncompressed leaves come in chunks of about 1 MiB: one of obs, holding 16,384 rows, and the
+# capacity's 200,000 rows of each int32 leaf); obs's second chunk starts after 82 episodes.
+FSIZE = 5_000_000
+EPISODE_ROWS = 200  # 16 kB an episode: the limit is hit after about 120
 MAX_EPISODES = 1000
 
 

@@ -85,7 +85,7 @@ class SmallDisk:
 
 @pytest.mark.timeout(180)
 def test_a_full_disk_refuses_new_rows_and_resumes_once_space_is_freed(tmp_path):
-    disk = SmallDisk(tmp_path, 40, 28, "--min-free-bytes", "8M", "--readers", "0")
+    disk = SmallDisk(tmp_path, 40, 20, "--min-free-bytes", "8M", "--readers", "0")
     try:
         with ActorClient(disk.config.bind, timeout=20) as actor, ActorClient(disk.config.bind, timeout=20) as other, \
                 LearnerClient(disk.config.bind, timeout=20) as learner:
@@ -93,7 +93,9 @@ def test_a_full_disk_refuses_new_rows_and_resumes_once_space_is_freed(tmp_path):
             pending.extend(episode_rows(2, 0, 100))
             acked = 0
             refusal = None
-            for e in range(1000):  # 2000 rows of 80 bytes an episode: about 4 MB of room before the reserve
+            # 2000 rows of 80 bytes an episode: 12 MB of room before the reserve, of which the file's
+            # first chunks (about 1 MiB a leaf) take 4.5 MB.
+            for e in range(1000):
                 try:
                     actor.push_episode(episode_rows(1, e, 2000))
                     acked += 1

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from fault_helpers import cli_command
-from service_helpers import episode_rows, row_problems, server_config
+from service_helpers import EPISODE_SPACE, episode_rows, row_problems, server_config
 
 from h5replay.client import ActorClient, LearnerClient
 from h5replay.server import ServerProcess
@@ -153,8 +153,10 @@ def test_opening_gives_up_at_its_deadline_or_a_signal(tmp_path, how):
 
 
 def _killed_server_file(tmp_path: Path, episodes: int = 40) -> Path:
-    """A file a SIGKILLed server left: `episodes` committed episodes of 100 rows."""
+    """A file a SIGKILLed server left: `episodes` committed episodes of 100 rows, in chunks of
+    64 KiB (`chunks=True`), so the newest published rows lie in the file's last 64 KiB."""
     path = tmp_path / "killed.h5"
+    ReplayBuffer.create(EPISODE_SPACE, 5000, path, multiprocessing=True, chunks=True).close()
     config = server_config(path, capacity=5000, num_readers=0)
     server = ServerProcess(config, timeout=60)
     try:

@@ -15,6 +15,7 @@ import pytest
 from h5replay.errors import ConfigError
 from h5replay.spaces import BinarySpace, BoxSpace, DictSpace, Space, TextSpace
 from h5replay.storage._layout import (
+    SWMR_CONTIGUOUS_CHUNK_BYTES,
     dataset_kwargs,
     resolve_option,
     whole_row_chunk_rows,
@@ -145,12 +146,21 @@ def test_chunks_false_where_impossible(options: dict[str, Any], reason: str) -> 
 
 
 def test_multiprocessing_forces_chunks() -> None:
-    kw = kwargs_for((84, 84, 3), np.uint8, capacity=50, multiprocessing=True)
-    assert kw["chunks"] == (3, 84, 84, 3) and kw["maxshape"] == (50, 84, 84, 3)
+    # Where a plain file would be contiguous, chunks of about 1 MiB (the nearest SWMR allows).
+    kw = kwargs_for((84, 84, 3), np.uint8, capacity=500, multiprocessing=True)
+    assert kw["chunks"] == (49, 84, 84, 3) and kw["maxshape"] == (500, 84, 84, 3)
+    assert SWMR_CONTIGUOUS_CHUNK_BYTES == 1 << 20 and 49 * 84 * 84 * 3 <= 1 << 20 < 50 * 84 * 84 * 3
     small = kwargs_for((7,), np.float32, capacity=50, multiprocessing=True)
     assert small["chunks"] == (50, 7)
+    big_ring = kwargs_for((7,), np.float32, capacity=10**6, multiprocessing=True)
+    assert big_ring["chunks"] == (37449, 7)
+    # Elsewhere the design's 64 KiB: unbounded, chunks=True, or compressed (not SWMR-refused).
     unbounded = kwargs_for((7,), np.float32, capacity=None, multiprocessing=True)
     assert unbounded["chunks"] == (2340, 7)
+    asked = kwargs_for((84, 84, 3), np.uint8, capacity=500, chunks=True, multiprocessing=True)
+    assert asked["chunks"] == (3, 84, 84, 3)
+    packed = kwargs_for((84, 84, 3), np.uint8, capacity=None, compression="gzip", multiprocessing=True)
+    assert packed["chunks"] == (3, 84, 84, 3)
 
 
 def test_unbounded_initial_rows_set_the_starting_length() -> None:
@@ -365,3 +375,31 @@ def test_file_invalid_layout_is_refused_before_creating(tmp_path: Any) -> None:
     with pytest.raises(ConfigError, match=r"compression_level for 'done' is set but no compression"):
         create(tmp_path, FILE_SPACE, 10, compression={"obs": "gzip"}, compression_level={"*": 3})
     assert list(tmp_path.iterdir()) == []  # nothing left behind, not even a temporary file
+
+
+def chunk_cache_bytes(ds: Any) -> int:
+    return int(ds.id.get_access_plist().get_chunk_cache()[1])
+
+
+def test_a_writer_holds_unfiltered_chunked_datasets_without_the_chunk_cache(tmp_path: Any) -> None:
+    """Unfiltered chunks are written and read straight to and from their place in the file; a
+    compressed one keeps HDF5's cache, and so does a file whose h5py options chose one."""
+    from h5replay.storage.hdf5 import HDF5Storage
+
+    rows = {"obs": {"image": np.full((5, 84, 84, 3), 7, np.uint8), "state": np.zeros((5, 7), np.float32)},
+            "done": np.ones(5, bool), "note": np.array(["a"] * 5)}
+    path = tmp_path / "f.h5"
+    with HDF5Storage.create(FILE_SPACE, None, path, compression={"note": "gzip"}) as storage:
+        for leaf in ("obs/image", "obs/state", "done"):
+            assert chunk_cache_bytes(storage.dataset(leaf)) == 0, leaf
+        assert chunk_cache_bytes(storage.dataset("note")) > 0
+        writer = storage.open_segment_writer()
+        writer.extend(rows)
+        staging = storage._staging
+        assert staging is not None and chunk_cache_bytes(staging.datasets["obs/image"]) == 0
+        writer.commit(0)
+    with HDF5Storage.load_from(path, FILE_SPACE, read_only=True) as reader:
+        assert chunk_cache_bytes(reader.dataset("obs/image")) > 0  # readers are left as opened
+        np.testing.assert_array_equal(reader.get(slice(0, 5))["obs"]["image"], rows["obs"]["image"])
+    with HDF5Storage.load_from(path, FILE_SPACE, read_only=False, rdcc_nbytes=3 << 20) as chosen:
+        assert chunk_cache_bytes(chosen.dataset("obs/image")) == 3 << 20
