@@ -173,7 +173,7 @@ class HDF5Storage:
                 raise SpaceMismatchError(f"'{path}' in the file is a group, but the space has a leaf there")
             if check_file:
                 self._check_dataset(path, leaf, ds)
-            if self._uncached_writes:
+            if self._uncached_writes and ds is not root:  # a dataset given as the root stays the caller's
                 ds = _h5file.for_writing(ds)
             self._datasets[path] = ds
         # Asked once: Dataset.name is an HDF5 call, too dear for every read.

@@ -403,3 +403,15 @@ def test_a_writer_holds_unfiltered_chunked_datasets_without_the_chunk_cache(tmp_
         np.testing.assert_array_equal(reader.get(slice(0, 5))["obs"]["image"], rows["obs"]["image"])
     with HDF5Storage.load_from(path, FILE_SPACE, read_only=False, rdcc_nbytes=3 << 20) as chosen:
         assert chunk_cache_bytes(chosen.dataset("obs/image")) == 3 << 20
+
+
+def test_a_dataset_given_as_the_root_stays_the_callers(tmp_path: Any) -> None:
+    """A storage over a caller's own dataset handle neither closes nor replaces it."""
+    from h5replay.storage.hdf5 import HDF5Storage
+
+    with h5py.File(tmp_path / "raw.h5", "w") as f:
+        ds = f.create_dataset("data", (10, 4), np.float32, maxshape=(None, 4), chunks=(2, 4))
+        storage = HDF5Storage(BoxSpace(-1, 1, (4,), np.float32), ds, capacity=None)
+        storage.set(slice(0, 2), np.full((2, 4), 0.5, np.float32))
+        assert ds.id.valid and ds.shape == (10, 4)
+        np.testing.assert_array_equal(ds[:2], np.full((2, 4), 0.5, np.float32))
