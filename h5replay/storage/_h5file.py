@@ -121,9 +121,9 @@ def for_writing(ds: h5py.Dataset) -> h5py.Dataset:
     """`ds` as a writer should hold it: an unfiltered chunked dataset reopened without HDF5's
     chunk cache (anything else unchanged).
 
-    Through the cache (1 MiB a dataset by default) every written byte is copied into a cached
-    chunk first, and each flush writes the dirty chunks out: writing 100-row image episodes in
-    64 KiB chunks spent as long in File.flush as in the write. Without it HDF5 writes the
+    Through the cache (8 MiB a dataset by default with HDF5 2.0) every written byte is copied
+    into a cached chunk first, and each flush writes the dirty chunks out: writing 100-row image
+    episodes in 64 KiB chunks spent as long in File.flush as in the write. Without it HDF5 writes the
     selection of an unfiltered chunk straight to the chunk's place in the file, whole or part;
     reads likewise (the SWMR readers already open files without it). Filtered chunks keep the
     cache: a partial write would otherwise decompress and recompress its chunk each time."""
