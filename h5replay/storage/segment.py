@@ -236,7 +236,7 @@ class SegmentWriter:
             if self._priorities is not None:
                 grown[: first] = self._priorities[:first]
             self._priorities = grown
-            self._fast_stop = 0
+            self._reset_fast_stop()  # rows with priorities take the long way from now on
         self._priorities[first:need] = np.nan if values is None else values
 
     @property
