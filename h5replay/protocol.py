@@ -46,6 +46,10 @@ commit             actor        segment_id, timeout (s),             episode_id,
 abort              actor        segment_id                           -
 push_episode       actor        num_rows, timeout, priorities, leaf  episode_id, first_row_id, length
                                 arrays, idempotency_key (optional)
+push_episodes      actor        num_rows, timeout, lengths: int64    episodes: int64 (k, 3) of (episode_id,
+                                (k,), keys: uint8 (k, 16),           first_row_id, length), in the order sent
+                                priorities, leaf arrays (the k
+                                episodes' rows one after another)
 update_priorities  any client   row_ids: int64 (n,), priorities:     ignored (ids no longer held), seq
                                 float64 (n,)
 get                learner      min_seq, indices: int64 (n,)         view, row_ids (n,), leaf arrays (n, ...)
@@ -71,6 +75,12 @@ again with every retry of that commit or push. A server that already committed a
 that key (one of its last `idempotency_window` episodes, see h5replay/storage/_keys.py) answers
 with that episode's receipt and commits nothing; a key whose episode has another length is
 refused (``unknown_segment``).
+
+``push_episodes`` commits k whole episodes in one message (short episodes, vectorized
+environments): every episode has at least one row and its own key, no two the same; the server
+checks them all before it writes any, commits each (a key it already has answers with that
+episode's receipt) and answers once they are all published. Added within version 3: an older
+version 3 server refuses it as an unknown kind (``bad_request``).
 
 ``timeout`` (seconds, >= 0): how long the server may hold a commit, push_episode or sample back for
 the rate limit before refusing it with ``rate_limited`` (0: refuse at once). When the hello's
@@ -119,8 +129,9 @@ from h5replay.errors import (
 __all__ = [
     "PROTOCOL_VERSION", "IDEMPOTENCY_KEY_BYTES", "ROWS_MESSAGE_OVERHEAD", "ID_BYTES", "SAMPLE_INFO_BYTES", "ROLES", "Kind", "ErrorCode", "ERROR_CLASSES", "Limits", "DEFAULT_LIMITS",
     "Message", "Request", "Reply", "Hello", "OpenSegment", "Append", "Commit", "Abort", "PushEpisode",
-    "UpdatePriorities", "Get", "GetRows", "Sample", "SampleSequences", "Episodes", "Info", "Heartbeat", "HelloReply",
-    "OpenSegmentReply", "AppendReply", "CommitReply", "AbortReply", "PushEpisodeReply", "UpdatePrioritiesReply",
+    "PushEpisodes", "UpdatePriorities", "Get", "GetRows", "Sample", "SampleSequences", "Episodes", "Info", "Heartbeat", "HelloReply",
+    "OpenSegmentReply", "AppendReply", "CommitReply", "AbortReply", "PushEpisodeReply", "PushEpisodesReply",
+    "UpdatePrioritiesReply",
     "GetReply",
     "GetRowsReply", "SampleReply", "SampleSequencesReply", "EpisodesReply", "InfoReply", "HeartbeatReply",
     "ErrorReply", "ReadReply",
@@ -143,6 +154,7 @@ class Kind(str, Enum):
     COMMIT = "commit"
     ABORT = "abort"
     PUSH_EPISODE = "push_episode"
+    PUSH_EPISODES = "push_episodes"
     UPDATE_PRIORITIES = "update_priorities"
     GET = "get"
     GET_ROWS = "get_rows"
@@ -393,6 +405,38 @@ class PushEpisode(Request):
 
 
 @dataclass(frozen=True, eq=False, repr=False)
+class PushEpisodes(Request):
+    """k whole episodes in one message: `lengths` (k,) rows each, their rows one after another in
+    `arrays` (num_rows in all), one idempotency key per episode (`keys`, k x 16 bytes)."""
+
+    KIND = Kind.PUSH_EPISODES
+    num_rows: int
+    lengths: Array
+    keys: Array
+    arrays: Arrays
+    timeout: float = 0.0
+    priorities: Array = field(default_factory=lambda: _NO_PRIORITIES)
+
+    def _validate(self, limits: Limits) -> None:
+        _check_leading(self.arrays, self.num_rows)
+        _check_priorities(self.priorities, self.num_rows)
+        k = len(self.lengths)
+        if k == 0:
+            raise ProtocolError("push_episodes needs at least one episode")
+        _check_rows_limit(k, "lengths (episodes)", limits)
+        if int(np.min(self.lengths)) < 1:
+            raise ProtocolError(f"every episode of push_episodes needs at least one row, got a length of "
+                                f"{int(np.min(self.lengths))}")
+        if int(np.sum(self.lengths)) != self.num_rows:
+            raise ProtocolError(f"push_episodes lengths add up to {int(np.sum(self.lengths))} rows but the message "
+                                f"has {self.num_rows}")
+        if len(self.keys) != k:
+            raise ProtocolError(f"push_episodes needs one idempotency key per episode, got {len(self.keys)} for {k}")
+        if len({bytes(key) for key in self.keys}) != k:
+            raise ProtocolError("push_episodes keys must differ: each episode has its own idempotency key")
+
+
+@dataclass(frozen=True, eq=False, repr=False)
 class UpdatePriorities(Request):
     KIND = Kind.UPDATE_PRIORITIES
     row_ids: Array
@@ -523,6 +567,12 @@ class PushEpisodeReply(Reply):
 
 
 @dataclass(frozen=True, eq=False, repr=False)
+class PushEpisodesReply(Reply):
+    KIND = Kind.PUSH_EPISODES
+    episodes: Array  # int64 (k, 3): (episode_id, first_row_id, length) of each episode, in the order sent
+
+
+@dataclass(frozen=True, eq=False, repr=False)
 class UpdatePrioritiesReply(Reply):
     KIND = Kind.UPDATE_PRIORITIES
     ignored: int  # ids no longer held (evicted, cleared or removed): ignored, as Reverb does
@@ -632,12 +682,12 @@ class ErrorReply(Reply):
 
 _REQUEST_CLASSES: dict[str, type[Request]] = {
     c.KIND.value: c
-    for c in (Hello, OpenSegment, Append, Commit, Abort, PushEpisode, UpdatePriorities, Get, GetRows, Sample,
+    for c in (Hello, OpenSegment, Append, Commit, Abort, PushEpisode, PushEpisodes, UpdatePriorities, Get, GetRows, Sample,
               SampleSequences, Episodes, Info, Heartbeat)
 }
 _REPLY_CLASSES: dict[str, type[Reply]] = {
     c.KIND.value: c
-    for c in (HelloReply, OpenSegmentReply, AppendReply, CommitReply, AbortReply, PushEpisodeReply,
+    for c in (HelloReply, OpenSegmentReply, AppendReply, CommitReply, AbortReply, PushEpisodeReply, PushEpisodesReply,
               UpdatePrioritiesReply, GetReply, GetRowsReply, SampleReply, SampleSequencesReply, EpisodesReply, InfoReply, HeartbeatReply)
 }
 
@@ -792,6 +842,8 @@ _ARRAY_FIELDS: dict[str, _ArrayField] = {
     "probabilities": _ArrayField(np.dtype("<f8"), 1),
     "priorities": _ArrayField(np.dtype("<f8"), 1, optional=True),
     "episodes": _ArrayField(np.dtype("<i8"), 2, 3),
+    "lengths": _ArrayField(np.dtype("<i8"), 1),
+    "keys": _ArrayField(np.dtype("|u1"), 2, IDEMPOTENCY_KEY_BYTES),
 }
 
 

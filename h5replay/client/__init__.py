@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from h5replay.client._shards import InDoubt
-from h5replay.client.actor import ActorClient, ActorSegment
+from h5replay.client.actor import ActorClient, ActorSegment, PendingCommit
 from h5replay.client.learner import LearnerClient, View
 from h5replay.records import Episode, Receipt, SampleInfo, pack_ids, unpack_ids
 
 __all__ = [
-    "ActorClient", "ActorSegment", "Episode", "InDoubt", "LearnerClient", "Receipt", "SampleInfo", "View",
+    "ActorClient", "ActorSegment", "Episode", "InDoubt", "LearnerClient", "PendingCommit", "Receipt", "SampleInfo", "View",
     "pack_ids", "unpack_ids",
 ]

@@ -11,6 +11,7 @@ import itertools
 import os
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -19,11 +20,24 @@ from h5replay import protocol as P
 from h5replay.config import ClientConfig
 from h5replay.errors import ClosedError, ConfigError, ProtocolError, ServerUnavailableError
 
-__all__ = ["Connection", "NotSentError", "curve_keys", "say_hello"]
+__all__ = ["Connection", "NotSentError", "Retried", "curve_keys", "say_hello"]
 
 
 class NotSentError(ServerUnavailableError):
     """A request that never left this client (no server connected in time): not in doubt."""
+
+
+@dataclass
+class Retried:
+    """A request that is sent again while no reply comes (`Connection.send_retried`), in flight."""
+
+    request_factory: Any  # request_id -> the request, the same for every attempt
+    timeout: float  # seconds for every attempt in all, counted from the first send
+    attempts: int  # sends at most
+    deadline: float  # time.monotonic() at which the last attempt gives up
+    hold: float  # seconds the server may hold the first attempt back (its rate limit)
+    request_id: int  # of the latest attempt
+    sent_at: float  # when the latest attempt left
 
 
 def curve_keys(secret_key: str | os.PathLike[str] | None, server_key: str | os.PathLike[str] | None) -> dict[str, bytes] | None:
@@ -178,30 +192,51 @@ class Connection:
             NotSentError: the request could not be sent (a ServerUnavailableError).
             ServerUnavailableError: no attempt got a reply within `timeout`.
         """
+        with self._lock:
+            return self.wait_retried(self.send_retried(request_factory, timeout, attempts, hold))
+
+    def send_retried(self, request_factory: Any, timeout: float, attempts: int, hold: float = 0.0) -> Retried:
+        """The first send of `request_again`; `wait_retried` waits for its reply (sending it again
+        as needed), so that other requests can travel in between. `timeout` counts from now.
+
+        Raises:
+            NotSentError: the request could not be sent (a ServerUnavailableError).
+        """
         deadline = time.monotonic() + timeout
         with self._lock:
             try:
                 request_id = self.send(request_factory, min(self.config.timeout, timeout))
             except ServerUnavailableError as exc:
                 raise NotSentError(str(exc)) from exc
-            left = max(1, attempts)
+            return Retried(request_factory, timeout, attempts, deadline, hold, request_id, time.monotonic())
+
+    def wait_retried(self, retried: Retried) -> P.Reply:
+        """The reply to a request sent by `send_retried`, sending it again with the same factory
+        when an attempt's reply does not come (see `request_again`).
+
+        Raises:
+            ServerUnavailableError: no attempt got a reply within the request's `timeout`.
+        """
+        with self._lock:
+            left = max(1, retried.attempts)
             while True:
-                start = time.monotonic()
-                remaining = max(0.0, deadline - start)
                 # A held-back request is not lost: the first attempt waits the hold out before a
                 # retry, so the server's waiting room never holds two copies of one request.
-                share = remaining if left == 1 else min(self.config.timeout + hold, remaining)
-                hold = 0.0
+                share_end = retried.deadline if left == 1 else \
+                    min(retried.sent_at + self.config.timeout + retried.hold, retried.deadline)
+                retried.hold = 0.0
                 try:
-                    return self.wait(request_id, share)
+                    return self.wait(retried.request_id, max(0.001, share_end - time.monotonic()))
                 except ServerUnavailableError as exc:
                     left -= 1
-                    if left <= 0 or time.monotonic() >= deadline:
-                        raise ServerUnavailableError(f"{exc} ({attempts} attempt(s) within {timeout:g} s)") from exc
+                    if left <= 0 or time.monotonic() >= retried.deadline:
+                        raise ServerUnavailableError(
+                            f"{exc} ({retried.attempts} attempt(s) within {retried.timeout:g} s)") from exc
                     # A refusal that came at once (busy, shutting down): wait out this attempt's share.
-                    time.sleep(max(0.0, start + share - time.monotonic()))
+                    time.sleep(max(0.0, share_end - time.monotonic()))
                     # Sent again: the server may have restarted, or lost the first on a broken connection.
-                    request_id = self._send_again(request_factory, deadline)
+                    retried.request_id = self._send_again(retried.request_factory, retried.deadline)
+                    retried.sent_at = time.monotonic()
 
     def _send_again(self, request_factory: Any, deadline: float) -> int:
         """Send a retry, waiting for a connection until `deadline` at most."""

@@ -3,7 +3,9 @@
 Steps are checked against the server's space here, before they leave the process, then batched
 into messages (by rows, bytes or time) and pipelined: up to `max_in_flight` appends travel before
 the actor waits for an acknowledgement, so a fast actor cannot outrun the server's memory. A
-commit returns only after the server has the episode in the file, flushed.
+commit returns only after the server has the episode in the file, flushed; or, with `wait=False`,
+at once with a `PendingCommit`, so that the actor's next episode is on its way while the server
+writes this one (up to `max_in_flight` commits unacknowledged; `flush()` waits for them all).
 """
 
 from __future__ import annotations
@@ -11,14 +13,16 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import threading
 import time
-from collections.abc import Sequence
-from typing import Any
+import typing
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, overload
 
 import numpy as np
 
 from h5replay import protocol as P
-from h5replay.client._connection import Connection, NotSentError, curve_keys, say_hello
+from h5replay.client._connection import Connection, Retried, curve_keys, say_hello
 from h5replay.client._shards import InDoubt, ShardedActor, ShardedSegment
 from h5replay.config import DEFAULT_ENDPOINT, ClientConfig, process_name
 from h5replay.errors import (
@@ -33,7 +37,7 @@ from h5replay.records import Receipt
 from h5replay.sampling import check_priorities
 from h5replay.spaces import Schema, Space, space_from_json
 
-__all__ = ["ActorClient", "ActorSegment", "Receipt"]
+__all__ = ["ActorClient", "ActorSegment", "PendingCommit", "Receipt"]
 
 
 _NO_PRIORITIES = np.zeros(0, dtype=np.float64)
@@ -49,6 +53,108 @@ def _receipt(reply: Any) -> Receipt:
     if reply.episode_id is None or reply.first_row_id is None or reply.length == 0:
         return Receipt(-1, -1, 0)
     return Receipt(int(reply.episode_id), int(reply.first_row_id), int(reply.length))
+
+
+def _own_copies(encoded: dict[str, np.ndarray], given: dict[str, Any]) -> dict[str, np.ndarray]:
+    """`encoded` with a copy of every array that shares memory with the caller's `given` leaves."""
+    return {path: arr.copy() if isinstance(given.get(path), np.ndarray) and np.may_share_memory(arr, given[path])
+            else arr for path, arr in encoded.items()}
+
+
+_KEPT_FAILURES = 1000  # failed commit messages in flight kept for `flush` to report, at most (the newest)
+
+#: Told how a commit in flight ended: (receipt, None) or (None, the error).
+Settled = Callable[[Receipt | None, Exception | None], None]
+
+
+def _receipts(reply: Any) -> list[Receipt]:
+    """The receipts a commit, push or push_episodes reply carries, in the order sent."""
+    if isinstance(reply, P.PushEpisodesReply):
+        return [Receipt(int(e), int(f), int(n)) for e, f, n in reply.episodes]
+    return [_receipt(reply)]
+
+
+class _Flight:
+    """One message that commits episodes (a commit, a push, a push of several), in flight: sent
+    again with the same keys while no reply comes, until it settles."""
+
+    def __init__(self, conn: Connection, retried: Retried | None, settled: Settled | None = None,
+                 failures: collections.deque[_Flight] | None = None, receipts: list[Receipt] | None = None) -> None:
+        self.conn = conn
+        self.retried = retried
+        self.settled = settled
+        self.failures = failures  # where a failure waits for `flush` (messages in flight only)
+        self.receipts = receipts
+        self.error: Exception | None = None
+        self.observed = False  # the caller saw the outcome through `result()` (or `flush` reported it)
+        self.lock = threading.Lock()
+
+    def done(self) -> bool:
+        retried = self.retried
+        return retried is None or self.conn.closed or self.conn.arrived(retried.request_id)
+
+    def settle(self) -> None:
+        """Wait for the outcome and keep it (the error too: `PendingCommit.result` raises it)."""
+        with self.lock:
+            retried = self.retried
+            if retried is None:
+                return
+            try:
+                self.receipts = _receipts(self.conn.wait_retried(retried))
+            except Exception as exc:
+                self.error = exc
+                if self.failures is not None:
+                    self.failures.append(self)
+            self.retried = None  # the request (and the episodes' arrays it holds) can go
+            settled, self.settled = self.settled, None
+        if settled is not None:
+            settled(self.receipts[0] if self.receipts else None, self.error)
+
+
+class PendingCommit:
+    """A commit on its way, from `push_episode(..., wait=False)`, `push_episodes(..., wait=False)`
+    or `commit(wait=False)`.
+
+    The episode has left the client. `result()` waits for the server's acknowledgement, sending
+    the commit again with its idempotency key when no reply comes (as a waited commit does), and
+    returns the receipt, or raises what the commit would have raised. Its time runs from the send:
+    `commit_timeout` in all. Episodes pushed in one message settle together.
+    """
+
+    def __init__(self, flight: _Flight, key: bytes, index: int = 0) -> None:
+        #: The episode's idempotency key: a commit of the same rows with it is never stored twice.
+        self.key = key
+        self._flight = flight
+        self._index = index
+
+    @classmethod
+    def done_with(cls, conn: Connection, receipt: Receipt, key: bytes = b"") -> PendingCommit:
+        """One already settled (an empty episode, or a push over several servers, waited for)."""
+        return cls(_Flight(conn, None, receipts=[receipt]), key)
+
+    def done(self) -> bool:
+        """Whether the outcome is here: `result()` then returns (or raises) without waiting."""
+        return self._flight.done()
+
+    def result(self) -> Receipt:
+        """The receipt, once the server has the episode in the file, flushed (waits for it).
+
+        Raises:
+            ServerUnavailableError: no reply to any attempt within `commit_timeout`: the commit is
+                in doubt (commit the same rows with `key` to settle it).
+            DiskFullError, RateLimitedError, ...: the server refused the commit.
+        """
+        flight = self._flight
+        flight.settle()
+        flight.observed = True
+        if flight.error is not None:
+            raise flight.error
+        return flight.receipts[self._index] if flight.receipts else Receipt(-1, -1, 0)
+
+    def __repr__(self) -> str:
+        flight = self._flight
+        state = "in flight" if flight.retried is not None else "failed" if flight.error is not None else "done"
+        return f"PendingCommit({state}, key={self.key.hex()})"
 
 
 class ActorClient:
@@ -82,6 +188,10 @@ class ActorClient:
         endpoints: Sequence[str] | None = None,
     ) -> None:
         self.config = config or ClientConfig(endpoint=endpoint, timeout=timeout, name=name or process_name("actor"))
+        # Commits sent with wait=False and not yet settled (oldest first), and those that failed
+        # unseen: `flush` reports them.
+        self._in_flight: collections.deque[_Flight] = collections.deque()
+        self._failures: collections.deque[_Flight] = collections.deque(maxlen=_KEPT_FAILURES)
         #: Over several servers: the routing (h5replay.client._shards), which every call goes through.
         self._router: ShardedActor | None = None
         if endpoints is not None:
@@ -111,6 +221,13 @@ class ActorClient:
             self.config.batch_bytes // max(1, self._row_bytes),
             room // max(1, self._row_bytes),
         ))
+        # Rows of whole episodes one `push_episodes` message carries: not bound by `batch_rows`,
+        # which sizes the messages of a streamed episode.
+        self.rows_per_push = max(self.rows_per_message, min(
+            self.limits.max_rows_per_message,
+            self.config.batch_bytes // max(1, self._row_bytes),
+            room // max(1, self._row_bytes),
+        ))
 
     def _adopt(self, shard: ActorClient) -> None:
         """Take the figures of a shard's client as this client's (all shards hold the same space)."""
@@ -118,6 +235,7 @@ class ActorClient:
         self.limits, self.space, self.capacity = shard.limits, shard.space, shard.capacity
         self.server_version, self.replay_id, self.instance_id = shard.server_version, shard.replay_id, shard.instance_id
         self.schema, self._row_bytes, self.rows_per_message = shard.schema, shard._row_bytes, shard.rows_per_message
+        self.rows_per_push = shard.rows_per_push
         self.commit_timeout, self.commit_hold = shard.commit_timeout, shard.commit_hold
 
     @property
@@ -154,7 +272,14 @@ class ActorClient:
             return self._router.segment()
         return ActorSegment(self)
 
-    def push_episode(self, batch: Any, priorities: Any = None) -> Receipt:
+    @overload
+    def push_episode(self, batch: Any, priorities: Any = None, *, wait: Literal[True] = True) -> Receipt: ...
+    @overload
+    def push_episode(self, batch: Any, priorities: Any = None, *, wait: Literal[False]) -> PendingCommit: ...
+    @overload
+    def push_episode(self, batch: Any, priorities: Any = None, *, wait: bool) -> Receipt | PendingCommit: ...
+
+    def push_episode(self, batch: Any, priorities: Any = None, *, wait: bool = True) -> Receipt | PendingCommit:
         """Send one whole episode (a leading axis on every leaf), with one priority per step if
         given (a prioritized server), and wait for its commit. Returns the global ids the server
         gave it; an empty episode records nothing: Receipt(-1, -1, 0). Blocks at most
@@ -162,31 +287,184 @@ class ActorClient:
         same idempotency key (`commit_attempts` sends in all, plus `rate_limit_timeout` when the
         server has a rate limit): the server never stores it twice.
 
+        With `wait=False` it returns once the episode has left, with a `PendingCommit` (its
+        `result()` is the receipt): the actor goes on to its next episode while the server writes
+        this one. At most `config.max_in_flight` such commits are unacknowledged: the next one
+        first waits for the oldest. `flush()` (and `close()`) waits for them all and raises the
+        first failure not seen through `result()`. The batch is copied first (or encoded), so the
+        caller may reuse its arrays at once. Over several servers the push is waited for, and a
+        done `PendingCommit` returned.
+
         Raises:
             RateLimitedError: the server's rate limit held the commit back for `rate_limit_timeout`.
             CommitInDoubtError: over several servers, the shard lost the reply and did not answer
                 again: the actor keeps the episode and settles it there (`in_doubt`, `settle`).
         """
         if self._router is not None:
-            return self._router.push_episode(batch, priorities)
+            receipt = self._router.push_episode(batch, priorities)
+            return receipt if wait else PendingCommit.done_with(self.connection, receipt)
         encoded, n = self.encode_batch(batch)
-        given = _check_priorities(priorities, n)
+        return self._push_encoded(encoded, n, _check_priorities(priorities, n), wait, batch)
+
+    def _push_encoded(self, encoded: dict[str, np.ndarray], n: int, given: np.ndarray, wait: bool,
+                      batch: Any = None) -> Receipt | PendingCommit:
+        """`push_episode` of checked rows; `batch`: the caller's, whose arrays `encoded` may share."""
         if n == 0:
-            return Receipt(-1, -1, 0)
+            empty = Receipt(-1, -1, 0)
+            return empty if wait else PendingCommit.done_with(self._conn, empty)
         if n <= self.rows_per_message:
+            if not wait:  # the message (and its retries) must not borrow arrays the caller may reuse
+                encoded, given = _own_copies(encoded, self.schema.flatten(batch)), given.copy()
             limit, key = self.config.rate_limit_timeout, os.urandom(P.IDEMPOTENCY_KEY_BYTES)
-            return _receipt(self._conn.request_again(lambda rid: P.PushEpisode(rid, n, encoded, limit, given, key),
-                                                     self.commit_timeout, self.config.commit_attempts, self.commit_hold))
-        seg = self.segment()
+            pending = PendingCommit(self._send_commit(lambda rid: P.PushEpisode(rid, n, encoded, limit, given, key),
+                                                      track=not wait), key)
+            return pending.result() if wait else pending
+        seg = ActorSegment(self)
         try:
             seg.extend_encoded(encoded, n, given)
-            return seg.commit()
+            if wait:
+                return seg.commit()
+            seg.abandon_on_failure = True  # the caller holds the episode, not this segment
+            return seg.commit(wait=False)
         except BaseException:
             # The caller holds the episode, not this segment: nothing of it may stay open on the
             # server (a commit refused for a full disk or by the rate limit would leave it open).
             with contextlib.suppress(Exception):
                 seg.abort()
             raise
+
+    @overload
+    def push_episodes(self, batches: Sequence[Any], priorities: Sequence[Any] | None = None, *,
+                      wait: Literal[True] = True) -> list[Receipt]: ...
+    @overload
+    def push_episodes(self, batches: Sequence[Any], priorities: Sequence[Any] | None = None, *,
+                      wait: Literal[False]) -> list[PendingCommit]: ...
+    @overload
+    def push_episodes(self, batches: Sequence[Any], priorities: Sequence[Any] | None = None, *,
+                      wait: bool) -> list[Receipt] | list[PendingCommit]: ...
+
+    def push_episodes(self, batches: Sequence[Any], priorities: Sequence[Any] | None = None, *,
+                      wait: bool = True) -> list[Receipt] | list[PendingCommit]:
+        """Push several whole episodes (short ones, or those a vectorized environment ends
+        together): as many as fit go in one message (`rows_per_push` rows), each episode with
+        its own idempotency key, so the server's work and the round trips are shared. Every
+        episode is checked before any leaves. `priorities`: one entry per episode, None or one
+        per step. Returns one receipt per episode, in order (an empty one records nothing:
+        Receipt(-1, -1, 0)); with `wait=False`, one `PendingCommit` per episode, as
+        `push_episode` does. The server checks a message's episodes before it writes any of them.
+        Over several servers, each episode is pushed as by `push_episode`.
+
+        Raises:
+            ConfigError: `priorities` has not one entry per episode.
+            SpaceMismatchError: an episode does not fit the space (nothing was sent).
+            The error of a message the server refused: with `wait=True`, after every message has
+            settled; episodes of other messages may be committed (`wait=False` tells each apart).
+        """
+        if not isinstance(batches, Sequence) or isinstance(batches, (str, bytes, dict)):
+            raise ConfigError(f"push_episodes takes a sequence of episodes, got {type(batches).__name__}")
+        if priorities is not None and len(priorities) != len(batches):
+            raise ConfigError(f"push_episodes got {len(priorities)} priority entries for {len(batches)} episodes: "
+                              "give one per episode (None, or one per step)")
+        each = priorities if priorities is not None else [None] * len(batches)
+        if self._router is not None:
+            receipts = [self._router.push_episode(batch, given) for batch, given in zip(batches, each)]
+            return receipts if wait else [PendingCommit.done_with(self.connection, r) for r in receipts]
+        episodes = []  # (encoded, rows, priorities given or empty, batch): all checked before anything leaves
+        for batch, given in zip(batches, each):
+            encoded, n = self.encode_batch(batch)
+            episodes.append((encoded, n, _check_priorities(given, n), batch))
+        pending: list[PendingCommit | None] = [None] * len(episodes)
+        group: list[int] = []  # episodes that go in the next message, in order
+        rows = 0  # theirs
+        for i, (encoded, n, given, batch) in enumerate(episodes):
+            if n == 0:  # records nothing, sends nothing
+                pending[i] = PendingCommit.done_with(self._conn, Receipt(-1, -1, 0))
+            elif n > self.rows_per_message:  # streamed through a segment of its own, after those before it
+                self._push_group(episodes, group, pending)
+                group, rows = [], 0
+                pending[i] = typing.cast(PendingCommit, self._push_encoded(encoded, n, given, False, batch))
+            else:
+                if rows + n > self.rows_per_push:
+                    self._push_group(episodes, group, pending)
+                    group, rows = [], 0
+                group.append(i)
+                rows += n
+        self._push_group(episodes, group, pending)
+        commits = typing.cast("list[PendingCommit]", pending)
+        if not wait:
+            return commits
+        for commit in commits:  # every message settles before the first failure is raised
+            commit._flight.settle()
+        return [commit.result() for commit in commits]
+
+    def _push_group(self, episodes: list[tuple[dict[str, np.ndarray], int, np.ndarray, Any]],
+                    group: list[int], pending: list[PendingCommit | None]) -> None:
+        """Send episodes (indices into `episodes`, checked) in one message; their commits in flight
+        go to `pending` at the same indices."""
+        if not group:
+            return
+        if len(group) == 1:
+            encoded, n, given, batch = episodes[group[0]]
+            pending[group[0]] = typing.cast(PendingCommit, self._push_encoded(encoded, n, given, False, batch))
+            return
+        lengths = np.array([episodes[i][1] for i in group], dtype=np.int64)
+        n = int(lengths.sum())
+        arrays = {path: np.concatenate([episodes[i][0][path] for i in group]) for path in episodes[group[0]][0]}
+        if any(len(episodes[i][2]) for i in group):  # NaN: a step given no priority takes the default
+            priorities = np.concatenate([episodes[i][2] if len(episodes[i][2]) else np.full(episodes[i][1], np.nan)
+                                         for i in group])
+        else:
+            priorities = _NO_PRIORITIES
+        raw = os.urandom(P.IDEMPOTENCY_KEY_BYTES * len(group))
+        keys = np.frombuffer(raw, dtype=np.uint8).reshape(len(group), P.IDEMPOTENCY_KEY_BYTES)
+        limit = self.config.rate_limit_timeout
+        flight = self._send_commit(lambda rid: P.PushEpisodes(rid, n, lengths, keys, arrays, limit, priorities),
+                                   track=True)
+        for j, i in enumerate(group):
+            pending[i] = PendingCommit(flight, raw[j * P.IDEMPOTENCY_KEY_BYTES:(j + 1) * P.IDEMPOTENCY_KEY_BYTES], j)
+
+    def _send_commit(self, request: Any, *, track: bool, settled: Settled | None = None) -> _Flight:
+        """Send a commit (or push) that is sent again with its key while no reply comes; with
+        `track`, it stays in flight (within `max_in_flight`) for `flush`.
+
+        Raises:
+            NotSentError: it could not leave (no server connected within the timeout).
+        """
+        if track:
+            self._make_room()
+        retried = self._conn.send_retried(request, self.commit_timeout, self.config.commit_attempts, self.commit_hold)
+        flight = _Flight(self._conn, retried, settled, self._failures if track else None)
+        if track:
+            self._in_flight.append(flight)
+        return flight
+
+    def _make_room(self) -> None:
+        """Before another commit leaves: wait for the oldest while `max_in_flight` are unsettled."""
+        in_flight = self._in_flight
+        while in_flight and (len(in_flight) >= self.config.max_in_flight or in_flight[0].done()):
+            in_flight.popleft().settle()
+
+    def flush(self) -> None:
+        """Wait for every commit sent with `wait=False` to be acknowledged (each within its
+        `commit_timeout`). Raises the first failure since the last flush that `result()` did not
+        show (a note says how many failed); each is reported once.
+        """
+        if self._router is not None:
+            return
+        while self._in_flight:
+            self._in_flight.popleft().settle()
+        failed = [flight for flight in self._failures if not flight.observed]
+        self._failures.clear()
+        for flight in failed:
+            flight.observed = True
+        if failed:
+            error = failed[0].error
+            if error is not None:
+                if len(failed) > 1:
+                    error.args = (f"{error.args[0] if error.args else error} (and {len(failed) - 1} more commit(s) in "
+                                  "flight failed since the last flush; their PendingCommit.result() raises each)",
+                                  *error.args[1:])
+                raise error
 
     def info(self) -> dict[str, Any]:
         """The server's figures (length, episodes, clients, rows in, ...); over several servers,
@@ -210,19 +488,31 @@ class ActorClient:
         return self._conn
 
     def close(self) -> None:
-        """Close the socket (after every commit was acknowledged; over several servers, after
-        settling the episodes in doubt on shards that answer at once: `settle(timeout)` first to
-        wait for the others). Safe to call twice."""
+        """Close the socket, after waiting for the commits in flight (`wait=False`): raises, once
+        closed, the first of them that failed unseen, as `flush` does. Over several servers,
+        after settling the episodes in doubt on shards that answer at once (`settle(timeout)`
+        first to wait for the others). Safe to call twice."""
         if self._router is not None:
             self._router.close()
             return
-        self._conn.close()
+        if self._conn.closed:
+            return
+        try:
+            while self._in_flight:
+                self._in_flight.popleft().settle()
+        finally:
+            self._conn.close()
+        self.flush()
 
     def __enter__(self) -> ActorClient:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        with contextlib.suppress(Exception):  # the exception under way is the one to see
+            self.close()
 
 
 class ActorSegment:
@@ -253,6 +543,9 @@ class ActorSegment:
         #: Whether the commit (or push) was sent and no reply came: the server may have applied
         #: it. Commit the same rows again with `key` to settle it without storing it twice.
         self.in_doubt = False
+        #: Abort the segment when its commit in flight is refused and leaves it open (a full
+        #: disk, the rate limit): set by `push_episode`, whose caller holds the episode.
+        self.abandon_on_failure = False
         self._state = "open"
 
     def __len__(self) -> int:
@@ -357,11 +650,23 @@ class ActorSegment:
         except Exception:  # the server may already have dropped it; it is gone either way
             pass
 
-    def commit(self) -> Receipt:
+    @overload
+    def commit(self, *, wait: Literal[True] = True) -> Receipt: ...
+    @overload
+    def commit(self, *, wait: Literal[False]) -> PendingCommit: ...
+    @overload
+    def commit(self, *, wait: bool) -> Receipt | PendingCommit: ...
+
+    def commit(self, *, wait: bool = True) -> Receipt | PendingCommit:
         """Send what is buffered, wait for every append, then commit. Returns after the server has
         the episode in the file, flushed. Raises and aborts if any part was refused. A commit
         whose reply does not come is sent again with the episode's key (see `_conclude`); the
         server answers a retry of an applied commit with its receipt, never storing it twice.
+
+        With `wait=False` the appends are still waited for (a refused append must never let a
+        partial episode be committed), and the commit itself is left in flight: a
+        `PendingCommit` is returned (see `ActorClient.push_episode`). The segment is "committing"
+        until it settles.
 
         Raises:
             RateLimitedError: the server's rate limit held the commit back for the client's
@@ -369,49 +674,61 @@ class ActorSegment:
         """
         self._require_open("commit")
         if self.segment_id is None:
-            return self._push_whole()
+            return self._push_whole(wait)
         self._send_buffered()
         while self._pending:
             self._settle_oldest()
         segment_id, limit, key = self.segment_id, self._config.rate_limit_timeout, self.key
-        return self._conclude(lambda rid: P.Commit(rid, segment_id, limit, key))
+        return self._conclude(lambda rid: P.Commit(rid, segment_id, limit, key), wait)
 
-    def _conclude(self, request: Any) -> Receipt:
+    def _conclude(self, request: Any, wait: bool) -> Receipt | PendingCommit:
         """Send the request that commits the episode, again with the same key when no reply comes
         within `timeout` (`commit_attempts` in all, within the client's `commit_timeout`); its
         reply is the receipt. Refused for a full disk (DiskFullError) or by the rate limit, the
         segment stays open: commit again later, or abort."""
-        config = self._config
         try:
-            reply = self._conn.request_again(request, self._client.commit_timeout, config.commit_attempts,
-                                             self._client.commit_hold)
-        except (DiskFullError, RateLimitedError):
-            raise  # still open: the server keeps the segment (a push's rows stay here); commit again
-        except NotSentError:
-            self._state = "failed"
+            pending = PendingCommit(self._client._send_commit(request, track=not wait, settled=self._settled), self.key)
+        except BaseException:
+            self._state = "failed"  # it never left: not in doubt
             raise
-        except BaseException as exc:
-            self._state = "failed"
-            self.in_doubt = isinstance(exc, ServerUnavailableError)
+        self._state = "committing"
+        if not wait:
+            return pending
+        try:
+            return pending.result()
+        except Exception:
+            raise  # `_settled` has set the state
+        except BaseException:  # interrupted while waiting: the commit may or may not be applied
+            self._state, self.in_doubt = "failed", True
             raise
-        self._state = "committed"
-        self.receipt = _receipt(reply)
-        return self.receipt
 
-    def _push_whole(self) -> Receipt:
+    def _settled(self, receipt: Receipt | None, error: Exception | None) -> None:
+        """The commit's outcome came (or none came in time): the segment's state follows it."""
+        if error is None:
+            self._state = "committed"
+            self.receipt = receipt
+            self._batch, self._priorities, self._buffered_rows = None, None, 0
+        elif isinstance(error, (DiskFullError, RateLimitedError)):
+            self._state = "open"  # the server keeps the segment (a push's rows stay here): commit again
+            if self.abandon_on_failure:
+                with contextlib.suppress(Exception):
+                    self.abort()
+        else:
+            self._state = "failed"
+            self.in_doubt = isinstance(error, ServerUnavailableError)
+
+    def _push_whole(self, wait: bool) -> Receipt | PendingCommit:
         """Commit an episode that never left the client: one push, one round trip."""
         n, batch = self._buffered_rows, self._batch
         if not n or batch is None:
             self._batch, self._priorities, self._buffered_rows = None, None, 0
             self._state = "committed"
             self.receipt = Receipt(-1, -1, 0)
-            return self.receipt
+            return self.receipt if wait else PendingCommit.done_with(self._conn, self.receipt, self.key)
         arrays = {path: rows[:n] for path, rows in batch.items()}
         priorities = self._priorities[:n] if self._priorities is not None else _NO_PRIORITIES
         limit, key = self._config.rate_limit_timeout, self.key
-        receipt = self._conclude(lambda rid: P.PushEpisode(rid, n, arrays, limit, priorities, key))
-        self._batch, self._priorities, self._buffered_rows = None, None, 0
-        return receipt
+        return self._conclude(lambda rid: P.PushEpisode(rid, n, arrays, limit, priorities, key), wait)
 
     def abort(self) -> None:
         """Drop the episode: nothing of it becomes visible. Safe to call twice."""

@@ -164,7 +164,8 @@ def read_reply(buffer: ReplayBuffer, request: P.Request, rng: np.random.Generato
 
 
 READ_KINDS = (P.Get, P.GetRows, P.Sample, P.SampleSequences, P.Episodes)
-WRITE_KINDS = (P.OpenSegment, P.Append, P.Commit, P.Abort, P.PushEpisode)
+WRITE_KINDS = (P.OpenSegment, P.Append, P.Commit, P.Abort, P.PushEpisode, P.PushEpisodes)
+_PUSH_KINDS = (P.PushEpisode, P.PushEpisodes)
 SAMPLE_KINDS = (P.Sample, P.SampleSequences)
 _WAITING_PER_CLIENT = 4  # requests one client may have waiting for the rate limit, on average
 _WAITING_BYTES = 256 << 20  # rows of waiting push_episode requests held in memory, at most
@@ -234,6 +235,7 @@ class Service:
             P.Commit: self.commit,
             P.Abort: self.abort,
             P.PushEpisode: self.push_episode,
+            P.PushEpisodes: self.push_episodes,
             P.UpdatePriorities: self.update_priorities,
             P.Info: self.info,
             P.Heartbeat: self.heartbeat,
@@ -265,6 +267,10 @@ class Service:
             if self._committed(request.idempotency_key, None) is not None:
                 return None  # a retry of a push already applied: answered at once, never held back
             return ("insert", request.num_rows) if request.num_rows else None
+        if isinstance(request, P.PushEpisodes):
+            if all(self._committed(bytes(key), int(n)) is not None for key, n in zip(request.keys, request.lengths)):
+                return None  # a retry of pushes already applied
+            return "insert", request.num_rows
         if isinstance(request, P.Sample) and self.writer_samples:
             return "sample", request.batch_size
         if isinstance(request, P.SampleSequences) and self.writer_samples:
@@ -284,7 +290,7 @@ class Service:
         if gate is None:
             return self.handle(identity, request, granted_role, key)
         side, rows = gate
-        nbytes = sum(a.nbytes for a in request.arrays.values()) if isinstance(request, P.PushEpisode) else 0
+        nbytes = sum(a.nbytes for a in request.arrays.values()) if isinstance(request, _PUSH_KINDS) else 0
         if nbytes and self._waiting_bytes + nbytes > _WAITING_BYTES and self.waiting.queues["insert"]:
             raise RateLimitedError(f"the rate limit holds inserts back and {self._waiting_bytes} bytes of episodes "
                                    "already wait in this server's memory; stream long episodes through segments")
@@ -325,14 +331,14 @@ class Service:
         return out
 
     def _forget_bytes(self, request: P.Request) -> None:
-        if isinstance(request, P.PushEpisode):
+        if isinstance(request, _PUSH_KINDS):
             self._waiting_bytes -= sum(a.nbytes for a in request.arrays.values())
 
     def needs_publish(self, reply: P.Reply) -> bool:
         """Whether a reply may leave only after the pass's publish: commits, and samples that
         changed the buffer (counted, or rows removed). Priority updates leave at once: their reply
         names the publish that will carry them (see `update_priorities`)."""
-        if isinstance(reply, (P.CommitReply, P.PushEpisodeReply)):
+        if isinstance(reply, (P.CommitReply, P.PushEpisodeReply, P.PushEpisodesReply)):
             return True
         return self.writer_samples and isinstance(reply, (P.SampleReply, P.SampleSequencesReply))
 
@@ -546,20 +552,24 @@ class Service:
             )
         self._free -= incoming
 
-    def _add_rows(self, writer: SegmentWriter, num_rows: int, arrays: P.Arrays, priorities: np.ndarray,
-                  borrow: bool = False) -> None:
-        if len(writer) + num_rows > self.limits.max_rows_per_segment:
+    def _check_segment_rows(self, rows: int) -> None:
+        """Refuse a segment of `rows` rows over the limit, or over the capacity (it could never be
+        committed: refused now, before the rows take disk or memory)."""
+        if rows > self.limits.max_rows_per_segment:
             raise LimitExceededError(
-                f"the segment would have {len(writer) + num_rows} rows, over the limit max_rows_per_segment="
+                f"the segment would have {rows} rows, over the limit max_rows_per_segment="
                 f"{self.limits.max_rows_per_segment}; commit it and start another"
             )
         capacity = self.buffer.capacity
-        if capacity is not None and len(writer) + num_rows > capacity:
-            # It could never be committed: refused now, before the rows take disk or memory.
+        if capacity is not None and rows > capacity:
             raise LimitExceededError(
-                f"the segment would have {len(writer) + num_rows} rows, more than the buffer's capacity of {capacity} "
+                f"the segment would have {rows} rows, more than the buffer's capacity of {capacity} "
                 "rows, so it could never be committed; commit episodes of at most the capacity"
             )
+
+    def _add_rows(self, writer: SegmentWriter, num_rows: int, arrays: P.Arrays, priorities: np.ndarray,
+                  borrow: bool = False) -> None:
+        self._check_segment_rows(len(writer) + num_rows)
         checked = self.buffer.schema.validate_stored(arrays, num_rows)
         self.room_on_disk(num_rows * self.buffer.storage.row_bytes, f"stage {num_rows} rows")
         writer.extend_stored(checked, num_rows, priorities if len(priorities) else None, borrow=borrow)
@@ -628,6 +638,46 @@ class Service:
             if writer.state == "open":
                 writer.abort()
 
+    def push_episodes(self, request: P.PushEpisodes, session: Session) -> P.PushEpisodesReply:
+        """Commit k whole episodes of one message, each with its own key. Every check (rows, keys,
+        limits, the disk's reserve) passes before the first is written: a refusal writes none."""
+        lengths = [int(n) for n in request.lengths]
+        keys = [bytes(key) for key in request.keys]
+        self._check_segment_rows(max(lengths))
+        known = [self._committed(key, n) for key, n in zip(keys, lengths)]  # refuses a key of another length
+        checked = self.buffer.schema.validate_stored(request.arrays, request.num_rows)
+        new_rows = sum(n for n, receipt in zip(lengths, known) if receipt is None)
+        row_bytes = self.buffer.storage.row_bytes
+        self.room_on_disk(new_rows * row_bytes, f"commit {len(lengths)} episodes of {new_rows} rows")
+        receipts = np.empty((len(lengths), 3), dtype=np.int64)
+        new = [i for i, receipt in enumerate(known) if receipt is None]
+        for i, receipt in enumerate(known):
+            if receipt is not None:
+                receipts[i] = receipt
+        if new:
+            rows, priorities = checked, request.priorities
+            if len(new) < len(lengths):  # a retry of which some episodes were applied: the others alone
+                starts = np.concatenate([[0], np.cumsum(lengths)])
+                pick = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in new])
+                rows = {path: arr[pick] for path, arr in checked.items()}
+                priorities = priorities[pick] if len(priorities) else priorities
+            writer = self.buffer.open_segment_writer()
+            try:
+                # Committed at once: the writer may keep the received arrays, uncopied, until then.
+                writer.extend_stored(rows, new_rows, priorities if len(priorities) else None, borrow=True)
+                placed = self.buffer.commit_episodes(writer, [lengths[i] for i in new], [keys[i] for i in new],
+                                                     publish=False)
+            finally:
+                if writer.state == "open":
+                    writer.abort()
+            for i, receipt in zip(new, placed):
+                receipts[i] = receipt
+            self.unpublished += 1
+            self.stats.commits += len(new)
+            self.stats.rows_in += new_rows
+            self.stats.bytes_in += new_rows * row_bytes
+        return P.PushEpisodesReply(request.request_id, receipts)
+
     def update_priorities(self, request: P.UpdatePriorities, session: Session) -> P.UpdatePrioritiesReply:
         """Set priorities (any client: an actor's own, a learner's TD errors). The reply leaves
         once they are in the writer's tree, before they are published: its `seq` is the next
@@ -684,7 +734,9 @@ class Service:
             self.unpublished = 0
 
     def is_durable(self, reply: P.Reply) -> bool:
-        """Whether a commit reply's episode is in the file as published (after a failed publish)."""
+        """Whether a commit reply's episodes are in the file as published (after a failed publish)."""
+        if isinstance(reply, P.PushEpisodesReply):
+            return bool(len(reply.episodes)) and int(reply.episodes[:, 0].max()) < self.buffer.published.ep_end
         episode_id = getattr(reply, "episode_id", None)
         return episode_id is None or episode_id < self.buffer.published.ep_end
 

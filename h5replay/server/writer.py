@@ -391,7 +391,7 @@ class Server:
         if answer is None:
             return  # it waits for the rate limit (see _release)
         self._reply(sock, service, identity, answer)
-        if service.waiting and isinstance(answer, (P.CommitReply, P.PushEpisodeReply, P.SampleReply,
+        if service.waiting and isinstance(answer, (P.CommitReply, P.PushEpisodeReply, P.PushEpisodesReply, P.SampleReply,
                                                    P.SampleSequencesReply)):
             self._release(sock, service)  # the counters moved: a waiting request may go now
 

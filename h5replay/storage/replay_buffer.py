@@ -24,7 +24,7 @@ read: a row overwritten (or cleared) mid-read is never returned, and no batch mi
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -350,10 +350,11 @@ class ReplayBuffer:
         self._move_begin(max(self._state.begin, min(ahead, self._state.end)))
         self._publish()
 
-    def _roll_back(self, before: State, undo: tuple[int, int] | None) -> None:
-        """Put the buffer back as it was before a failed change, less what an eviction published."""
-        if undo is not None:
-            self._episodes.put(before.ep_end, *undo)
+    def _roll_back(self, before: State, undo: list[tuple[int, int]] | None) -> None:
+        """Put the buffer back as it was before a failed change, less what an eviction published
+        (`undo`: what the slots of the episodes recorded since held before, in order)."""
+        for offset, held in reversed(list(enumerate(undo or ()))):
+            self._episodes.put(before.ep_end + offset, *held)
         self._sampling.forget(before.end, self._state.end, self._state)
         self._state = before.replace(seq=max(before.seq, self._published.seq))
         self._episodes.set_range(before.ep_begin, before.ep_end)
@@ -519,19 +520,73 @@ class ReplayBuffer:
         if self.capacity is not None and n > self.capacity:
             writer.abort()
             raise SegmentStateError(f"cannot commit a {n}-row segment into a replay buffer of capacity {self.capacity}")
+        return self._place(writer, [n], [key], publish)[0]
+
+    def commit_episodes(
+        self, writer: SegmentWriter, lengths: Sequence[int], idempotency_keys: Sequence[bytes | None] | None = None,
+        publish: bool = True,
+    ) -> list[Receipt]:
+        """Commit the writer's rows as several episodes, one after another: `lengths[i]` rows
+        each (every one >= 1, adding up to the writer's length), with their keys. One write places
+        them all, which is what makes many short episodes cheap; each gets its own record, id and
+        key, as `commit_segment` would give it. Published before returning, or with
+        `publish=False` by the next `flush()` (see `commit_segment`).
+
+        Raises:
+            SegmentStateError: the writer belongs to another storage or is not open; the lengths do
+                not add up, one is < 1, or they exceed the capacity; or a key is one an episode
+                already has (look keys up with `receipt_for` first). The writer is left open.
+            ConfigError: a key is not 16 bytes, or two are the same.
+            StorageError: HDF5 failed; nothing of the episodes is visible.
+        """
+        self._require_writable("commit episodes")
+        if writer.storage is not self.storage:
+            raise SegmentStateError("this segment writer belongs to another storage")
+        if writer.state != "open":
+            raise SegmentStateError(f"cannot commit a segment writer that was {writer.state}")
+        sizes = [int(n) for n in lengths]
+        keys: list[bytes | None] = [check_key(k) for k in idempotency_keys] if idempotency_keys is not None \
+            else [None] * len(sizes)
+        if len(keys) != len(sizes):
+            raise SegmentStateError(f"got {len(keys)} idempotency keys for {len(sizes)} episodes")
+        if not sizes or min(sizes) < 1 or sum(sizes) != len(writer):
+            raise SegmentStateError(f"episode lengths {sizes[:8]}{'...' if len(sizes) > 8 else ''} must each be >= 1 "
+                                    f"and add up to the writer's {len(writer)} rows")
+        if self.capacity is not None and sum(sizes) > self.capacity:
+            raise SegmentStateError(f"cannot commit {sum(sizes)} rows at once into a replay buffer of capacity "
+                                    f"{self.capacity}")
+        given = [k for k in keys if k is not None]
+        if len(set(given)) != len(given):
+            raise ConfigError("two episodes of one commit have the same idempotency key")
+        for key, n in zip(keys, sizes):
+            if key is not None and self._keys.find(key, n, self._state.ep_end) is not None:
+                raise SegmentStateError(f"idempotency key {key.hex()} is already an episode's: look keys up with "
+                                        "receipt_for and leave those episodes out")
+        return self._place(writer, sizes, keys, publish)
+
+    def _place(self, writer: SegmentWriter, lengths: list[int], keys: list[bytes | None], publish: bool) -> list[Receipt]:
+        """Write the writer's rows at the tail (one write) and record them as episodes of
+        `lengths` rows with `keys` (all checked); on failure, nothing of them stays."""
+        n = sum(lengths)
         self._check_insert(n)
         if self._state.open_start < self._state.end:
             self.end_episode()
         before = self._state
         start = before.end
-        undo = None
+        undo: list[tuple[int, int]] = []
         priorities = writer.priorities
+        receipts = []
         try:
             self._evict(start + n)
             writer.commit(self._phys(start, self._state))
             self._advance_end(n)
             self._sampling.added(self._state, start, n, priorities)
-            episode_id, undo = self._record_episode(start, n, key)
+            first = start
+            for length, key in zip(lengths, keys):
+                episode_id, held = self._record_episode(first, length, key)
+                undo.append(held)
+                receipts.append(Receipt(episode_id, first, length))
+                first += length
             self._state = self._state.replace(open_start=self._state.end)
             if publish:
                 self._publish()
@@ -541,7 +596,7 @@ class ReplayBuffer:
             if writer.state == "open":
                 writer.abort()
             raise
-        return Receipt(episode_id, start, n)
+        return receipts
 
     def clear(self) -> None:
         """Drop every row and episode, published at once. Ids continue: the next row gets the id

@@ -69,7 +69,7 @@ def leaf_arrays(draw: st.DrawFn, leading: tuple[int, ...]) -> dict[str, np.ndarr
 
 @st.composite
 def messages(draw: st.DrawFn, cls: type[P.Message]) -> P.Message:
-    n = draw(st.integers(0, 6))
+    n = draw(st.integers(1 if cls is P.PushEpisodes else 0, 6))  # push_episodes carries at least one row
     values: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
         if f.name == "request_id":
@@ -89,6 +89,12 @@ def messages(draw: st.DrawFn, cls: type[P.Message]) -> P.Message:
             values[f.name] = draw(hnp.arrays(np.float64, (count,)))
         elif f.name == "episodes":
             values[f.name] = draw(hnp.arrays(np.int64, (n, 3)))
+        elif f.name == "lengths":  # push_episodes: n rows in episodes of >= 1 row each
+            cuts = sorted(draw(st.sets(st.integers(1, n - 1)))) if n > 1 else []
+            values[f.name] = np.diff([0, *cuts, n]).astype(np.int64)
+        elif f.name == "keys":
+            count = len(values["lengths"])
+            values[f.name] = np.arange(count * 16, dtype=np.uint8).reshape(count, 16)
         elif f.name == "batch_size":
             values[f.name] = draw(st.integers(1, 256))
         elif f.name == "length" and cls is P.SampleSequences:

@@ -321,6 +321,41 @@ class ReplayMachine(RuleBasedStateMachine):
         self.model_publish()
         assert info == expected
 
+    @precondition(lambda self: any(w.rows for w in self.open_writers()))
+    @rule(data=st.data(), keyed=st.booleans())
+    def commit_episodes(self, data: st.DataObject, keyed: bool) -> None:
+        """A writer's rows as several episodes at once: each recorded as commit_segment would
+        one after another, with one write; bad lengths or too many rows change nothing."""
+        w = self.pick_writer(data, [w for w in self.open_writers() if w.rows])
+        n = len(w.rows)
+        cuts = sorted(data.draw(st.sets(st.integers(1, n - 1), max_size=min(n - 1, 6)), label="cuts")) if n > 1 else []
+        lengths = [b - a for a, b in zip([0, *cuts], [*cuts, n])]
+        keys = [(self.ep_end + i).to_bytes(16, 'big') for i in range(len(lengths))] if keyed else None  # never used before
+        bad = data.draw(st.sampled_from([None, "short", "zero"]), label="bad lengths")
+        if bad is not None or (self.capacity is not None and n > self.capacity):
+            wrong = lengths if bad is None else [*lengths[:-1], lengths[-1] - 1] if bad == "short" else [0, *lengths]
+            with pytest.raises(SegmentStateError):
+                self.b.commit_episodes(w.writer, wrong, None if keys is None or bad == "zero" else keys)
+            assert w.writer.state == "open" and len(w.writer) == n  # left as it was
+            return
+        receipts = self.b.commit_episodes(w.writer, lengths, keys)
+        w.state = "committed"
+        if self.open_start < self.end:
+            self.model_end_episode()
+        first = self.end
+        self.model_add(w.rows)
+        expected = []
+        for length in lengths:
+            self.recorded.append((self.ep_end, first, length))
+            expected.append(Receipt(self.ep_end, first, length))
+            self.ep_end += 1
+            first += length
+        self.open_start = self.end
+        self.model_publish()
+        assert receipts == expected
+        if keys is not None:  # each key answers with its own episode's receipt
+            assert [self.b.receipt_for(key) for key in keys] == expected
+
     @precondition(lambda self: bool(self.open_writers()))
     @rule(data=st.data(), twice=st.booleans())
     def writer_abort(self, data: st.DataObject, twice: bool) -> None:

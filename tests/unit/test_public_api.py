@@ -13,8 +13,8 @@ import h5replay.storage.indexing
 def test_public_names_are_pinned():
     assert h5replay.__all__ == ["__version__"]
     assert sorted(h5replay.client.__all__) == [
-        "ActorClient", "ActorSegment", "Episode", "InDoubt", "LearnerClient", "Receipt", "SampleInfo", "View",
-        "pack_ids", "unpack_ids",
+        "ActorClient", "ActorSegment", "Episode", "InDoubt", "LearnerClient", "PendingCommit", "Receipt", "SampleInfo",
+        "View", "pack_ids", "unpack_ids",
     ]
     assert sorted(h5replay.server.__all__) == ["Server", "ServerProcess"]
     assert set(h5replay.storage.__all__) >= {

@@ -1,0 +1,207 @@
+"""Commits in flight (`wait=False`) and several episodes in one message (`push_episodes`),
+against a real server over loopback TCP: receipts in order, rows exactly as sent, one message for
+the episodes that fit, failures reported where the caller looks, and hand-made push_episodes
+messages refused whole.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from service_helpers import RawClient, episode_rows, error_of, read_file
+
+from h5replay import protocol as P
+from h5replay.client import ActorClient, LearnerClient, PendingCommit, Receipt
+from h5replay.errors import ConfigError, DiskFullError, ProtocolError, SegmentStateError, SpaceMismatchError
+from h5replay.storage import BoxSpace, DictSpace
+
+
+def assert_held(endpoint: str, receipt: Receipt, rows: dict[str, np.ndarray]) -> None:
+    with LearnerClient(endpoint, timeout=10) as learner:
+        got = learner.get_rows(np.arange(receipt.first_row_id, receipt.first_row_id + receipt.length))
+    for key, expected in rows.items():
+        np.testing.assert_array_equal(got[key], expected, err_msg=f"leaf {key!r}")
+
+
+@pytest.mark.timeout(60)
+def test_push_episodes_commits_each_episode_in_one_message_with_its_own_receipt(start_server):
+    server = start_server()
+    lengths = [3, 0, 5, 1, 300, 2]  # an empty one records nothing; 300 rows are more than one message takes
+    episodes = [episode_rows(1, i, n) for i, n in enumerate(lengths)]
+    with ActorClient(server.endpoint, timeout=10) as actor:
+        assert actor.rows_per_message < 300
+        before = actor.info()["requests"]
+        receipts = actor.push_episodes(episodes)
+        requests = actor.info()["requests"] - before
+    assert [r.length for r in receipts] == [3, 0, 5, 1, 300, 2]
+    assert receipts[1] == Receipt(-1, -1, 0)
+    recorded = [r for r in receipts if r.length]
+    assert [r.episode_id for r in recorded] == sorted(r.episode_id for r in recorded)
+    assert len({r.episode_id for r in recorded}) == 5
+    # [3, 5, 1] share one message, 300 is streamed (open, 2 appends, commit), 2 goes alone; + the info call.
+    assert requests == 1 + 4 + 1 + 1
+    for receipt, rows in zip(receipts, episodes):
+        if receipt.length:
+            assert_held(server.endpoint, receipt, rows)
+    server.stop()
+    segments, _ = read_file(server.config.path)
+    assert [n for _, n in segments] == [3, 5, 1, 300, 2]
+
+
+@pytest.mark.timeout(60)
+def test_commits_in_flight_settle_in_order_and_never_borrow_the_callers_arrays(tmp_path, start_server):
+    # Rows of 16 KB: an 8-row message is over ZeroMQ's copy threshold, so its frames would leave
+    # from the caller's memory, later, if the client did not own a copy.
+    space = DictSpace({"obs": BoxSpace(-np.inf, np.inf, (4096,), np.float32)})
+    server = start_server(space=space, capacity=4_000)
+    rows = np.zeros((8, 4096), np.float32)
+    sent, pending = [], []
+    with ActorClient(server.endpoint, timeout=10) as actor:
+        for i in range(40):
+            rows[:] = i
+            sent.append(rows.copy())
+            pending.append(actor.push_episode({"obs": rows}, wait=False))
+            rows[:] = -1  # the caller reuses its array at once
+        assert all(isinstance(p, PendingCommit) for p in pending)
+        actor.flush()
+        assert all(p.done() for p in pending)
+        receipts = [p.result() for p in pending]
+    assert [r.length for r in receipts] == [8] * 40
+    assert [r.episode_id for r in receipts] == sorted(r.episode_id for r in receipts)
+    for receipt, expected in zip(receipts, sent):
+        assert_held(server.endpoint, receipt, {"obs": expected})
+
+
+@pytest.mark.timeout(60)
+def test_push_episodes_wait_false_gives_one_pending_commit_per_episode(start_server):
+    server = start_server()
+    episodes = [episode_rows(2, i, 4 + i) for i in range(10)]
+    with ActorClient(server.endpoint, timeout=10) as actor:
+        pending = actor.push_episodes(episodes, wait=False)
+        assert len(pending) == 10 and len({p.key for p in pending}) == 10
+        receipts = [p.result() for p in pending]
+    assert [r.length for r in receipts] == [4 + i for i in range(10)]
+    for receipt, rows in zip(receipts, episodes):
+        assert_held(server.endpoint, receipt, rows)
+
+
+@pytest.mark.timeout(60)
+def test_a_refused_commit_in_flight_is_raised_by_result_and_once_by_flush(start_server):
+    server = start_server(min_free_bytes=1 << 60)  # more than any disk: every new row is refused
+    with ActorClient(server.endpoint, timeout=10) as actor:
+        seen = actor.push_episode(episode_rows(3, 0, 4), wait=False)
+        unseen = [actor.push_episode(episode_rows(3, i, 4), wait=False) for i in (1, 2)]
+        with pytest.raises(DiskFullError):
+            seen.result()
+        with pytest.raises(DiskFullError, match="and 1 more commit"):
+            actor.flush()
+        actor.flush()  # each failure is reported once
+        assert all(p.done() for p in unseen)
+        with pytest.raises(DiskFullError):
+            unseen[0].result()  # still there for whoever looks
+        segment = actor.segment()
+        segment.extend(episode_rows(3, 9, 4))
+        pending = segment.commit(wait=False)
+        with pytest.raises(DiskFullError):
+            pending.result()
+        with pytest.raises(DiskFullError):
+            segment.commit()  # refused for a full disk, a segment stays open: commit again later...
+        segment.abort()  # ... or drop it
+        with pytest.raises(SegmentStateError):
+            segment.commit()
+    with LearnerClient(server.endpoint, timeout=10) as learner:
+        assert learner.info()["commits"] == 0
+
+
+@pytest.mark.timeout(60)
+def test_close_waits_for_commits_in_flight_and_raises_one_nobody_saw(start_server):
+    server = start_server(min_free_bytes=1 << 60)
+    actor = ActorClient(server.endpoint, timeout=10)
+    actor.push_episode(episode_rows(4, 0, 4), wait=False)
+    with pytest.raises(DiskFullError):
+        actor.close()
+    actor.close()  # closed: nothing more to say
+    ok = start_server("ok.h5")
+    with ActorClient(ok.endpoint, timeout=10) as actor:
+        pending = [actor.push_episode(episode_rows(4, i, 4), wait=False) for i in range(12)]
+    assert all(p.done() for p in pending)
+    assert [p.result().length for p in pending] == [4] * 12
+
+
+@pytest.mark.timeout(60)
+def test_push_episodes_checks_every_episode_before_any_leaves(start_server):
+    server = start_server()
+    good = episode_rows(5, 0, 3)
+    bad = {**episode_rows(5, 1, 3), "obs": np.zeros((3, 7), np.float32)}
+    with ActorClient(server.endpoint, timeout=10) as actor:
+        with pytest.raises(SpaceMismatchError, match="obs"):
+            actor.push_episodes([good, bad])
+        with pytest.raises(ConfigError, match="2 priority entries for 1 episodes"):
+            actor.push_episodes([good], priorities=[None, None])
+        with pytest.raises(ConfigError, match="sequence of episodes"):
+            actor.push_episodes(good)
+        assert actor.push_episodes([]) == []
+        assert actor.info()["commits"] == 0
+
+
+def _push_episodes_frames(request_id: int, lengths: list[int], keys: np.ndarray, rows: dict[str, np.ndarray]) -> list:
+    """A push_episodes message as a hostile client may build it: `encode` without limits skips
+    the checks a client makes."""
+    message = P.PushEpisodes(request_id, int(sum(lengths)), np.array(lengths, np.int64), keys, rows)
+    return P.encode(message)
+
+
+def _keys(k: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (k, P.IDEMPOTENCY_KEY_BYTES), dtype=np.uint8)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", ["lengths off", "empty episode", "same key twice", "a key short", "no episodes",
+                                  "a bad row in the last episode"])
+def test_a_hand_made_push_episodes_is_refused_whole_and_the_server_serves_on(start_server, case):
+    server = start_server()
+    rows = episode_rows(6, 0, 6)
+    lengths, keys, expected = [2, 4], _keys(2), ProtocolError
+    if case == "lengths off":
+        lengths = [2, 3]
+    elif case == "empty episode":
+        lengths, keys = [0, 2, 4], _keys(3)
+    elif case == "same key twice":
+        keys = np.stack([keys[0], keys[0]])
+    elif case == "a key short":
+        keys = keys[:1]
+    elif case == "no episodes":
+        lengths, keys, rows = [], _keys(0), {k: v[:0] for k, v in rows.items()}
+    else:
+        rows["step"] = rows["step"].copy()
+        rows["step"][-1] = -5  # below the Box's low bound
+        expected = SpaceMismatchError
+    with RawClient(server.endpoint) as raw:
+        reply = raw.request(_push_episodes_frames(raw.next_id(), lengths, keys, rows))
+        assert isinstance(error_of(reply), expected), reply
+        ok = raw.request(_push_episodes_frames(raw.next_id(), [2, 4], _keys(2, seed=1), episode_rows(6, 1, 6)))
+        assert isinstance(ok, P.PushEpisodesReply), ok
+    server.stop()
+    segments, _ = read_file(server.config.path)
+    assert [n for _, n in segments] == [2, 4]  # only the good message's episodes
+
+
+@pytest.mark.timeout(60)
+def test_a_push_episodes_sent_again_is_answered_with_the_same_receipts_and_stored_once(start_server):
+    server = start_server()
+    keys = _keys(3, seed=7)
+    rows = episode_rows(7, 0, 9)
+    with RawClient(server.endpoint) as raw:
+        # The first episode's key was used before, by a push of one episode of the same length.
+        alone = raw.call(lambda rid: P.PushEpisode(rid, 2, {k: v[:2] for k, v in rows.items()}, 0.0,
+                                                   idempotency_key=bytes(keys[0])))
+        first = raw.request(_push_episodes_frames(raw.next_id(), [2, 3, 4], keys, rows))
+        again = raw.request(_push_episodes_frames(raw.next_id(), [2, 3, 4], keys, rows))
+        other_length = raw.request(_push_episodes_frames(raw.next_id(), [3, 2, 4], keys, rows))
+    assert isinstance(first, P.PushEpisodesReply) and isinstance(again, P.PushEpisodesReply)
+    assert first.episodes[0].tolist() == [alone.episode_id, alone.first_row_id, 2]
+    np.testing.assert_array_equal(first.episodes, again.episodes)
+    assert isinstance(error_of(other_length), SegmentStateError)
+    server.stop()
+    segments, _ = read_file(server.config.path)
+    assert [n for _, n in segments] == [2, 3, 4]
