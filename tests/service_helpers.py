@@ -445,3 +445,17 @@ def pushing_actor_main(endpoint: str, actor: int, stop: Any, out: Any) -> None:
             client.push_episode(episode_rows(actor, pushed, 1 + pushed % 7))
             pushed += 1
     out.put(pushed)
+
+
+def pipelining_actor_main(endpoint: str, actor: int, out: Any) -> None:
+    """Push episodes of 1-7 steps in flight (push_episodes of 5, wait=False) until killed; put
+    the receipt of each acknowledged episode on `out` as (episode, episode_id, first_row_id)."""
+    pushed = 0
+    with ActorClient(endpoint, timeout=30.0, name=f"pipeliner-{actor}") as client:
+        while True:
+            batch = [episode_rows(actor, pushed + j, 1 + (pushed + j) % 7) for j in range(5)]
+            for j, pending in enumerate(client.push_episodes(batch, wait=False)):
+                if pending.done():
+                    receipt = pending.result()
+                    out.put((pushed + j, receipt.episode_id, receipt.first_row_id))
+            pushed += 5

@@ -6,9 +6,23 @@ messages refused whole.
 
 from __future__ import annotations
 
+import os
+import queue
+import signal
+
 import numpy as np
 import pytest
-from service_helpers import RawClient, episode_rows, error_of, read_file
+from service_helpers import (
+    SPAWN,
+    RawClient,
+    episode_rows,
+    error_of,
+    file_episodes,
+    pipelining_actor_main,
+    processes,
+    read_file,
+    wait_until,
+)
 
 from h5replay import protocol as P
 from h5replay.client import ActorClient, LearnerClient, PendingCommit, Receipt
@@ -205,3 +219,33 @@ def test_a_push_episodes_sent_again_is_answered_with_the_same_receipts_and_store
     server.stop()
     segments, _ = read_file(server.config.path)
     assert [n for _, n in segments] == [2, 3, 4]
+
+
+@pytest.mark.timeout(90)
+def test_an_actor_killed_with_commits_in_flight_leaves_only_whole_episodes(start_server):
+    server = start_server()
+    out = SPAWN.Queue()
+    with processes() as procs:
+        proc = SPAWN.Process(target=pipelining_actor_main, args=(server.endpoint, 9, out))
+        proc.start()
+        procs.append(proc)
+        with LearnerClient(server.endpoint, timeout=10) as learner:
+            assert wait_until(lambda: learner.info()["commits"] >= 200, 60)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(10)
+    acknowledged = []
+    while True:
+        try:
+            acknowledged.append(out.get(timeout=0.5))
+        except queue.Empty:
+            break
+    # The server serves on: another actor commits at once.
+    with ActorClient(server.endpoint, timeout=10) as actor:
+        assert actor.push_episodes([episode_rows(10, 0, 3), episode_rows(10, 1, 2)])[1].length == 2
+    server.stop()
+    found, problems = file_episodes(server.config.path)
+    assert not problems  # every row belongs to one whole episode, as sent
+    held = {episode for actor, episode in found if actor == 9}
+    assert found[-2:] == [(10, 0), (10, 1)]
+    assert {episode for episode, _, _ in acknowledged} <= held  # every acknowledged episode is there
+    assert held == set(range(len(held)))  # committed in order, none skipped, none twice
