@@ -16,9 +16,9 @@ targets are informational: PASS/MISS never changes the exit code):
    acknowledgement. Two more modes leave commits in flight (not with --quick): "pipelined",
    `push_episode(batch, wait=False)` per episode (up to `max_in_flight` unacknowledged), and
    "batched", `push_episodes` of 32 episodes a call with `wait=False` (several episodes a
-   message); both end with `flush()`, so every episode is acknowledged before the clock stops, and
-   send 4x the episodes (they would be over too soon); their latency columns are the time of each
-   call, which waits only for room in flight.
+   message); both end with `flush()`, so every episode is acknowledged before the clock stops.
+   With small rows they send 2x ("pipelined") and 16x ("batched") the episodes: they would be over
+   too soon. Their latency columns are the time of each call, which waits only for room in flight.
    The episodes are shared out among the actors (the same total for every actor count). Timing
    runs from a start barrier (every actor connected, its rows built) to the last actor's final
    commit acknowledgement. A fresh server (`ServerProcess`) and file for every case.
@@ -117,7 +117,8 @@ MODES = ("extend", "append", "pipelined", "batched")
 LOCAL_MODES = ("extend", "append")  # the local baseline has no counterpart of the others
 IN_FLIGHT_MODES = ("pipelined", "batched")
 BATCHED_EPISODES = 32
-IN_FLIGHT_SCALE = 4  # the in-flight modes send this many times the episodes: they are over too soon otherwise
+# Small rows in the in-flight modes: this many times the episodes, or they are over too soon.
+IN_FLIGHT_SCALE = {"pipelined": 2, "batched": 16}
 BATCH = 256
 PREFETCH = 8  # batches a pipelined learner keeps requested ahead
 PIPELINED = f"wire, LearnerClient.batches(prefetch={PREFETCH})"
@@ -641,7 +642,7 @@ class ThreadServer:
 def ingest_service(path: str, endpoints: Endpoints, kind: str, mode: str, pool: WorkerPool, sizes: Sizes,
                    profile: bool = False) -> dict[str, Any]:
     """One ActorClient per pool worker into a fresh server; checks the server holds every row."""
-    n_ep, length = sizes.episodes[kind] * (IN_FLIGHT_SCALE if mode in IN_FLIGHT_MODES else 1), sizes.episode_len
+    n_ep, length = sizes.episodes[kind] * (IN_FLIGHT_SCALE.get(mode, 1) if kind == SMALL else 1), sizes.episode_len
     bind, read_bind = endpoints.pair()
     config = ServerConfig(path=path, space=space_of(kind), capacity=n_ep * length, bind=bind, read_bind=read_bind)
     server: ServerProcess | ThreadServer = ThreadServer(config) if profile else ServerProcess(config)

@@ -276,7 +276,8 @@ class Server:
                     except zmq.Again:
                         break
                     self._serve(sock, service, frames, auth)
-                self._release(sock, service)
+                if service.waiting:  # requests the rate limit held back may go now
+                    self._release(sock, service)
                 self._publish(sock, service)
             elif service.waiting:
                 self._release(sock, service)  # timeouts end while nothing arrives

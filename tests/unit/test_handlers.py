@@ -308,3 +308,57 @@ def test_a_retried_push_is_not_held_back_by_the_rate_limit() -> None:
         service.submit(A, P.PushEpisode(2, 4, wire([5, 6, 7, 8]), 0.0, np.zeros(0), bytes(16)))
     retry = service.submit(A, P.PushEpisode(3, 4, wire([1, 2, 3, 4]), 0.0, np.zeros(0), KEY))
     assert retry is not None and (retry.episode_id, retry.length) == (first.episode_id, 4)
+
+
+def _keys(*first_bytes: int) -> np.ndarray:
+    return np.array([[b] * 16 for b in first_bytes], dtype=np.uint8)
+
+
+def test_push_episodes_places_every_episode_with_one_publish_and_a_retry_commits_only_the_new_ones(
+        h: Harness) -> None:
+    one = h.call(A, P.PushEpisode, 2, wire([1, 2]), 0.0, np.zeros(0), bytes([3] * 16))
+    publishes = h.journal.publishes
+    # Episode 2 of this message (key 3...) was pushed alone before: answered, not stored again.
+    reply = h.call(A, P.PushEpisodes, 6, np.array([1, 2, 3]), _keys(1, 3, 5), wire([10, 1, 2, 30, 31, 32]))
+    assert isinstance(reply, P.PushEpisodesReply)
+    assert reply.episodes.tolist() == [[1, 2, 1], [one.episode_id, one.first_row_id, 2], [2, 3, 3]]
+    h.service.publish()
+    assert h.journal.publishes == publishes + 1
+    assert h.buffer.get_at(slice(None))["x"].tolist() == [1, 2, 10, 30, 31, 32]
+    assert [tuple(e)[1:] for e in h.buffer.episodes()] == [(0, 2), (2, 1), (3, 3)]
+    again = h.call(A, P.PushEpisodes, 6, np.array([1, 2, 3]), _keys(1, 3, 5), wire([10, 1, 2, 30, 31, 32]))
+    np.testing.assert_array_equal(again.episodes, reply.episodes)
+    h.service.publish()
+    assert len(h.buffer) == 6 and h.buffer.num_episodes == 3
+
+
+def test_push_episodes_refused_for_one_episode_writes_none_of_them(h: Harness) -> None:
+    h.call(A, P.PushEpisode, 2, wire([1, 2]), 0.0, np.zeros(0), bytes([3] * 16))
+    with pytest.raises(SegmentStateError):  # key 3... names an episode of 2 rows, not 3
+        h.call(A, P.PushEpisodes, 4, np.array([1, 3]), _keys(1, 3), wire([5, 6, 7, 8]))
+    with pytest.raises(SpaceMismatchError):  # rows of another dtype (bounds: the integration tests)
+        h.call(A, P.PushEpisodes, 4, np.array([1, 3]), _keys(1, 2), {**wire([5, 6, 7, 8]), "x": np.zeros(4)})
+    small = Harness(capacity=3)
+    with pytest.raises(LimitExceededError, match="capacity"):
+        small.call(A, P.PushEpisodes, 5, np.array([1, 4]), _keys(1, 2), wire([1, 2, 3, 4, 5]))
+    h.service.publish()
+    assert h.buffer.get_at(slice(None))["x"].tolist() == [1, 2] and h.buffer.num_episodes == 1
+
+
+def test_push_episodes_waits_for_the_rate_limit_as_a_whole_and_a_retry_is_not_held_back() -> None:
+    from h5replay.sampling import RateLimit
+
+    storage = MemoryStorage(SPACE, 100)
+    limit = RateLimit(1, samples_per_insert=1.0, error_buffer=3.0)  # inserts wait once 4 rows are ahead
+    buffer = ReplayBuffer(storage, journal=MemoryJournal(storage), sampling=SamplingConfig(rate_limit=limit))  # type: ignore[arg-type]
+    service = Service(buffer, P.Limits(), "tcp://127.0.0.1:9", instance_id="i")
+    first = service.submit(A, P.PushEpisodes(1, 4, np.array([2, 2]), _keys(1, 2), wire([1, 2, 3, 4])))
+    service.publish()
+    assert isinstance(first, P.PushEpisodesReply) and first.episodes[:, 2].tolist() == [2, 2]
+    with pytest.raises(RateLimitedError):  # more rows must wait for samples; a timeout of 0 waits for none
+        service.submit(A, P.PushEpisodes(2, 2, np.array([1, 1]), _keys(5, 6), wire([5, 6])))
+    assert service.submit(A, P.PushEpisodes(3, 2, np.array([1, 1]), _keys(5, 6), wire([5, 6]), 10.0)) is None
+    assert service.waiting and service._waiting_bytes > 0  # held back whole, its rows counted
+    retry = service.submit(A, P.PushEpisodes(4, 4, np.array([2, 2]), _keys(1, 2), wire([1, 2, 3, 4])))
+    assert isinstance(retry, P.PushEpisodesReply)
+    np.testing.assert_array_equal(retry.episodes, first.episodes)
