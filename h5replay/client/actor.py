@@ -78,7 +78,7 @@ class _Flight:
     """One message that commits episodes (a commit, a push, a push of several), in flight: sent
     again with the same keys while no reply comes, until it settles."""
 
-    def __init__(self, conn: Connection, retried: Retried | None, settled: Settled | None = None,
+    def __init__(self, conn: Connection | None, retried: Retried | None, settled: Settled | None = None,
                  failures: collections.deque[_Flight] | None = None, receipts: list[Receipt] | None = None) -> None:
         self.conn = conn
         self.retried = retried
@@ -90,17 +90,17 @@ class _Flight:
         self.lock = threading.Lock()
 
     def done(self) -> bool:
-        retried = self.retried
-        return retried is None or self.conn.closed or self.conn.arrived(retried.request_id)
+        retried, conn = self.retried, self.conn
+        return retried is None or conn is None or conn.closed or conn.arrived(retried.request_id)
 
     def settle(self) -> None:
         """Wait for the outcome and keep it (the error too: `PendingCommit.result` raises it)."""
         with self.lock:
-            retried = self.retried
-            if retried is None:
+            retried, conn = self.retried, self.conn
+            if retried is None or conn is None:
                 return
             try:
-                self.receipts = _receipts(self.conn.wait_retried(retried))
+                self.receipts = _receipts(conn.wait_retried(retried))
             except Exception as exc:
                 self.error = exc
                 if self.failures is not None:
@@ -128,9 +128,9 @@ class PendingCommit:
         self._index = index
 
     @classmethod
-    def done_with(cls, conn: Connection, receipt: Receipt, key: bytes = b"") -> PendingCommit:
-        """One already settled (an empty episode, or a push over several servers, waited for)."""
-        return cls(_Flight(conn, None, receipts=[receipt]), key)
+    def done_with(cls, receipt: Receipt, key: bytes = b"") -> PendingCommit:
+        """One already settled (an empty episode, or a commit over several servers, waited for)."""
+        return cls(_Flight(None, None, receipts=[receipt]), key)
 
     def done(self) -> bool:
         """Whether the outcome is here: `result()` then returns (or raises) without waiting."""
@@ -192,6 +192,7 @@ class ActorClient:
         # unseen: `flush` reports them.
         self._in_flight: collections.deque[_Flight] = collections.deque()
         self._failures: collections.deque[_Flight] = collections.deque(maxlen=_KEPT_FAILURES)
+        self._flights_lock = threading.RLock()  # over both: calls from several threads take turns
         #: Over several servers: the routing (h5replay.client._shards), which every call goes through.
         self._router: ShardedActor | None = None
         if endpoints is not None:
@@ -302,7 +303,7 @@ class ActorClient:
         """
         if self._router is not None:
             receipt = self._router.push_episode(batch, priorities)
-            return receipt if wait else PendingCommit.done_with(self.connection, receipt)
+            return receipt if wait else PendingCommit.done_with(receipt)
         encoded, n = self.encode_batch(batch)
         return self._push_encoded(encoded, n, _check_priorities(priorities, n), wait, batch)
 
@@ -311,7 +312,7 @@ class ActorClient:
         """`push_episode` of checked rows; `batch`: the caller's, whose arrays `encoded` may share."""
         if n == 0:
             empty = Receipt(-1, -1, 0)
-            return empty if wait else PendingCommit.done_with(self._conn, empty)
+            return empty if wait else PendingCommit.done_with(empty)
         if n <= self.rows_per_message:
             if not wait:  # the message (and its retries) must not borrow arrays the caller may reuse
                 encoded, given = _own_copies(encoded, self.schema.flatten(batch)), given.copy()
@@ -368,7 +369,7 @@ class ActorClient:
         each = priorities if priorities is not None else [None] * len(batches)
         if self._router is not None:
             receipts = [self._router.push_episode(batch, given) for batch, given in zip(batches, each)]
-            return receipts if wait else [PendingCommit.done_with(self.connection, r) for r in receipts]
+            return receipts if wait else [PendingCommit.done_with(r) for r in receipts]
         episodes = []  # (encoded, rows, priorities given or empty, batch): all checked before anything leaves
         for batch, given in zip(batches, each):
             encoded, n = self.encode_batch(batch)
@@ -378,7 +379,7 @@ class ActorClient:
         rows = 0  # theirs
         for i, (encoded, n, given, batch) in enumerate(episodes):
             if n == 0:  # records nothing, sends nothing
-                pending[i] = PendingCommit.done_with(self._conn, Receipt(-1, -1, 0))
+                pending[i] = PendingCommit.done_with(Receipt(-1, -1, 0))
             elif n > self.rows_per_message:  # streamed through a segment of its own, after those before it
                 self._push_group(episodes, group, pending)
                 group, rows = [], 0
@@ -430,13 +431,17 @@ class ActorClient:
         Raises:
             NotSentError: it could not leave (no server connected within the timeout).
         """
-        if track:
+        if not track:
+            retried = self._conn.send_retried(request, self.commit_timeout, self.config.commit_attempts,
+                                              self.commit_hold)
+            return _Flight(self._conn, retried, settled)
+        with self._flights_lock:
             self._make_room()
-        retried = self._conn.send_retried(request, self.commit_timeout, self.config.commit_attempts, self.commit_hold)
-        flight = _Flight(self._conn, retried, settled, self._failures if track else None)
-        if track:
+            retried = self._conn.send_retried(request, self.commit_timeout, self.config.commit_attempts,
+                                              self.commit_hold)
+            flight = _Flight(self._conn, retried, settled, self._failures)
             self._in_flight.append(flight)
-        return flight
+            return flight
 
     def _make_room(self) -> None:
         """Before another commit leaves: wait for the oldest while `max_in_flight` are unsettled."""
@@ -451,12 +456,13 @@ class ActorClient:
         """
         if self._router is not None:
             return
-        while self._in_flight:
-            self._in_flight.popleft().settle()
-        failed = [flight for flight in self._failures if not flight.observed]
-        self._failures.clear()
-        for flight in failed:
-            flight.observed = True
+        with self._flights_lock:
+            while self._in_flight:
+                self._in_flight.popleft().settle()
+            failed = [flight for flight in self._failures if not flight.observed]
+            self._failures.clear()
+            for flight in failed:
+                flight.observed = True
         if failed:
             error = failed[0].error
             if error is not None:
@@ -498,8 +504,9 @@ class ActorClient:
         if self._conn.closed:
             return
         try:
-            while self._in_flight:
-                self._in_flight.popleft().settle()
+            with self._flights_lock:
+                while self._in_flight:
+                    self._in_flight.popleft().settle()
         finally:
             self._conn.close()
         self.flush()
@@ -724,7 +731,7 @@ class ActorSegment:
             self._batch, self._priorities, self._buffered_rows = None, None, 0
             self._state = "committed"
             self.receipt = Receipt(-1, -1, 0)
-            return self.receipt if wait else PendingCommit.done_with(self._conn, self.receipt, self.key)
+            return self.receipt if wait else PendingCommit.done_with(self.receipt, self.key)
         arrays = {path: rows[:n] for path, rows in batch.items()}
         priorities = self._priorities[:n] if self._priorities is not None else _NO_PRIORITIES
         limit, key = self._config.rate_limit_timeout, self.key

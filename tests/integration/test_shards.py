@@ -345,3 +345,22 @@ def test_settle_refuses_a_timeout_that_is_not_seconds(tmp_path, timeout):
             with pytest.raises(ConfigError, match="settle's timeout must be a number of seconds"):
                 actor.settle(timeout)
             assert actor.settle(0) == [] and actor.in_doubt == []
+
+
+def test_commits_in_flight_and_push_episodes_over_shards_are_waited_for_and_kept_in_order(tmp_path):
+    # Over several servers every commit is waited for (its shard may change under it): wait=False
+    # gives a done PendingCommit, so code written for one server runs unchanged.
+    with running_shards(tmp_path, 2) as shards:
+        with ActorClient(endpoints=shards.endpoints, timeout=10, name="actor-inflight") as actor:
+            pending = actor.push_episode(episode_rows(1, 0, 4), wait=False)
+            assert pending.done() and pending.result().length == 4
+            receipts = actor.push_episodes([episode_rows(1, 1, 2), episode_rows(1, 2, 0), episode_rows(1, 3, 3)])
+            assert [r.length for r in receipts] == [2, 0, 3]
+            seg = actor.segment()
+            seg.extend(episode_rows(1, 4, 5))
+            later = seg.commit(wait=False)
+            assert later.done() and later.result().length == 5
+            actor.flush()
+        found, problems = episodes_by_shard(shards.paths)
+    assert not problems
+    assert [episode for _, _, episode in found] == [0, 1, 3, 4]

@@ -11,7 +11,7 @@ import os
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Concatenate, NamedTuple, NoReturn, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, Literal, NamedTuple, NoReturn, ParamSpec, TypeVar, overload
 
 import numpy as np
 
@@ -30,9 +30,16 @@ from h5replay.records import Receipt
 from h5replay.sampling import check_priorities
 
 if TYPE_CHECKING:
-    from h5replay.client.actor import ActorClient, ActorSegment
+    from h5replay.client.actor import ActorClient, ActorSegment, PendingCommit
 
 __all__ = ["InDoubt", "ShardedActor", "ShardedSegment"]
+
+
+def _done(receipt: Receipt) -> PendingCommit:
+    """A settled PendingCommit: over several servers, commits are always waited for."""
+    from h5replay.client.actor import PendingCommit  # that module imports this one
+
+    return PendingCommit.done_with(receipt)
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -535,10 +542,16 @@ class ShardedSegment:
         else:
             self._actor.lose(index, exc)
 
-    def commit(self) -> Receipt:
+    @overload
+    def commit(self, *, wait: Literal[True] = True) -> Receipt: ...
+    @overload
+    def commit(self, *, wait: Literal[False]) -> PendingCommit: ...
+
+    def commit(self, *, wait: bool = True) -> Receipt | PendingCommit:
         """Send what is buffered, wait for every append, then commit on the current shard; on
         another shard when it stops answering. Returns after a shard has the episode in its file,
-        flushed.
+        flushed. Over several servers a commit is always waited for: with `wait=False` (as for
+        one server) a done `PendingCommit` is returned.
 
         Raises:
             ServerUnavailableError: no shard answers (the episode is lost).
@@ -548,16 +561,16 @@ class ShardedSegment:
         self._require_open("commit")
         if self.length == 0:
             self._state = "committed"
-            self.receipt = Receipt(-1, -1, 0)
-            return self.receipt
+            receipt = self.receipt = Receipt(-1, -1, 0)
+            return receipt if wait else _done(receipt)
         try:
-            receipt: Receipt = self._attempt(_commit, rows=False)
+            receipt = self._attempt(_commit, rows=False)
         except BaseException:
             self._give_up()
             raise
         self._state, self.receipt, self.shard = "committed", receipt, self._inner_shard
         self._actor.use(self._inner_shard, -1)
-        return receipt
+        return receipt if wait else _done(receipt)
 
     def _park(self) -> NoReturn:
         """The shard that lost this episode's commit reply does not answer: the actor keeps the
