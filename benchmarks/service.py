@@ -13,12 +13,13 @@ targets are informational: PASS/MISS never changes the exit code):
    1, 4 and 16 spawned actor processes (`--actors`), each with its own `ActorClient`: one
    `segment()` per episode, filled by one `extend` of the 100 rows ("extend") or by 100 `append`
    calls ("append"; not with --quick); the segment's exit commits it and waits for the server's
-   acknowledgement. Two more modes leave commits in flight (not with --quick): "pipelined",
+   acknowledgement. Three more modes leave commits in flight (not with --quick): "pipelined",
    `push_episode(batch, wait=False)` per episode (up to `max_in_flight` unacknowledged), and
    "batched", `push_episodes` of 32 episodes a call with `wait=False` (several episodes a
-   message); both end with `flush()`, so every episode is acknowledged before the clock stops.
-   With small rows they send 2x ("pipelined") and 16x ("batched") the episodes: they would be over
-   too soon. Their latency columns are the time of each call, which waits only for room in flight.
+   message), and "streamed": per-step `append`s and `commit(wait=False)` (episodes that wait for
+   room in flight leave together in one message). All three end with `flush()`, so every episode
+   is acknowledged before the clock stops. With small rows they send 2x ("pipelined"), 16x
+   ("batched") and 4x ("streamed") the episodes: they would be over too soon. Their latency columns are the time of each call, which waits only for room in flight.
    The episodes are shared out among the actors (the same total for every actor count). Timing
    runs from a start barrier (every actor connected, its rows built) to the last actor's final
    commit acknowledgement. A fresh server (`ServerProcess`) and file for every case.
@@ -111,14 +112,16 @@ SMALL, IMAGE = "7xf32", "84x84x3u8"
 ROW: dict[str, tuple[tuple[int, ...], np.dtype[Any]]] = {
     SMALL: ((7,), np.dtype(np.float32)), IMAGE: ((84, 84, 3), np.dtype(np.uint8))}
 # How actors send episodes: a segment filled by one extend or by per-step appends, each commit
-# waited for; push_episode(wait=False) ("pipelined": up to max_in_flight commits in flight); and
-# push_episodes of BATCHED_EPISODES episodes a call, wait=False ("batched": several episodes a message).
-MODES = ("extend", "append", "pipelined", "batched")
+# waited for; push_episode(wait=False) ("pipelined": up to max_in_flight commits in flight);
+# push_episodes of BATCHED_EPISODES episodes a call, wait=False ("batched": several episodes a
+# message); and per-step appends with commit(wait=False) ("streamed": under load the client puts
+# the episodes waiting for room in flight in one message).
+MODES = ("extend", "append", "pipelined", "batched", "streamed")
 LOCAL_MODES = ("extend", "append")  # the local baseline has no counterpart of the others
-IN_FLIGHT_MODES = ("pipelined", "batched")
+IN_FLIGHT_MODES = ("pipelined", "batched", "streamed")
 BATCHED_EPISODES = 32
 # Small rows in the in-flight modes: this many times the episodes, or they are over too soon.
-IN_FLIGHT_SCALE = {"pipelined": 2, "batched": 16}
+IN_FLIGHT_SCALE = {"pipelined": 2, "batched": 16, "streamed": 4}
 BATCH = 256
 PREFETCH = 8  # batches a pipelined learner keeps requested ahead
 PIPELINED = f"wire, LearnerClient.batches(prefetch={PREFETCH})"
@@ -305,6 +308,11 @@ def _actor_main(endpoint: str, kind: str, mode: str, num_episodes: int, episode_
                     k = min(per_call, num_episodes - e)
                     if mode == "batched":
                         client.push_episodes([batches[(e + j) % 2] for j in range(k)], wait=False)
+                    elif mode == "streamed":
+                        seg = client.segment()
+                        for step in steps[e % 2]:
+                            seg.append(step)
+                        seg.commit(wait=False)
                     else:
                         client.push_episode(batches[e % 2], wait=False)
                     times.append(perf() - ts)
@@ -806,7 +814,7 @@ def ingest_targets(name: str, kind: str, m: dict[str, Any], got: dict[str, dict[
         return checks
     mode = name.split(",")[0].split()[-1]
     four = actors == "4"
-    if kind == SMALL and mode in ("extend", *IN_FLIGHT_MODES):  # whole episodes, each acknowledged
+    if kind == SMALL and mode in ("extend", "pipelined", "batched"):  # whole episodes, each acknowledged
         if m["vs_local"] is not None:
             checks.append((f"{m['vs_local']:.2f}x local >=0.7x", m["vs_local"] >= 0.7))
         if four:
@@ -817,7 +825,7 @@ def ingest_targets(name: str, kind: str, m: dict[str, Any], got: dict[str, dict[
                 checks.append((f"{ratio:.2f}x raw zmq+h5py >=0.5x", ratio >= 0.5))
             if mode == "extend":
                 checks.append((f"commit p99 {m['p99_ms']:.1f} ms <=20", m["p99_ms"] <= COMMIT_P99_TARGET_MS))
-    if kind == SMALL and mode == "append" and four:
+    if kind == SMALL and mode in ("append", "streamed") and four:
         checks.append((f">={fmt(STREAM_INGEST_TARGET)} rows/s", m["rows_per_s"] >= STREAM_INGEST_TARGET))
     if kind == IMAGE:
         if m["vs_raw_stream"] is not None:

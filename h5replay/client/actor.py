@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import os
 import threading
 import time
@@ -22,7 +23,7 @@ from typing import Any, Literal, overload
 import numpy as np
 
 from h5replay import protocol as P
-from h5replay.client._connection import Connection, Retried, curve_keys, say_hello
+from h5replay.client._connection import Connection, NotSentError, Retried, curve_keys, say_hello
 from h5replay.client._shards import InDoubt, ShardedActor, ShardedSegment
 from h5replay.config import DEFAULT_ENDPOINT, ClientConfig, process_name
 from h5replay.errors import (
@@ -75,26 +76,38 @@ def _receipts(reply: Any) -> list[Receipt]:
 
 
 class _Flight:
-    """One message that commits episodes (a commit, a push, a push of several), in flight: sent
-    again with the same keys while no reply comes, until it settles."""
+    """One message that commits episodes (a commit, a push, a push of several): queued in the
+    client (segments committed with wait=False, see `ActorClient._queue_commit`), then in flight
+    (sent again with the same keys while no reply comes), then settled."""
 
-    def __init__(self, conn: Connection | None, retried: Retried | None, settled: Settled | None = None,
-                 failures: collections.deque[_Flight] | None = None, receipts: list[Receipt] | None = None) -> None:
+    def __init__(self, conn: Connection | None, retried: Retried | None, settled: list[Settled | None] | None = None,
+                 failures: collections.deque[_Flight] | None = None, receipts: list[Receipt] | None = None,
+                 client: ActorClient | None = None) -> None:
         self.conn = conn
         self.retried = retried
-        self.settled = settled
+        self.settled = settled  # one callback (or None) per episode, told its receipt or the error
         self.failures = failures  # where a failure waits for `flush` (messages in flight only)
         self.receipts = receipts
         self.error: Exception | None = None
         self.observed = False  # the caller saw the outcome through `result()` (or `flush` reported it)
         self.lock = threading.Lock()
+        #: The client whose next message this is, while it waits there (None once sent).
+        self.queued_in = client
 
     def done(self) -> bool:
+        client = self.queued_in
+        if client is not None:
+            client._pump()  # it leaves now if there is room
+            if self.queued_in is not None:
+                return False
         retried, conn = self.retried, self.conn
         return retried is None or conn is None or conn.closed or conn.arrived(retried.request_id)
 
     def settle(self) -> None:
         """Wait for the outcome and keep it (the error too: `PendingCommit.result` raises it)."""
+        client = self.queued_in
+        if client is not None:
+            client._send_queue()  # before this flight's lock: the client's lock comes first
         with self.lock:
             retried, conn = self.retried, self.conn
             if retried is None or conn is None:
@@ -102,13 +115,36 @@ class _Flight:
             try:
                 self.receipts = _receipts(conn.wait_retried(retried))
             except Exception as exc:
-                self.error = exc
-                if self.failures is not None:
-                    self.failures.append(self)
+                self._failed(exc)
             self.retried = None  # the request (and the episodes' arrays it holds) can go
-            settled, self.settled = self.settled, None
-        if settled is not None:
-            settled(self.receipts[0] if self.receipts else None, self.error)
+        self._tell()
+
+    def _failed(self, exc: Exception) -> None:
+        self.error = exc
+        if self.failures is not None:
+            self.failures.append(self)
+
+    def fail_unsent(self, exc: Exception) -> None:
+        """It could not be sent (no server connected in time): not in doubt."""
+        with self.lock:
+            self.queued_in = None
+            self._failed(exc)
+        self._tell()
+
+    def _tell(self) -> None:
+        callbacks, self.settled = self.settled, None
+        for i, callback in enumerate(callbacks or ()):
+            if callback is not None:
+                callback(self.receipts[i] if self.receipts and i < len(self.receipts) else None, self.error)
+
+
+@dataclasses.dataclass
+class _Queue:
+    """The next message of a client, while its episodes wait for room in flight."""
+
+    flight: _Flight
+    episodes: list[tuple[dict[str, np.ndarray], int, np.ndarray, bytes]] = dataclasses.field(default_factory=list)
+    rows: int = 0
 
 
 class PendingCommit:
@@ -193,6 +229,7 @@ class ActorClient:
         self._in_flight: collections.deque[_Flight] = collections.deque()
         self._failures: collections.deque[_Flight] = collections.deque(maxlen=_KEPT_FAILURES)
         self._flights_lock = threading.RLock()  # over both: calls from several threads take turns
+        self._queue: _Queue | None = None  # episodes of segments committed with wait=False, not yet sent
         #: Over several servers: the routing (h5replay.client._shards), which every call goes through.
         self._router: ShardedActor | None = None
         if endpoints is not None:
@@ -431,17 +468,81 @@ class ActorClient:
         Raises:
             NotSentError: it could not leave (no server connected within the timeout).
         """
-        if not track:
-            retried = self._conn.send_retried(request, self.commit_timeout, self.config.commit_attempts,
-                                              self.commit_hold)
-            return _Flight(self._conn, retried, settled)
         with self._flights_lock:
+            if self._queue is not None:  # commits leave in the order they were made
+                self._send_queue()
+            if not track:
+                retried = self._conn.send_retried(request, self.commit_timeout, self.config.commit_attempts,
+                                                  self.commit_hold)
+                return _Flight(self._conn, retried, [settled])
             self._make_room()
             retried = self._conn.send_retried(request, self.commit_timeout, self.config.commit_attempts,
                                               self.commit_hold)
-            flight = _Flight(self._conn, retried, settled, self._failures)
+            flight = _Flight(self._conn, retried, [settled], self._failures)
             self._in_flight.append(flight)
             return flight
+
+    def _queue_commit(self, rows: dict[str, np.ndarray], n: int, priorities: np.ndarray, key: bytes,
+                      settled: Settled) -> PendingCommit:
+        """Commit an episode that never left (a segment's, `wait=False`) in this client's next
+        message: it leaves at once while fewer than `max_in_flight` messages are unacknowledged;
+        else it waits, with the episodes committed after it, for the next of this client's commits
+        or pushes, flush, close, or a PendingCommit's done() or result() to find room, or for the
+        message to be full (`rows_per_push`). Under load, episodes so share messages."""
+        with self._flights_lock:
+            queue = self._queue
+            if queue is not None and queue.rows + n > self.rows_per_push:
+                self._send_queue()
+                queue = None
+            if queue is None:
+                queue = self._queue = _Queue(_Flight(self._conn, None, [], self._failures, client=self))
+            flight = queue.flight
+            queue.episodes.append((rows, n, priorities, key))
+            typing.cast("list[Settled | None]", flight.settled).append(settled)
+            queue.rows += n
+            self._pump()
+            return PendingCommit(flight, key, len(queue.episodes) - 1)
+
+    def _pump(self) -> None:
+        """Without blocking: settle the commits whose replies are here, and send the queued
+        message when there is room."""
+        with self._flights_lock:
+            in_flight = self._in_flight
+            while in_flight and in_flight[0].done():
+                in_flight.popleft().settle()
+            if self._queue is not None and len(in_flight) < self.config.max_in_flight:
+                self._send_queue()
+
+    def _send_queue(self) -> None:
+        """Send the queued message now (waiting for room in flight first)."""
+        with self._flights_lock:
+            queue, self._queue = self._queue, None
+            if queue is None:
+                return
+            flight = queue.flight
+            episodes = queue.episodes
+            limit = self.config.rate_limit_timeout
+            request: Any
+            if len(episodes) == 1:
+                rows, n, priorities, key = episodes[0]
+                request = lambda rid: P.PushEpisode(rid, n, rows, limit, priorities, key)  # noqa: E731
+            else:
+                lengths = np.array([e[1] for e in episodes], dtype=np.int64)
+                total = int(lengths.sum())
+                arrays = {path: np.concatenate([e[0][path] for e in episodes]) for path in episodes[0][0]}
+                given = np.concatenate([e[2] if len(e[2]) else np.full(e[1], np.nan) for e in episodes]) \
+                    if any(len(e[2]) for e in episodes) else _NO_PRIORITIES
+                keys = np.frombuffer(b"".join(e[3] for e in episodes), dtype=np.uint8).reshape(len(episodes), -1)
+                request = lambda rid: P.PushEpisodes(rid, total, lengths, keys, arrays, limit, given)  # noqa: E731
+            try:
+                self._make_room()
+                retried = self._conn.send_retried(request, self.commit_timeout, self.config.commit_attempts,
+                                                  self.commit_hold)
+            except Exception as exc:  # its episodes are told; the caller of this send may be another's
+                flight.fail_unsent(exc)
+                return
+            flight.retried, flight.queued_in = retried, None
+            self._in_flight.append(flight)
 
     def _make_room(self) -> None:
         """Before another commit leaves: wait for the oldest while `max_in_flight` are unsettled."""
@@ -457,6 +558,7 @@ class ActorClient:
         if self._router is not None:
             return
         with self._flights_lock:
+            self._send_queue()
             while self._in_flight:
                 self._in_flight.popleft().settle()
             failed = [flight for flight in self._failures if not flight.observed]
@@ -505,6 +607,7 @@ class ActorClient:
             return
         try:
             with self._flights_lock:
+                self._send_queue()
                 while self._in_flight:
                     self._in_flight.popleft().settle()
         finally:
@@ -545,6 +648,7 @@ class ActorSegment:
         self._priorities: np.ndarray | None = None  # per buffered row (NaN: none given), once one is
         self._buffered_rows = 0
         self._buffered_since = 0.0
+        self._batch_seconds = client.config.batch_seconds
         self.length = 0
         self.receipt: Receipt | None = None
         #: Whether the commit (or push) was sent and no reply came: the server may have applied
@@ -566,13 +670,15 @@ class ActorSegment:
         """Add one step (with its priority, for a prioritized server); checked against the space
         now, sent in a batch soon. A step of exactly the stored dtypes and shapes (a dict of
         ndarrays) is copied straight into the batch."""
-        self._require_open("append to")
+        if self._state != "open":
+            self._require_open("append to")
         if priority is None and self._priorities is None and self._batch is not None:
             row = self._buffered_rows
             if self._put_exact_row(self._columns, row, step):  # the per-step hot path: a row copy per leaf
-                self._buffered_rows = row + 1
+                self._buffered_rows = row = row + 1
                 self.length += 1
-                if self._batch_due():
+                # `_batch_due`, inline: this runs once per step
+                if row == self._batch_capacity or time.monotonic() - self._buffered_since >= self._batch_seconds:
                     self._send_buffered()
                 return
         given = _check_priorities(None if priority is None else [priority], 1)
@@ -673,7 +779,11 @@ class ActorSegment:
         With `wait=False` the appends are still waited for (a refused append must never let a
         partial episode be committed), and the commit itself is left in flight: a
         `PendingCommit` is returned (see `ActorClient.push_episode`). The segment is "committing"
-        until it settles.
+        until it settles. An episode that never left the client (it fits in one message) leaves
+        at once while fewer than `max_in_flight` messages are unacknowledged; else it waits in
+        the client with the next ones committed so, and they leave together in one message when
+        there is room: at the client's next commit, push, `flush()` or `close()`, or a
+        PendingCommit's `done()` or `result()`. Call `flush()` before leaving the client idle.
 
         Raises:
             RateLimitedError: the server's rate limit held the commit back for the client's
@@ -722,10 +832,11 @@ class ActorSegment:
                     self.abort()
         else:
             self._state = "failed"
-            self.in_doubt = isinstance(error, ServerUnavailableError)
+            self.in_doubt = isinstance(error, ServerUnavailableError) and not isinstance(error, NotSentError)
 
     def _push_whole(self, wait: bool) -> Receipt | PendingCommit:
-        """Commit an episode that never left the client: one push, one round trip."""
+        """Commit an episode that never left the client: one push, one round trip (with
+        `wait=False`, perhaps in one message with the next ones)."""
         n, batch = self._buffered_rows, self._batch
         if not n or batch is None:
             self._batch, self._priorities, self._buffered_rows = None, None, 0
@@ -735,6 +846,9 @@ class ActorSegment:
         arrays = {path: rows[:n] for path, rows in batch.items()}
         priorities = self._priorities[:n] if self._priorities is not None else _NO_PRIORITIES
         limit, key = self._config.rate_limit_timeout, self.key
+        if not wait:  # it may share a message with the next episodes committed so (see _queue_commit)
+            self._state = "committing"
+            return self._client._queue_commit(arrays, n, priorities, key, self._settled)
         return self._conclude(lambda rid: P.PushEpisode(rid, n, arrays, limit, priorities, key), wait)
 
     def abort(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import queue
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -26,6 +27,7 @@ from service_helpers import (
 
 from h5replay import protocol as P
 from h5replay.client import ActorClient, LearnerClient, PendingCommit, Receipt
+from h5replay.config import ClientConfig
 from h5replay.errors import ConfigError, DiskFullError, ProtocolError, SegmentStateError, SpaceMismatchError
 from h5replay.storage import BoxSpace, DictSpace
 
@@ -249,3 +251,71 @@ def test_an_actor_killed_with_commits_in_flight_leaves_only_whole_episodes(start
     assert found[-2:] == [(10, 0), (10, 1)]
     assert {episode for episode, _, _ in acknowledged} <= held  # every acknowledged episode is there
     assert held == set(range(len(held)))  # committed in order, none skipped, none twice
+
+
+@pytest.mark.timeout(60)
+def test_segments_committed_in_flight_share_messages_under_load_and_keep_their_order(start_server):
+    server = start_server()
+    config = ClientConfig(endpoint=server.endpoint, timeout=10, max_in_flight=1)  # a queue forms at once
+    episodes = [episode_rows(11, i, 1 + i % 6) for i in range(60)]
+    with ActorClient(config=config) as actor:
+        before = actor.info()["requests"]
+        pending = []
+        for rows in episodes:
+            seg = actor.segment()
+            for step in range(len(rows["step"])):
+                seg.append({key: value[step] for key, value in rows.items()})
+            pending.append(seg.commit(wait=False))
+            assert seg.receipt is None or seg.receipt.length == len(rows["step"])
+        last = actor.push_episode(episode_rows(11, 60, 2))  # waited for: after every queued one
+        requests = actor.info()["requests"] - before - 2
+        receipts = [p.result() for p in pending]
+    assert requests < 30, requests  # 61 episodes; one message each would be 61
+    assert [r.length for r in receipts] == [1 + i % 6 for i in range(60)]
+    assert [r.episode_id for r in receipts] == list(range(receipts[0].episode_id, receipts[0].episode_id + 60))
+    assert last.episode_id == receipts[-1].episode_id + 1
+    for receipt, rows in zip(receipts[::7], episodes[::7]):
+        assert_held(server.endpoint, receipt, rows)
+
+
+@pytest.mark.timeout(60)
+def test_a_queued_commit_leaves_when_polled(start_server):
+    ok = start_server("ok.h5")
+    config = ClientConfig(endpoint=ok.endpoint, timeout=10, max_in_flight=1)
+    with ActorClient(config=config) as actor:
+        first, second = actor.segment(), actor.segment()
+        first.extend(episode_rows(12, 0, 3))
+        second.extend(episode_rows(12, 1, 2))
+        pending = [first.commit(wait=False), second.commit(wait=False)]
+        deadline = time.monotonic() + 10
+        while not pending[1].done():  # done() alone moves the queue on: no other call needed
+            assert time.monotonic() < deadline, "a queued commit never left"
+            time.sleep(0.001)
+        assert [p.result().length for p in pending] == [3, 2]
+        assert first.receipt == pending[0].result() and second.receipt == pending[1].result()
+
+
+@pytest.mark.timeout(60)
+def test_refused_segments_in_flight_stay_open_to_commit_again_or_abort(start_server):
+    server = start_server(min_free_bytes=1 << 60)
+    config = ClientConfig(endpoint=server.endpoint, timeout=10, max_in_flight=1)
+    with ActorClient(config=config) as actor:
+        segments = [actor.segment() for _ in range(3)]
+        pending = []
+        for i, seg in enumerate(segments):
+            seg.extend(episode_rows(14, i, 2))
+            pending.append(seg.commit(wait=False))
+        actor_failures = []
+        for p in pending:
+            try:
+                p.result()
+            except DiskFullError as exc:
+                actor_failures.append(exc)
+        assert len(actor_failures) == 3
+        actor.flush()  # every failure was seen through result(): nothing left to report
+        with pytest.raises(DiskFullError):
+            segments[0].commit()  # still open, its rows kept: commit again later...
+        for seg in segments:
+            seg.abort()  # ... or drop it
+        with pytest.raises(SegmentStateError):
+            segments[1].commit()
