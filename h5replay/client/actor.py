@@ -151,10 +151,12 @@ class PendingCommit:
     """A commit on its way, from `push_episode(..., wait=False)`, `push_episodes(..., wait=False)`
     or `commit(wait=False)`.
 
-    The episode has left the client. `result()` waits for the server's acknowledgement, sending
-    the commit again with its idempotency key when no reply comes (as a waited commit does), and
-    returns the receipt, or raises what the commit would have raised. Its time runs from the send:
-    `commit_timeout` in all. Episodes pushed in one message settle together.
+    The episode has left the client, or (a segment's, while `max_in_flight` messages are out)
+    waits in the client's next message (see `ActorSegment.commit`). `result()` sends it if it
+    still waits, then waits for the server's acknowledgement, sending the commit again with its
+    idempotency key when no reply comes (as a waited commit does), and returns the receipt, or
+    raises what the commit would have raised. Its time runs from the send: `commit_timeout` in
+    all. Episodes sent in one message settle together.
     """
 
     def __init__(self, flight: _Flight, key: bytes, index: int = 0) -> None:
@@ -189,7 +191,8 @@ class PendingCommit:
 
     def __repr__(self) -> str:
         flight = self._flight
-        state = "in flight" if flight.retried is not None else "failed" if flight.error is not None else "done"
+        state = "queued" if flight.queued_in is not None else "in flight" if flight.retried is not None \
+            else "failed" if flight.error is not None else "done"
         return f"PendingCommit({state}, key={self.key.hex()})"
 
 
