@@ -14,6 +14,7 @@ import collections
 import contextlib
 import dataclasses
 import os
+import sys
 import threading
 import time
 import typing
@@ -263,12 +264,13 @@ class ActorClient:
             room // max(1, self._row_bytes),
         ))
         # Rows of whole episodes one `push_episodes` message carries: not bound by `batch_rows`,
-        # which sizes the messages of a streamed episode.
-        self.rows_per_push = max(self.rows_per_message, min(
+        # which sizes the messages of a streamed episode, but by the capacity: the server places a
+        # message's episodes at once.
+        self.rows_per_push = min(self.capacity or sys.maxsize, max(self.rows_per_message, min(
             self.limits.max_rows_per_message,
             self.config.batch_bytes // max(1, self._row_bytes),
             room // max(1, self._row_bytes),
-        ))
+        )))
 
     def _adopt(self, shard: ActorClient) -> None:
         """Take the figures of a shard's client as this client's (all shards hold the same space)."""

@@ -645,8 +645,14 @@ class Service:
         keys = [bytes(key) for key in request.keys]
         self._check_segment_rows(max(lengths))
         known = [self._committed(key, n) for key, n in zip(keys, lengths)]  # refuses a key of another length
-        checked = self.buffer.schema.validate_stored(request.arrays, request.num_rows)
         new_rows = sum(n for n, receipt in zip(lengths, known) if receipt is None)
+        capacity = self.buffer.capacity
+        if capacity is not None and new_rows > capacity:  # placed at once, they must fit together
+            raise LimitExceededError(
+                f"a push_episodes message of {new_rows} rows to commit is more than the buffer's capacity of "
+                f"{capacity} rows; send fewer episodes per message"
+            )
+        checked = self.buffer.schema.validate_stored(request.arrays, request.num_rows)
         row_bytes = self.buffer.storage.row_bytes
         self.room_on_disk(new_rows * row_bytes, f"commit {len(lengths)} episodes of {new_rows} rows")
         receipts = np.empty((len(lengths), 3), dtype=np.int64)

@@ -28,7 +28,14 @@ from service_helpers import (
 from h5replay import protocol as P
 from h5replay.client import ActorClient, LearnerClient, PendingCommit, Receipt
 from h5replay.config import ClientConfig
-from h5replay.errors import ConfigError, DiskFullError, ProtocolError, SegmentStateError, SpaceMismatchError
+from h5replay.errors import (
+    ConfigError,
+    DiskFullError,
+    LimitExceededError,
+    ProtocolError,
+    SegmentStateError,
+    SpaceMismatchError,
+)
 from h5replay.storage import BoxSpace, DictSpace
 
 
@@ -165,6 +172,11 @@ def _push_episodes_frames(request_id: int, lengths: list[int], keys: np.ndarray,
     the checks a client makes."""
     message = P.PushEpisodes(request_id, int(sum(lengths)), np.array(lengths, np.int64), keys, rows)
     return P.encode(message)
+
+
+def learner_info(endpoint: str) -> dict:
+    with LearnerClient(endpoint, timeout=10) as learner:
+        return learner.info()
 
 
 def _keys(k: int, seed: int = 0) -> np.ndarray:
@@ -319,3 +331,28 @@ def test_refused_segments_in_flight_stay_open_to_commit_again_or_abort(start_ser
             seg.abort()  # ... or drop it
         with pytest.raises(SegmentStateError):
             segments[1].commit()
+
+
+@pytest.mark.timeout(60)
+def test_push_episodes_into_a_small_buffer_never_sends_more_rows_than_the_capacity_at_once(start_server):
+    server = start_server(capacity=50)
+    episodes = [episode_rows(15, i, 20) for i in range(5)]  # 100 rows: more than the capacity together
+    with ActorClient(server.endpoint, timeout=10) as actor:
+        assert actor.rows_per_push <= 50
+        receipts = actor.push_episodes(episodes)
+        assert [r.length for r in receipts] == [20] * 5
+        segments = [actor.segment() for _ in range(5)]
+        pending = []
+        for i, seg in enumerate(segments):
+            seg.extend(episode_rows(15, 5 + i, 20))
+            pending.append(seg.commit(wait=False))
+        assert [p.result().length for p in pending] == [20] * 5
+    with RawClient(server.endpoint) as raw:  # a client that sends them together anyway
+        reply = raw.request(_push_episodes_frames(raw.next_id(), [20, 20, 20], _keys(3, seed=4),
+                                                  episode_rows(15, 10, 60)))
+        error = error_of(reply)
+        assert isinstance(error, LimitExceededError) and "capacity of 50" in str(error), error
+        assert learner_info(server.endpoint)["commits"] == 10  # the refused message wrote nothing
+    server.stop()
+    _, rows = read_file(server.config.path)
+    assert rows["episode"][-20:].tolist() == [9] * 20
