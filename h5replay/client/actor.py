@@ -69,6 +69,25 @@ _KEPT_FAILURES = 1000  # failed commit messages in flight kept for `flush` to re
 Settled = Callable[[Receipt | None, Exception | None], None]
 
 
+#: An episode ready to go in a message: (rows by leaf, length, priorities or empty, idempotency key).
+Ready = tuple[dict[str, np.ndarray], int, np.ndarray, bytes]
+
+
+def _push_request(episodes: Sequence[Ready], limit: float) -> Callable[[int], P.Request]:
+    """request_id -> the message that commits `episodes`: a push for one, push_episodes (their
+    rows one after another, NaN priorities for steps given none) for several."""
+    if len(episodes) == 1:
+        rows, n, priorities, key = episodes[0]
+        return lambda rid: P.PushEpisode(rid, n, rows, limit, priorities, key)
+    lengths = np.array([n for _, n, _, _ in episodes], dtype=np.int64)
+    total = int(lengths.sum())
+    arrays = {path: np.concatenate([rows[path] for rows, _, _, _ in episodes]) for path in episodes[0][0]}
+    given = np.concatenate([p if len(p) else np.full(n, np.nan) for _, n, p, _ in episodes]) \
+        if any(len(p) for _, _, p, _ in episodes) else _NO_PRIORITIES
+    keys = np.frombuffer(b"".join(key for _, _, _, key in episodes), dtype=np.uint8).reshape(len(episodes), -1)
+    return lambda rid: P.PushEpisodes(rid, total, lengths, keys, arrays, limit, given)
+
+
 def _receipts(reply: Any) -> list[Receipt]:
     """The receipts a commit, push or push_episodes reply carries, in the order sent."""
     if isinstance(reply, P.PushEpisodesReply):
@@ -144,7 +163,7 @@ class _Queue:
     """The next message of a client, while its episodes wait for room in flight."""
 
     flight: _Flight
-    episodes: list[tuple[dict[str, np.ndarray], int, np.ndarray, bytes]] = dataclasses.field(default_factory=list)
+    episodes: list[Ready] = dataclasses.field(default_factory=list)
     rows: int = 0
 
 
@@ -450,21 +469,10 @@ class ActorClient:
             encoded, n, given, batch = episodes[group[0]]
             pending[group[0]] = typing.cast(PendingCommit, self._push_encoded(encoded, n, given, False, batch))
             return
-        lengths = np.array([episodes[i][1] for i in group], dtype=np.int64)
-        n = int(lengths.sum())
-        arrays = {path: np.concatenate([episodes[i][0][path] for i in group]) for path in episodes[group[0]][0]}
-        if any(len(episodes[i][2]) for i in group):  # NaN: a step given no priority takes the default
-            priorities = np.concatenate([episodes[i][2] if len(episodes[i][2]) else np.full(episodes[i][1], np.nan)
-                                         for i in group])
-        else:
-            priorities = _NO_PRIORITIES
-        raw = os.urandom(P.IDEMPOTENCY_KEY_BYTES * len(group))
-        keys = np.frombuffer(raw, dtype=np.uint8).reshape(len(group), P.IDEMPOTENCY_KEY_BYTES)
-        limit = self.config.rate_limit_timeout
-        flight = self._send_commit(lambda rid: P.PushEpisodes(rid, n, lengths, keys, arrays, limit, priorities),
-                                   track=True)
+        ready = [(episodes[i][0], episodes[i][1], episodes[i][2], os.urandom(P.IDEMPOTENCY_KEY_BYTES)) for i in group]
+        flight = self._send_commit(_push_request(ready, self.config.rate_limit_timeout), track=True)
         for j, i in enumerate(group):
-            pending[i] = PendingCommit(flight, raw[j * P.IDEMPOTENCY_KEY_BYTES:(j + 1) * P.IDEMPOTENCY_KEY_BYTES], j)
+            pending[i] = PendingCommit(flight, ready[j][3], j)
 
     def _send_commit(self, request: Any, *, track: bool, settled: Settled | None = None) -> _Flight:
         """Send a commit (or push) that is sent again with its key while no reply comes; with
@@ -525,20 +533,7 @@ class ActorClient:
             if queue is None:
                 return
             flight = queue.flight
-            episodes = queue.episodes
-            limit = self.config.rate_limit_timeout
-            request: Any
-            if len(episodes) == 1:
-                rows, n, priorities, key = episodes[0]
-                request = lambda rid: P.PushEpisode(rid, n, rows, limit, priorities, key)  # noqa: E731
-            else:
-                lengths = np.array([e[1] for e in episodes], dtype=np.int64)
-                total = int(lengths.sum())
-                arrays = {path: np.concatenate([e[0][path] for e in episodes]) for path in episodes[0][0]}
-                given = np.concatenate([e[2] if len(e[2]) else np.full(e[1], np.nan) for e in episodes]) \
-                    if any(len(e[2]) for e in episodes) else _NO_PRIORITIES
-                keys = np.frombuffer(b"".join(e[3] for e in episodes), dtype=np.uint8).reshape(len(episodes), -1)
-                request = lambda rid: P.PushEpisodes(rid, total, lengths, keys, arrays, limit, given)  # noqa: E731
+            request = _push_request(queue.episodes, self.config.rate_limit_timeout)
             try:
                 self._make_room()
                 retried = self._conn.send_retried(request, self.commit_timeout, self.config.commit_attempts,
@@ -548,6 +543,13 @@ class ActorClient:
                 return
             flight.retried, flight.queued_in = retried, None
             self._in_flight.append(flight)
+
+    def _drain(self) -> None:
+        """Send the queued message, then wait for every commit in flight."""
+        with self._flights_lock:
+            self._send_queue()
+            while self._in_flight:
+                self._in_flight.popleft().settle()
 
     def _make_room(self) -> None:
         """Before another commit leaves: wait for the oldest while `max_in_flight` are unsettled."""
@@ -563,9 +565,7 @@ class ActorClient:
         if self._router is not None:
             return
         with self._flights_lock:
-            self._send_queue()
-            while self._in_flight:
-                self._in_flight.popleft().settle()
+            self._drain()
             failed = [flight for flight in self._failures if not flight.observed]
             self._failures.clear()
             for flight in failed:
@@ -611,13 +611,10 @@ class ActorClient:
         if self._conn.closed:
             return
         try:
-            with self._flights_lock:
-                self._send_queue()
-                while self._in_flight:
-                    self._in_flight.popleft().settle()
+            self._drain()
         finally:
             self._conn.close()
-        self.flush()
+        self.flush()  # reports what failed unseen
 
     def __enter__(self) -> ActorClient:
         return self
@@ -653,7 +650,6 @@ class ActorSegment:
         self._priorities: np.ndarray | None = None  # per buffered row (NaN: none given), once one is
         self._buffered_rows = 0
         self._buffered_since = 0.0
-        self._batch_seconds = client.config.batch_seconds
         self.length = 0
         self.receipt: Receipt | None = None
         #: Whether the commit (or push) was sent and no reply came: the server may have applied
@@ -675,15 +671,13 @@ class ActorSegment:
         """Add one step (with its priority, for a prioritized server); checked against the space
         now, sent in a batch soon. A step of exactly the stored dtypes and shapes (a dict of
         ndarrays) is copied straight into the batch."""
-        if self._state != "open":
-            self._require_open("append to")
+        self._require_open("append to")
         if priority is None and self._priorities is None and self._batch is not None:
             row = self._buffered_rows
             if self._put_exact_row(self._columns, row, step):  # the per-step hot path: a row copy per leaf
-                self._buffered_rows = row = row + 1
+                self._buffered_rows = row + 1
                 self.length += 1
-                # `_batch_due`, inline: this runs once per step
-                if row == self._batch_capacity or time.monotonic() - self._buffered_since >= self._batch_seconds:
+                if self._batch_due():
                     self._send_buffered()
                 return
         given = _check_priorities(None if priority is None else [priority], 1)
