@@ -113,6 +113,39 @@ def test_segment_longer_than_capacity_is_refused_and_aborted(tmp_path):
     rb.close()
 
 
+def test_commit_episodes_refuses_bad_keys_and_lengths_and_leaves_the_writer_and_buffer_as_they_were(tmp_path):
+    rb = ReplayBuffer.create(SCALAR, 20, tmp_path / "rb.h5")
+    first = commit(rb, [1, 2])
+    w = rb.open_segment_writer()
+    w.extend(np.arange(10, 16))
+    key = bytes(16)
+    other = ReplayBuffer.create(SCALAR, 20, tmp_path / "other.h5")
+    refusals = [
+        (ConfigError, "same idempotency key", lambda: rb.commit_episodes(w, [3, 3], [key, key])),
+        (ConfigError, "16 bytes", lambda: rb.commit_episodes(w, [3, 3], [b"short", None])),
+        (SegmentStateError, "2 idempotency keys for 3", lambda: rb.commit_episodes(w, [2, 2, 2], [key, None])),
+        (SegmentStateError, "add up", lambda: rb.commit_episodes(w, [3, 2])),
+        (SegmentStateError, "must each be >= 1", lambda: rb.commit_episodes(w, [])),
+        (SegmentStateError, "another storage", lambda: other.commit_episodes(w, [6])),
+    ]
+    for error, words, call in refusals:
+        with pytest.raises(error, match=words):
+            call()
+        assert w.state == "open" and len(w) == 6 and len(rb) == 2 and rb.num_episodes == 1
+    with_key = rb.open_segment_writer()
+    with_key.extend(np.arange(3))
+    keyed = rb.commit_segment(with_key, idempotency_key=key)
+    with pytest.raises(SegmentStateError, match="already an episode's"):
+        rb.commit_episodes(w, [3, 3], [key, None])  # a key an episode already has
+    assert w.state == "open"
+    receipts = rb.commit_episodes(w, [4, 2], [None, bytes([1] * 16)])
+    assert [(r.first_row_id, r.length) for r in receipts] == [(5, 4), (9, 2)]
+    assert rb.receipt_for(bytes([1] * 16)) == receipts[1] and rb.receipt_for(key) == keyed
+    assert first.episode_id == 0 and rb.get_at(slice(None)).tolist() == [1, 2, 0, 1, 2, 10, 11, 12, 13, 14, 15]
+    other.close()
+    rb.close()
+
+
 def test_read_only_buffer_refuses_writes(tmp_path):
     rb = ReplayBuffer.create(DictSpace({"t": TextSpace(4)}), 5, tmp_path / "rb.h5")
     rb.append({"t": "abc"})
