@@ -276,6 +276,11 @@ class RoleAuthenticator(ThreadAuthenticator):
             ConfigError: at the first load, no client key could be read.
         """
         roles, unreadable = _role_keys(self.directory)
+        if any(key not in roles for key in self._roles):
+            # A key moved from one directory to the other while they were listed one after the
+            # other is in neither listing. A rename is atomic, and done by now: a second listing
+            # finds it in its new place, and a key gone from both is revoked.
+            roles, unreadable = _role_keys(self.directory)
         for path in set(unreadable) - self._reported:
             log.warning("skipping the key file %s: not a readable key (or not a regular file)", path)
         self._reported = set(unreadable)

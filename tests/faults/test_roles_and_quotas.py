@@ -41,7 +41,7 @@ from h5replay.client import ActorClient, LearnerClient
 from h5replay.config import ServerConfig
 from h5replay.errors import AccessDeniedError, ConfigError, ProtocolError, ReadOnlyError, ServerUnavailableError
 from h5replay.server import ServerProcess
-from h5replay.server.auth import generate_keys
+from h5replay.server.auth import RoleAuthenticator, generate_keys
 from h5replay.storage import BoxSpace, DictSpace
 
 
@@ -166,6 +166,33 @@ def test_a_key_moved_to_learners_loses_writing_on_its_live_connections(tmp_path,
                 actor.push_episode(episode_rows(68, 2, 5))
         with LearnerClient(server.endpoint, timeout=5, **keys_of(keys, "third")) as learner:
             assert len(learner.episodes()) == 1  # it may still read
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("move", [("actors", "learners"), ("learners", "actors")])
+def test_a_key_moved_while_the_directories_are_listed_keeps_a_role(tmp_path, keys, monkeypatch, move):
+    """A reload lists learners/ then actors/: a key renamed from one to the other between the two
+    listings was in neither, so it was revoked and its connections dropped (a request in flight
+    on them was lost: test_a_key_moved_to_learners_loses_writing_on_its_live_connections failed
+    now and then)."""
+    source, target = move
+    moved = add_key(keys, "mover", source)
+    public = zmq.auth.load_certificate(moved)[0]
+    auth = RoleAuthenticator(zmq.Context.instance(), keys)
+    real_listdir = os.listdir
+    listed: list[str] = []
+
+    def listdir_then_move(path):  # the rename lands right after the first directory is listed
+        names = real_listdir(path)
+        listed.append(os.path.basename(path))
+        if len(listed) == 1:
+            shutil.move(str(moved), str(keys / target / "mover.key"))
+        return names
+
+    monkeypatch.setattr("h5replay.server.auth.os.listdir", listdir_then_move)
+    auth.reload()
+    monkeypatch.undo()
+    assert auth.role_of(public) == ("learner" if target == "learners" else "actor")
 
 
 @pytest.mark.timeout(120)
