@@ -26,7 +26,8 @@ import numpy as np
 from h5replay.errors import ConfigError
 
 __all__ = ["Uniform", "Prioritized", "Fifo", "Lifo", "Sampler", "RateLimit", "RateLimiter", "SamplingConfig",
-           "sampler_from_json", "sampler_to_json", "rate_limit_from_json", "rate_limit_to_json", "check_priorities"]
+           "sampler_from_json", "sampler_to_json", "rate_limit_from_json", "rate_limit_to_json", "check_priorities",
+           "rows_at_once"]
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,24 @@ class RateLimit:
         return cls(min_size_to_sample=1, samples_per_insert=1.0, error_buffer=float(size - 1))
 
 
+def rows_at_once(description: Any, *, sampling: bool) -> int | None:
+    """The most rows one insert (or sample) may move under the rate limit a server describes (its
+    hello's `sampling`, `SamplingConfig.describe()`), or None when it has no ratio limit: what a
+    client puts in one message at most, so that the server never refuses it as too big.
+
+    A description that is not a valid rate limit (a newer or a lying server) bounds nothing."""
+    if not isinstance(description, dict):
+        return None
+    try:
+        limit = RateLimit(*(description.get(name) for name in ("min_size_to_sample", "samples_per_insert",
+                                                              "error_buffer")))
+    except (ConfigError, TypeError):
+        return None
+    if limit.samples_per_insert is None:
+        return None
+    return RateLimiter(limit).max_rows(sampling)
+
+
 def rate_limit_to_json(limit: RateLimit) -> str:
     return json.dumps(asdict(limit))
 
@@ -184,18 +203,51 @@ class RateLimiter:
                     f"{math.ceil(after - self.max_diff)} more sampled rows")
         return None
 
-    def never(self, rows: int, sampling: bool) -> str | None:
-        """Why a request of `rows` can never go ahead, however long it waits (None: it can)."""
+    def never(self, rows: int, sampling: bool, inserted: int, sampled: int, held: int) -> str | None:
+        """Why a request of `rows` can never go ahead, however long it waits (None: it can), from
+        the counters now. Inserts raise the balance `inserted * R - sampled` and samples lower it,
+        each within the window [min_diff, max_diff]; a balance outside the window (the start, below
+        it) only moves towards it. So the most an insert can ever add is `max_diff - min(now,
+        min_diff)`, and the most a sample can take `max(now, max_diff) - min_diff`; an insert that
+        keeps the rows held within `min_size_to_sample` is never limited at all."""
         spi = self.limit.samples_per_insert
         if spi is None:
             return None
+        now = self._diff(inserted, sampled)
+        if sampling:
+            room = max(now, self.max_diff) - self.min_diff
+            need = float(rows)
+        else:
+            if held + rows <= self.limit.min_size_to_sample:
+                return None
+            room = self.max_diff - min(now, self.min_diff)
+            need = rows * spi
+        if need <= room:
+            return None
+        side = "sample" if sampling else "insert"
         window = self.max_diff - self.min_diff
-        need = rows if sampling else rows * spi
-        if need > window:
-            side = "sample" if sampling else "insert"
-            return (f"{'a' if sampling else 'an'} {side} of {rows} rows moves the sample/insert balance by {need:g}, more than the whole window "
-                    f"2 * error_buffer = {window:g}: raise error_buffer or {side} fewer rows at a time")
-        return None
+        return (f"{'a' if sampling else 'an'} {side} of {rows} rows moves the sample/insert balance by {need:g}, more "
+                f"than the whole window allows ({room:g}; 2 * error_buffer = {window:g}, more before min_size_to_sample "
+                f"rows are held): raise error_buffer or {side} fewer rows at a time (at most "
+                f"{self.max_rows(sampling)} can always go)")
+
+    def max_rows(self, sampling: bool) -> int:
+        """The most rows one sample (or insert) should carry: `error_buffer` rows sampled, or
+        `error_buffer / samples_per_insert` inserted. The limit admits that much from any state
+        learners and actors can reach, even at the start, before anything can be sampled (the
+        balance is then at most `min_size_to_sample * R`, so `error_buffer` of room is left); the
+        whole window only once samples can bring the balance down. A client sizes its messages
+        by it, so that every message it sends can go ahead once the other side has moved."""
+        spi = self.limit.samples_per_insert
+        if spi is None:
+            return 2**62
+        room = float(self.limit.error_buffer or 0.0)
+        if sampling:
+            return max(1, int(math.floor(room)))
+        rows = int(math.floor(room / spi))
+        while rows > 1 and rows * spi > room:  # the floor of a quotient that was rounded up
+            rows -= 1
+        return max(1, rows)
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from h5replay.errors import (
     ServerUnavailableError,
 )
 from h5replay.records import Receipt
-from h5replay.sampling import check_priorities
+from h5replay.sampling import check_priorities, rows_at_once
 from h5replay.spaces import Schema, Space, space_from_json
 
 __all__ = ["ActorClient", "ActorSegment", "PendingCommit", "Receipt"]
@@ -283,13 +283,18 @@ class ActorClient:
             room // max(1, self._row_bytes),
         ))
         # Rows of whole episodes one `push_episodes` message carries: not bound by `batch_rows`,
-        # which sizes the messages of a streamed episode, but by the capacity: the server places a
-        # message's episodes at once.
-        self.rows_per_push = min(self.capacity or sys.maxsize, max(self.rows_per_message, min(
-            self.limits.max_rows_per_message,
-            self.config.batch_bytes // max(1, self._row_bytes),
-            room // max(1, self._row_bytes),
-        )))
+        # which sizes the messages of a streamed episode, but by the capacity (the server places a
+        # message's episodes at once) and by the rate limit's window (the server admits a message
+        # whole: one bigger than the window could never go ahead).
+        self.rows_per_push = min(
+            self.capacity or sys.maxsize,
+            rows_at_once(hello.sampling, sampling=False) or sys.maxsize,
+            max(self.rows_per_message, min(
+                self.limits.max_rows_per_message,
+                self.config.batch_bytes // max(1, self._row_bytes),
+                room // max(1, self._row_bytes),
+            )),
+        )
 
     def _adopt(self, shard: ActorClient) -> None:
         """Take the figures of a shard's client as this client's (all shards hold the same space)."""

@@ -268,9 +268,10 @@ class Service:
                 return None  # a retry of a push already applied: answered at once, never held back
             return ("insert", request.num_rows) if request.num_rows else None
         if isinstance(request, P.PushEpisodes):
-            if all(self._committed(bytes(key), int(n)) is not None for key, n in zip(request.keys, request.lengths)):
-                return None  # a retry of pushes already applied
-            return "insert", request.num_rows
+            # A retry counts only the episodes not yet applied: those are all it will insert.
+            rows = sum(int(n) for key, n in zip(request.keys, request.lengths)
+                       if self._committed(bytes(key), int(n)) is None)
+            return ("insert", rows) if rows else None
         if isinstance(request, P.Sample) and self.writer_samples:
             return "sample", request.batch_size
         if isinstance(request, P.SampleSequences) and self.writer_samples:

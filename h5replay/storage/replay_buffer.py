@@ -167,6 +167,9 @@ class ReplayBuffer:
         """
         config = SamplingConfig(sampler if sampler is not None else Uniform(),
                                 rate_limit if rate_limit is not None else RateLimit(), max_times_sampled)
+        if capacity is not None and config.rate_limit.min_size_to_sample > capacity:
+            raise ConfigError(f"min_size_to_sample={config.rate_limit.min_size_to_sample} is more than the capacity "
+                              f"{capacity}: the buffer could never hold enough rows to sample")
         first_row, first_episode = int(first_row_id), int(first_episode_id)
         if first_row < 0 or first_episode < 0:
             raise ConfigError(f"first ids must be >= 0, got row {first_row_id!r} and episode {first_episode_id!r}")
@@ -760,14 +763,18 @@ class ReplayBuffer:
         """Writer: why a sample (or an insert) of `rows` rows must wait now, and whether it would
         wait forever (too big for the limiter's window); (None, False) when it may go ahead."""
         limiter, s = self._sampling.limiter, self._state
-        never = limiter.never(rows, sampling)
+        held = self._sampling.sampleable(s)
+        never = limiter.never(rows, sampling, s.inserted, s.sampled, held)
         if never is not None:
             return never, True
-        held = self._sampling.sampleable(s)
         if sampling:
+            config, capacity = self._sampling.config, self.capacity
+            without_replacement = config.ordered or config.removes
+            if capacity is not None and without_replacement and rows > capacity:
+                return (f"a sample of {rows} rows without replacement can never be served by a buffer of capacity "
+                        f"{capacity}: sample at most {capacity} rows at a time"), True
             reason = limiter.sample_blocker(rows, s.inserted, s.sampled, held)
-            config = self._sampling.config
-            if reason is None and (config.ordered or config.removes) and rows > held:
+            if reason is None and without_replacement and rows > held:
                 reason = f"only {held} rows may still be sampled; {rows} were asked for without replacement"
             return reason, False
         return limiter.insert_blocker(rows, s.inserted, s.sampled, held), False
