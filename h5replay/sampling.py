@@ -141,8 +141,8 @@ def rows_at_once(description: Any, *, sampling: bool) -> int | None:
     if not isinstance(description, dict):
         return None
     try:
-        limit = RateLimit(*(description.get(name) for name in ("min_size_to_sample", "samples_per_insert",
-                                                              "error_buffer")))
+        limit = RateLimit(description.get("min_size_to_sample"), description.get("samples_per_insert"),  # type: ignore[arg-type]
+                          description.get("error_buffer"))
     except (ConfigError, TypeError):
         return None
     if limit.samples_per_insert is None:
