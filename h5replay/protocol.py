@@ -20,9 +20,9 @@ reused. Every read reply says which published state ("view") answered it: ``seq`
 publish counter), ``generation`` (its clear counter) and the row ids ``begin`` (oldest held) and
 ``end`` (the next to be given). A learner sends the highest ``seq`` it has seen as ``min_seq``, and
 a reader never answers from an older state, so a learner's view never goes back in time. The
-``seq`` of an update_priorities reply is the writer's next publish, which will carry the update:
-it follows the reply at the end of the writer's pass (or up to the server's
-priority_publish_interval later); a reader asked for it waits for it.
+``seq`` of an update_priorities reply is the publish that carried the update: the reply leaves
+after it (at the end of the writer's pass, or up to the server's priority_publish_interval
+later), so every ``seq`` a client knows names a publish the file already has.
 
 A reply has kind "reply", ``"ok": true`` and ``"for": <the kind it answers>``. An error reply is
 ``{"version", "kind": "reply", "id", "ok": false, "fields": {"code", "message"}, "arrays": []}``;

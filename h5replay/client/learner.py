@@ -166,6 +166,10 @@ class LearnerClient:
         self.sampling: dict[str, Any] = dict(hello.sampling)
         # Samples that change the buffer (a rate limit, removals) are drawn by the writer.
         self._samples: Connection = self._conn if hello.sampling.get("writer_samples") else self._reads
+        # A priority update's reply waits for the publish carrying it: up to the server's interval.
+        interval = hello.sampling.get("priority_publish_interval", 0.0)
+        valid = isinstance(interval, (int, float)) and not isinstance(interval, bool) and 0 <= interval <= 1
+        self._update_timeout = self.config.timeout + (float(interval) if valid else 1.0)
         self._seen_seq = 0  # the newest publish this client's own writes (priority updates) made
         # Priority updates sent with wait=False whose replies were not read yet (request ids).
         self._updates_in_flight: collections.deque[int] = collections.deque()
@@ -515,10 +519,10 @@ class LearnerClient:
     def update_priorities(self, row_ids: Any, priorities: Any, *, wait: bool = True) -> int | None:
         """Set the priorities of rows by id (a prioritized server), e.g. to |TD error| after a
         learning step. Ids no longer held are ignored (and counted by the server). Blocks until
-        the writer has applied them to its sum tree, at most `timeout`; they are published (made
-        durable and shown to the readers) at the end of the writer's pass, a moment after the
-        reply, and every later read of this client waits for that publish, so it sees them. A
-        SIGKILL of the server before that publish loses them (see the README).
+        the writer has applied them and published them (durable, shown to every reader) at the
+        end of its pass, or up to the server's `priority_publish_interval` later; at most
+        `timeout` plus that interval. Every later read of this client asks for that publish, so it
+        sees them; a SIGKILL of the server loses no update it acknowledged.
 
         `wait=False` (as Acme's learners update Reverb's priorities from a background executor):
         checked here and returns None at once. Up to `max_in_flight` messages of updates travel
@@ -565,7 +569,7 @@ class LearnerClient:
                     raise
                 self._raise_refusal()
             return None
-        replies = self._read_many(self._update_requests(ids, values), self._conn)
+        replies = self._read_many(self._update_requests(ids, values), self._conn, self._update_timeout)
         self._seen_seq = max(self._seen_seq, *(int(r.seq) for r in replies))
         return sum(int(r.ignored) for r in replies)
 
@@ -599,7 +603,7 @@ class LearnerClient:
         first one only, for `_raise_refusal` (the updates after it still count); a server that
         does not answer raises here."""
         try:
-            reply = self._conn.wait(request_id)
+            reply = self._conn.wait(request_id, self._update_timeout)
         except (ServerUnavailableError, ClosedError):
             raise
         except Exception as exc:  # the server refused this update: nothing of it was applied

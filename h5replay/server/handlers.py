@@ -92,28 +92,22 @@ def _check_reply_rows(buffer: ReplayBuffer, rows: int, limits: P.Limits, per_sam
         )
 
 
-_FRESH_WAIT = 2.0  # seconds a read waits for a publish the client was promised (one writer pass)
-_FRESH_PAUSE = 0.001
-
-
 def _at_least(buffer: ReplayBuffer, min_seq: int) -> None:
-    """Never answer from a state older than one the client has already seen, or was promised:
-    a priority update's reply names the publish that ends the writer's pass, which may follow the
-    reply by a moment; the wait for it polls the state row (a memory map) from 50 µs up."""
+    """Never answer from a state older than one the client has already seen. Every publish a
+    client can know of was made before it heard of it (replies that name a publish leave after
+    it), so one look at the file's state row settles it: a reader never waits for a publish
+    that may never come."""
     if buffer.view.seq >= min_seq:
         return
-    pause, deadline = 5e-5, time.monotonic() + _FRESH_WAIT
-    while not buffer.is_mutable:  # the writer's own view is the newest there is: no wait there
+    if not buffer.is_mutable:  # the writer's own view is the newest there is
         buffer.refresh()
-        if buffer.view.seq >= min_seq or time.monotonic() >= deadline:
-            break
-        time.sleep(pause)
-        pause = min(2 * pause, _FRESH_PAUSE)
-    if buffer.view.seq >= min_seq:
-        return
+        if buffer.view.seq >= min_seq:
+            return
     raise ServerUnavailableError(
         f"this server's newest state is publish {buffer.view.seq}, older than publish {min_seq} this client has "
-        f"already seen: it was restored from an older copy of the file, or serves another replay"
+        "already seen: the file was restored from an older copy, lost publishes that were never forced to the disk "
+        "(a power loss without --fsync), or is another replay. A learner never reads an older state than it has "
+        "seen; a new client reads this one"
     )
 
 
@@ -336,10 +330,11 @@ class Service:
             self._waiting_bytes -= sum(a.nbytes for a in request.arrays.values())
 
     def needs_publish(self, reply: P.Reply) -> bool:
-        """Whether a reply may leave only after the pass's publish: commits, and samples that
-        changed the buffer (counted, or rows removed). Priority updates leave at once: their reply
-        names the publish that will carry them (see `update_priorities`)."""
-        if isinstance(reply, (P.CommitReply, P.PushEpisodeReply, P.PushEpisodesReply)):
+        """Whether a reply may leave only after the publish that carries what it acknowledges:
+        commits, priority updates, and samples that changed the buffer (counted, or rows
+        removed). So a reply never names a publish the file does not have yet, and what it
+        acknowledges survives a crash of the writer."""
+        if isinstance(reply, (P.CommitReply, P.PushEpisodeReply, P.PushEpisodesReply, P.UpdatePrioritiesReply)):
             return True
         return self.writer_samples and isinstance(reply, (P.SampleReply, P.SampleSequencesReply))
 
@@ -491,7 +486,8 @@ class Service:
         session.name = request.client_name
         session.claimed_role = request.role  # less than granted, never more: see Session.role
         buffer = self.buffer
-        sampling = {**buffer.sampling.describe(), "writer_samples": self.writer_samples}
+        sampling = {**buffer.sampling.describe(), "writer_samples": self.writer_samples,
+                    "priority_publish_interval": self.priority_publish_interval}
         return P.HelloReply(
             request.request_id, buffer.space.to_json(), buffer.capacity, len(buffer), buffer.num_episodes,
             __version__, P.PROTOCOL_VERSION, self.limits, self.read_endpoint, buffer.replay_id, self.instance_id,
@@ -686,11 +682,11 @@ class Service:
         return P.PushEpisodesReply(request.request_id, receipts)
 
     def update_priorities(self, request: P.UpdatePriorities, session: Session) -> P.UpdatePrioritiesReply:
-        """Set priorities (any client: an actor's own, a learner's TD errors). The reply leaves
-        once they are in the writer's tree, before they are published: its `seq` is the next
-        publish (at the end of this pass, or up to `priority_publish_interval` later), which
-        writes them to the file and shows them to the readers; the client's later reads ask for at
-        least that publish, so it sees them."""
+        """Set priorities (any client: an actor's own, a learner's TD errors). Applied to the
+        writer's tree at once; the reply leaves after the publish that writes them to the file
+        and shows them to the readers (at the end of this pass, or up to
+        `priority_publish_interval` later: see `needs_publish`). Its `seq` names that publish;
+        the client's later reads ask for at least it, so it sees its own updates."""
         if self.write_failure is not None:
             raise StorageError(f"this server stopped writing after a failed write ({self.write_failure}); it serves "
                                "reads until it is restarted")
@@ -717,10 +713,14 @@ class Service:
             return None
         return max(0.0, self._updates_since + self.priority_publish_interval - time.monotonic())
 
-    def publish(self, force: bool = False) -> None:
+    def publish(self, force: bool = False) -> bool:
         """Publish the commits placed since the last call (flushed; with fsync, on disk), and the
         priority updates applied since the last publish when they are due (`priority_publish_interval`
         after the first of them) or `force` (a read served here must see them).
+
+        Returns:
+            False when priority updates were left for a later publish (their replies wait for it),
+            True when nothing waits for a publish any more.
 
         Raises:
             StorageError: the file could not take them; the service stops writing. Commits whose
@@ -729,8 +729,10 @@ class Service:
         """
         if not self.unpublished:
             due = self.updates_due_in()
-            if due is None or (due > 0 and not force):
-                return
+            if due is None:
+                return True
+            if due > 0 and not force:
+                return False
         try:
             self.buffer.flush(fsync=self.fsync)
         except StorageError as exc:
@@ -739,9 +741,13 @@ class Service:
             raise
         finally:
             self.unpublished = 0
+        return True
 
     def is_durable(self, reply: P.Reply) -> bool:
-        """Whether a commit reply's episodes are in the file as published (after a failed publish)."""
+        """Whether what a reply acknowledges is in the file as published (after a failed publish):
+        a commit's episodes, or a priority update's publish."""
+        if isinstance(reply, P.UpdatePrioritiesReply):
+            return int(reply.seq) <= self.buffer.published.seq
         if isinstance(reply, P.PushEpisodesReply):
             return bool(len(reply.episodes)) and int(reply.episodes[:, 0].max()) < self.buffer.published.ep_end
         episode_id = getattr(reply, "episode_id", None)

@@ -324,18 +324,22 @@ class Server:
 
     def _publish(self, sock: zmq.Socket[Any], service: Service, force: bool = False) -> None:
         """Publish the commits of this pass, then send their replies: a commit is acknowledged only
-        once it is in the file and flushed. One publish serves every commit of the pass (and every
-        priority update, whose reply has already left naming this publish, and every sample that
-        counted against the rate limit)."""
-        deferred, self._deferred = self._deferred, []
+        once it is in the file and flushed. One publish serves every commit, priority update and
+        sample that counted against the rate limit of the pass. Priority updates left for a later
+        publish (`priority_publish_interval`) keep their replies, and those queued behind them,
+        until it is made."""
         try:
-            service.publish(force)
+            if not service.publish(force):
+                return  # priority updates left for a later publish: their replies (and those after) wait
         except Exception as exc:  # the file refused them: the commits it did not take failed
+            deferred, self._deferred = self._deferred, []
             deferred = [
                 (identity, P.ErrorReply.from_exception(reply.request_id, exc)
                  if service.needs_publish(reply) and not service.is_durable(reply) else reply)
                 for identity, reply in deferred
             ]
+        else:
+            deferred, self._deferred = self._deferred, []
         for identity, reply in deferred:
             self._send(sock, service, identity, reply)
 
