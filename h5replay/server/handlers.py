@@ -379,7 +379,11 @@ class Service:
         return session
 
     def drop_session(self, identity: bytes) -> int:
-        """Forget a client and abort its open segments; returns how many were aborted."""
+        """Forget a client: abort its open segments and drop its requests waiting for the rate
+        limit (a sample drawn for a client that went away would take queue rows nobody gets);
+        returns how many segments were aborted."""
+        for gone in self.waiting.drop(lambda parked: parked[0] != identity):
+            self._forget_bytes(gone.payload[1])
         session = self.sessions.pop(identity, None)
         if session is None:
             return 0
