@@ -64,6 +64,8 @@ episodes           learner      min_seq                              view, episo
                                                                      (episode_id, first_row_id, length)
 info               any client   -                                    stats: {name: scalar}
 heartbeat          any client   -                                    -
+cancel             learner      request_ids: uint64 (n,) of its own  request_ids: uint64, those dropped (they
+                                samples                              get no other reply)
 reply              server       answers any request                  on error: code, message
 =================  ===========  ===================================  =======================================
 
@@ -81,6 +83,10 @@ environments): every episode has at least one row and its own key, no two the sa
 checks them all before it writes any, commits each (a key it already has answers with that
 episode's receipt) and answers once they are all published. Added within version 3: an older
 version 3 server refuses it as an unknown kind (``bad_request``).
+
+``cancel`` drops the client's own samples that still wait for the rate limit (a learner leaving a
+``batches`` loop, or giving up on the rest of a split sample), so that no row is drawn for a
+caller that no longer waits; the others are served as usual. Added within version 3.
 
 ``timeout`` (seconds, >= 0): how long the server may hold a commit, push_episode or sample back for
 the rate limit before refusing it with ``rate_limited`` (0: refuse at once). When the hello's
@@ -129,7 +135,8 @@ from h5replay.errors import (
 __all__ = [
     "PROTOCOL_VERSION", "IDEMPOTENCY_KEY_BYTES", "ROWS_MESSAGE_OVERHEAD", "ID_BYTES", "SAMPLE_INFO_BYTES", "ROLES", "Kind", "ErrorCode", "ERROR_CLASSES", "Limits", "DEFAULT_LIMITS",
     "Message", "Request", "Reply", "Hello", "OpenSegment", "Append", "Commit", "Abort", "PushEpisode",
-    "PushEpisodes", "UpdatePriorities", "Get", "GetRows", "Sample", "SampleSequences", "Episodes", "Info", "Heartbeat", "HelloReply",
+    "PushEpisodes", "UpdatePriorities", "Get", "GetRows", "Sample", "SampleSequences", "Episodes", "Info", "Heartbeat", "Cancel",
+    "HelloReply", "CancelReply",
     "OpenSegmentReply", "AppendReply", "CommitReply", "AbortReply", "PushEpisodeReply", "PushEpisodesReply",
     "UpdatePrioritiesReply",
     "GetReply",
@@ -163,6 +170,7 @@ class Kind(str, Enum):
     EPISODES = "episodes"
     INFO = "info"
     HEARTBEAT = "heartbeat"
+    CANCEL = "cancel"
     REPLY = "reply"
 
 
@@ -512,6 +520,18 @@ class Info(Request):
 
 
 @dataclass(frozen=True, eq=False, repr=False)
+class Cancel(Request):
+    """Drop this client's own samples that still wait for the rate limit (a learner leaving a
+    `batches` loop, or giving up on the rest of a split sample): their draws are never made."""
+
+    KIND = Kind.CANCEL
+    request_ids: Array
+
+    def _validate(self, limits: Limits) -> None:
+        _check_rows_limit(len(self.request_ids), "request_ids", limits)
+
+
+@dataclass(frozen=True, eq=False, repr=False)
 class Heartbeat(Request):
     KIND = Kind.HEARTBEAT
 
@@ -662,6 +682,12 @@ class HeartbeatReply(Reply):
 
 
 @dataclass(frozen=True, eq=False, repr=False)
+class CancelReply(Reply):
+    KIND = Kind.CANCEL
+    request_ids: Array  # those that were waiting and are dropped: they get no other reply
+
+
+@dataclass(frozen=True, eq=False, repr=False)
 class ErrorReply(Reply):
     """The server refused the request; `code` is an ErrorCode value (or a newer server's code)."""
 
@@ -683,12 +709,13 @@ class ErrorReply(Reply):
 _REQUEST_CLASSES: dict[str, type[Request]] = {
     c.KIND.value: c
     for c in (Hello, OpenSegment, Append, Commit, Abort, PushEpisode, PushEpisodes, UpdatePriorities, Get, GetRows, Sample,
-              SampleSequences, Episodes, Info, Heartbeat)
+              SampleSequences, Episodes, Info, Heartbeat, Cancel)
 }
 _REPLY_CLASSES: dict[str, type[Reply]] = {
     c.KIND.value: c
     for c in (HelloReply, OpenSegmentReply, AppendReply, CommitReply, AbortReply, PushEpisodeReply, PushEpisodesReply,
-              UpdatePrioritiesReply, GetReply, GetRowsReply, SampleReply, SampleSequencesReply, EpisodesReply, InfoReply, HeartbeatReply)
+              UpdatePrioritiesReply, GetReply, GetRowsReply, SampleReply, SampleSequencesReply, EpisodesReply, InfoReply, HeartbeatReply,
+              CancelReply)
 }
 
 # --------------------------------------------------------------------------------- field checks
@@ -844,6 +871,7 @@ _ARRAY_FIELDS: dict[str, _ArrayField] = {
     "episodes": _ArrayField(np.dtype("<i8"), 2, 3),
     "lengths": _ArrayField(np.dtype("<i8"), 1),
     "keys": _ArrayField(np.dtype("|u1"), 2, IDEMPOTENCY_KEY_BYTES),
+    "request_ids": _ArrayField(np.dtype("<u8"), 1),
 }
 
 

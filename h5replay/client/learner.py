@@ -22,6 +22,7 @@ import itertools
 import logging
 import os
 import threading
+import typing
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, NamedTuple, overload
 
@@ -29,11 +30,12 @@ import numpy as np
 
 from h5replay import protocol as P
 from h5replay.client._connection import Connection, curve_keys, say_hello
+from h5replay.client._kept import Kept, Part, join_parts, kept_error
 from h5replay.client._shards import ShardedLearner
 from h5replay.config import DEFAULT_ENDPOINT, ClientConfig, process_name
 from h5replay.errors import ClosedError, ConfigError, ProtocolError, ServerUnavailableError
 from h5replay.records import Episode, SampleInfo
-from h5replay.sampling import check_priorities
+from h5replay.sampling import check_priorities, rows_at_once
 from h5replay.spaces import Schema, Space, space_from_json
 
 log = logging.getLogger("h5replay.client")
@@ -164,8 +166,12 @@ class LearnerClient:
         self.instance_id = hello.instance_id
         #: The server's sampling settings (sampler, rate limit, ...) as its hello gave them.
         self.sampling: dict[str, Any] = dict(hello.sampling)
-        # Samples that change the buffer (a rate limit, removals) are drawn by the writer.
+        # Samples that change the buffer (a rate limit, removals) are drawn by the writer, and are
+        # never drawn again: what a failed call had drawn is kept for the next (see _kept.py).
         self._samples: Connection = self._conn if hello.sampling.get("writer_samples") else self._reads
+        self._consuming = self._samples is not self._reads
+        self._removes = bool(hello.sampling.get("max_times_sampled"))
+        self._kept = Kept()
         # A priority update's reply waits for the publish carrying it: up to the server's interval.
         interval = hello.sampling.get("priority_publish_interval", 0.0)
         valid = isinstance(interval, (int, float)) and not isinstance(interval, bool) and 0 <= interval <= 1
@@ -189,6 +195,10 @@ class LearnerClient:
         self.rows_per_message = max(1, min(self.limits.max_rows_per_message, room // (row_bytes + P.SAMPLE_INFO_BYTES)))
         # A request naming rows carries their ids: it must fit a message too.
         self._ids_per_message = max(1, min(self.rows_per_message, room // P.ID_BYTES))
+        # Rows one sample request asks for: within a message, and within what the server's rate
+        # limit admits at once (a bigger one could never go ahead).
+        self._rows_per_sample = min(self.rows_per_message, rows_at_once(hello.sampling, sampling=True)
+                                    or self.rows_per_message)
 
     # ------------------------------------------------------------------ the view
 
@@ -208,6 +218,20 @@ class LearnerClient:
         """Over several servers, the routing: `live_shards`, `num_skipped`, `shard(i)` (the client of
         one shard); None for a single server."""
         return self._router
+
+    @property
+    def num_kept(self) -> int:
+        """Rows (and windows) that draws changing the server's state (a queue, a rate limit)
+        handed to this client and no call has returned yet: a call that failed part-way keeps
+        what it had drawn, and the next `sample` (or `sample_sequences` of that length) returns
+        it first. Over several servers, those of every shard."""
+        if self._router is not None:
+            return self._router.num_kept
+        return self._kept.count()
+
+    def _take_kept(self) -> dict[Any, list[Part]]:
+        """Everything kept, taken out (a shard's client about to be dropped hands it over)."""
+        return self._kept.take_all()
 
     @property
     def _min_seq(self) -> int:
@@ -347,13 +371,6 @@ class LearnerClient:
         replies = self._read_many([_request(P.GetRows, min_seq, ids[lo:hi]) for lo, hi in parts])
         return self._joined([r.arrays for r in replies])
 
-    def _sample_many(self, factories: Sequence[Callable[[int], P.Request]]) -> list[Any]:
-        """Sample requests go to whoever draws them: readers, or the writer when samples change the
-        buffer (then each may wait up to `rate_limit_timeout` for the rate limit)."""
-        if self._samples is self._reads:
-            return self._read_many(factories)
-        return self._read_many(factories, self._samples, self.config.timeout + self.config.rate_limit_timeout)
-
     def sample(self, batch_size: int, seed: int | None = None, *, with_info: bool = False) -> Any:
         """`batch_size` rows drawn by the server's sampler: uniformly or by priority, with
         replacement; fifo / lifo or when rows are removed, without. With `with_info=True` returns
@@ -363,25 +380,109 @@ class LearnerClient:
         rows it holds (one request per shard, all at once); `SampleInfo.shard_ids` says where
         each row came from.
 
+        From a server whose draws change its state (a queue, a rate limit), no row a draw handed
+        out is dropped: rows this client kept from a call that failed part-way come first
+        (`num_kept`), and when a part of this call fails, the parts drawn are kept for the next
+        call and the error is raised (saying how many were kept).
+
         Raises:
             NotEnoughDataError: nothing to sample yet (without a rate limit; with one, the sample waits).
             RateLimitedError: the server's rate limit held the sample back for `rate_limit_timeout`.
         """
         if self._router is not None:
             return self._router.sample(batch_size, seed, with_info=with_info)
-        replies = self._sample_many(self._sample_requests(_positive(batch_size, "batch_size"), seed))
-        return self._sampled(replies, with_info)
+        size = _positive(batch_size, "batch_size")
+        if self._consuming:
+            return self._consume(("rows",), size, lambda n: self._sample_requests(n, seed), with_info)
+        return self._sampled(self._read_many(self._sample_requests(size, seed)), with_info)
+
+    def _consume(self, kind: Any, size: int, requests: Callable[[int], list[Callable[[int], P.Request]]],
+                 with_info: bool) -> Any:
+        """`size` rows (windows) of a draw that changes the server's state: those kept first,
+        then `requests(rest)`; when one of those fails, everything drawn is kept, in order."""
+        parts = self._kept.take(kind, size)
+        have = sum(len(info) for _, info in parts)
+        if have < size:
+            drawn, error = self._draw_all(requests(size - have))
+            parts += drawn
+            if error is not None:
+                self._kept.give_back(kind, parts)
+                raise kept_error(error, sum(len(info) for _, info in parts))
+        arrays, info = join_parts(parts, self.schema.names)
+        batch = self._decode(arrays)
+        return (batch, info) if with_info else batch
+
+    def _draw_all(self, factories: Sequence[Callable[[int], P.Request]]) -> tuple[list[Part], BaseException | None]:
+        """(parts, first failure) of draws that change the server's state, `max_in_flight` at a
+        time. No reply is given up on: after the first failure no more parts are sent, those
+        still waiting for the rate limit are cancelled, and the others are read (they were
+        drawn)."""
+        conn = self._samples
+        timeout = self.config.timeout + self.config.rate_limit_timeout
+        parts: list[Part] = []
+        pending: list[int] = []
+        error: BaseException | None = None
+        try:
+            for factory in factories:
+                if len(pending) >= self.config.max_in_flight:
+                    drawn, error = self._collect(pending[:1], cancel=False, timeout=timeout)
+                    del pending[:1]
+                    parts += drawn
+                    if error is not None:
+                        break
+                pending.append(conn.send(factory))
+        except (ServerUnavailableError, ProtocolError) as exc:  # a part that could not leave
+            error = exc
+        drawn, late = self._collect(pending, cancel=error is not None, timeout=timeout)
+        return parts + drawn, error or late
+
+    def _collect(self, request_ids: list[int], *, cancel: bool, timeout: float) -> tuple[list[Part], BaseException | None]:
+        """(parts, first failure) of draws in flight, in order; with `cancel`, those still
+        waiting for the rate limit are cancelled first (they are never drawn), and the others,
+        served already, are waited for the client's timeout."""
+        conn = self._samples
+        cancelled: set[int] = set()
+        if cancel and request_ids:
+            try:
+                reply = conn.request(lambda rid: P.Cancel(rid, np.array(request_ids, np.uint64)))
+                cancelled = {int(i) for i in reply.request_ids}  # type: ignore[attr-defined]
+                timeout = self.config.timeout
+            except (ServerUnavailableError, ProtocolError):
+                pass  # an older server cannot cancel: wait for them all
+        parts: list[Part] = []
+        error: BaseException | None = None
+        for request_id in request_ids:
+            if request_id in cancelled:
+                conn.forget(request_id)
+                continue
+            try:
+                reply = conn.wait(request_id, timeout)
+            except ClosedError:
+                raise
+            except Exception as exc:  # the server's refusal, or no answer: nothing of it was drawn here
+                error = error or exc
+                continue
+            self._observe(reply)  # type: ignore[arg-type]
+            parts.append((reply.arrays, self._info([reply])))  # type: ignore[attr-defined]
+        return parts, error
+
+    def _sample_many(self, factories: Sequence[Callable[[int], P.Request]]) -> list[Any]:
+        """Sample requests go to whoever draws them: readers, or the writer when samples change the
+        buffer (then each may wait up to `rate_limit_timeout` for the rate limit)."""
+        if self._samples is self._reads:
+            return self._read_many(factories)
+        return self._read_many(factories, self._samples, self.config.timeout + self.config.rate_limit_timeout)
 
     def _sample_requests(self, size: int, seed: int | None) -> list[Callable[[int], P.Request]]:
         """The Sample requests of one batch: one per message's worth of rows."""
         limit = self.config.rate_limit_timeout
         return [_request(P.Sample, hi - lo, _seed(seed, k), self._min_seq, limit)
-                for k, (lo, hi) in enumerate(_chunks(size, self.rows_per_message))]
+                for k, (lo, hi) in enumerate(_chunks(size, self._rows_per_sample))]
 
     def _window_requests(self, size: int, steps: int, seed: int | None) -> list[Callable[[int], P.Request]] | None:
         """The SampleSequences requests of one batch with its rows, or None when one window is
         bigger than a message (then the windows are drawn first and read by row ids)."""
-        windows = self.rows_per_message // steps
+        windows = self._rows_per_sample // steps
         if windows < 1:
             return None
         limit = self.config.rate_limit_timeout
@@ -401,6 +502,9 @@ class LearnerClient:
             return self._router.sample_sequences(batch_size, length, seed, with_info=with_info)
         size, steps = _positive(batch_size, "batch_size"), _positive(length, "length")
         requests = self._window_requests(size, steps, seed)
+        if requests is not None and self._consuming:  # a rate limit counts them: kept on a failure, as `sample`
+            return self._consume(("windows", steps), size, lambda n: self._window_requests(n, steps, seed) or [],
+                                 with_info)
         if requests is not None:
             return self._sampled(self._sample_many(requests), with_info)
         # One window is bigger than a message: draw the windows, then read each one by row ids.
@@ -447,7 +551,7 @@ class LearnerClient:
                 return self.sample(size, _seed(seed, k), with_info=with_info)
             return self.sample_sequences(size, steps, _seed(seed, k), with_info=with_info)
 
-        if self._router is not None or (steps is not None and self.rows_per_message < steps):
+        if self._router is not None or (steps is not None and self._rows_per_sample < steps):
             return (one_batch(k) for k in itertools.count())  # shards fan out; huge windows are read by id
 
         group = 1 if seed is not None else self._batches_per_request(size * (steps or 1), ahead)
@@ -458,7 +562,20 @@ class LearnerClient:
             return self._window_requests(size * group, steps, batch_seed) or []
 
         parts = len(requests(None))
-        return self._pipelined(lambda k: requests(_seed(seed, k * parts)), -(-ahead // group), with_info, group)
+        kind = ("rows",) if steps is None else ("windows", steps)
+        pipelined = self._pipelined(lambda k: requests(_seed(seed, k * parts)), -(-ahead // group), with_info, group,
+                                    kind)
+        if not self._consuming:
+            return pipelined
+        return self._kept_first(kind, one_batch, pipelined)
+
+    def _kept_first(self, kind: Any, one_batch: Callable[[int], Any], then: Iterator[Any]) -> Iterator[Any]:
+        """Batches of the rows kept from a failed call first (each topped up by a fresh draw), then `then`."""
+        k = 0
+        while self._kept.count(kind):
+            yield one_batch(k)
+            k += 1
+        yield from then
 
     def _batches_per_request(self, rows: int, ahead: int) -> int:
         """How many batches of `rows` rows one request of `batches` may carry: 1 when the writer
@@ -471,10 +588,12 @@ class LearnerClient:
 
     def _pipelined(
         self, group_requests: Callable[[int], list[Callable[[int], P.Request]]], ahead: int, with_info: bool,
-        group: int = 1,
+        group: int = 1, kind: Any = ("rows",),
     ) -> Iterator[Any]:
         """The batches the replies to `group_requests(k)` carry, `group` batches each, with
-        `ahead` groups' requests in flight."""
+        `ahead` groups' requests in flight. From a server whose draws change its state, no reply
+        is given up on: when one fails, or the loop is left, the requests still in flight are
+        cancelled where they wait for the rate limit, and what was drawn is kept (`num_kept`)."""
         conn = self._samples
         timeout = None if conn is self._reads else self.config.timeout + self.config.rate_limit_timeout
         in_flight: collections.deque[list[int]] = collections.deque()
@@ -482,15 +601,30 @@ class LearnerClient:
             for k in itertools.count():
                 while len(in_flight) < ahead:
                     in_flight.append([conn.send(request) for request in group_requests(k + len(in_flight))])
+                if self._consuming:
+                    parts, error = self._collect(in_flight.popleft(), cancel=False,
+                                                 timeout=typing.cast(float, timeout))
+                    if error is not None:
+                        self._kept.give_back(kind, parts)
+                        raise kept_error(error, self._kept.count(kind))
+                    arrays, info = join_parts(parts, self.schema.names)
+                    batch = self._decode(arrays)
+                    yield (batch, info) if with_info else batch
+                    continue
                 replies = [conn.wait(request_id, timeout) for request_id in in_flight.popleft()]
                 for reply in replies:
                     if isinstance(reply, P.ReadReply):
                         self._observe(reply)
                 yield from self._split(replies, group, with_info)
         finally:
-            for request_ids in in_flight:
-                for request_id in request_ids:
-                    conn.forget(request_id)
+            if self._consuming and in_flight and not conn.closed:
+                parts, _ = self._collect([rid for ids in in_flight for rid in ids], cancel=True,
+                                         timeout=typing.cast(float, timeout))
+                self._kept.put(kind, parts)
+            else:
+                for request_ids in in_flight:
+                    for request_id in request_ids:
+                        conn.forget(request_id)
 
     def _split(self, replies: list[Any], group: int, with_info: bool) -> Iterator[Any]:
         """The `group` batches of equal size that the replies of one request carry, in order."""
@@ -658,10 +792,15 @@ class LearnerClient:
 
     def close(self) -> None:
         """Close both sockets (after reading the replies of priority updates sent with
-        wait=False; a refusal among them is logged). Safe to call twice."""
+        wait=False; a refusal among them is logged). Rows still kept (`num_kept`) are dropped,
+        with a warning. Safe to call twice."""
         if self._router is not None:
             self._router.close()
             return
+        if self._kept.count():
+            log.warning("closing a learner that still keeps %d rows (or windows) drawn for it that no call returned: "
+                        "they are gone (call sample() until num_kept is 0 first)", self._kept.count())
+            self._kept.take_all()
         if (self._updates_in_flight or self._updates_held) and not self._conn.closed:
             try:
                 self.flush_priorities()

@@ -233,6 +233,7 @@ class Service:
             P.UpdatePriorities: self.update_priorities,
             P.Info: self.info,
             P.Heartbeat: self.heartbeat,
+            P.Cancel: self.cancel,
         }
         sampling = buffer.sampling
         #: Whether samples change the buffer (a rate limit, or removals): only this service draws them.
@@ -762,6 +763,20 @@ class Service:
 
     def heartbeat(self, request: P.Heartbeat, session: Session) -> P.HeartbeatReply:
         return P.HeartbeatReply(request.request_id)
+
+    def cancel(self, request: P.Cancel, session: Session) -> P.CancelReply:
+        """Drop the client's own samples still waiting for the rate limit (named by request id):
+        their draws are never made, and they get no reply but this one. Any other request named
+        is left alone (served already, or not a sample, or another client's)."""
+        named = {int(request_id) for request_id in request.request_ids}
+
+        def keep(parked: Parked) -> bool:
+            identity, waiting, _, _ = parked
+            return not (identity == session.identity and waiting.request_id in named
+                        and isinstance(waiting, SAMPLE_KINDS))
+
+        dropped = self.waiting.drop(keep)
+        return P.CancelReply(request.request_id, np.array([w.payload[1].request_id for w in dropped], np.uint64))
 
     def snapshot(self) -> dict[str, Any]:
         """Scalar figures of the service (the INFO reply, the stats command, metrics)."""

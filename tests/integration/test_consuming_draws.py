@@ -6,13 +6,17 @@ that dies while its sample waits."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import time
 from typing import Any
 
+import numpy as np
 import pytest
 from service_helpers import episode_rows, processes, wait_until
 
+from h5replay import protocol as P
 from h5replay.client import ActorClient, LearnerClient
 from h5replay.config import ClientConfig
+from h5replay.errors import RateLimitedError
 from h5replay.sampling import Fifo, SamplingConfig
 
 SPAWN = mp.get_context("spawn")
@@ -46,3 +50,96 @@ def test_a_learner_that_dies_while_its_sample_waits_takes_no_row(start_server: A
         batch = learner.sample(10)
         assert batch["step"].tolist() == list(range(10)), "rows went to a learner that had died"
         assert learner.info()["sampled"] == 10
+
+
+def _learner(endpoint: str | None = None, *, endpoints: list[str] | None = None, rate_limit_timeout: float = 0.5,
+             timeout: float = 10.0) -> LearnerClient:
+    config = ClientConfig(endpoint=endpoint or "tcp://127.0.0.1:1", timeout=timeout, name="learner",
+                          rate_limit_timeout=rate_limit_timeout)
+    return LearnerClient(config=config, endpoints=endpoints)
+
+
+def _push(endpoint: str, first: int, rows: int) -> None:
+    """`rows` rows whose "step" is first, first + 1, ...: a queue's rows say where they came from."""
+    with ActorClient(endpoint, timeout=10) as actor:
+        batch = episode_rows(1, first, rows)
+        batch["step"] = np.arange(first, first + rows, dtype=np.int32)
+        batch["length"] = np.full(rows, 10**6 - 1, np.int32)
+        actor.push_episode(batch)
+
+
+def test_a_split_sample_that_falls_short_keeps_what_it_drew_for_the_next(start_server: Any) -> None:
+    # 80 rows in messages of 64: the second part finds 6 of the 16 rows it needs. The 64 the first
+    # part took from the queue are kept by the client and come first in its next sample.
+    server = start_server(capacity=1000, sampling=QUEUE, limits=P.Limits(max_rows_per_message=64))
+    _push(server.endpoint, 0, 70)
+    with _learner(server.endpoint) as learner:
+        with pytest.raises(RateLimitedError, match="64 rows .* are kept by this client"):
+            learner.sample(80)
+        assert learner.num_kept == 64
+        _push(server.endpoint, 70, 10)
+        batch, info = learner.sample(80, with_info=True)
+        assert batch["step"].tolist() == list(range(80)), "every committed row once, in commit order"
+        assert info.row_ids.tolist() == list(range(80)) and learner.num_kept == 0
+        assert learner.info()["sampled"] == 80
+
+
+def test_leaving_a_batches_loop_keeps_the_rows_in_flight_and_cancels_what_waits(start_server: Any) -> None:
+    server = start_server(capacity=1000, sampling=QUEUE)
+    _push(server.endpoint, 0, 100)
+    with _learner(server.endpoint, rate_limit_timeout=30.0) as learner:
+        got = []
+        for batch in learner.batches(10, prefetch=4):  # 3 batches taken; 3 more (prefetch - 1) in flight
+            got += batch["step"].tolist()
+            if len(got) == 30:
+                break
+        assert learner.num_kept == 30, "the batches in flight were drawn: they are the learner's"
+        got += learner.sample(70)["step"].tolist()
+        assert got == list(range(100))
+        # Fewer rows than the loop asks for ahead: what waits for rows is cancelled when the loop
+        # is left (not left waiting for rows that nobody then gets), and leaving takes no time.
+        _push(server.endpoint, 100, 25)
+        loop = learner.batches(10, prefetch=4)
+        got = next(loop)["step"].tolist() + next(loop)["step"].tolist()
+        started = time.monotonic()
+        loop.close()
+        assert time.monotonic() - started < 5.0, "leaving the loop waited for the rate limit"
+        assert learner.num_kept == 0 and learner.info()["waiting_samples"] == 0
+        got += learner.sample(5)["step"].tolist()
+        assert got == list(range(100, 125))
+
+
+def test_over_shards_a_share_one_queue_cannot_give_comes_from_the_others(start_server: Any) -> None:
+    a = start_server("a.h5", capacity=1000, sampling=QUEUE)
+    b = start_server("b.h5", capacity=1000, sampling=QUEUE)
+    _push(a.endpoint, 0, 50)
+    _push(b.endpoint, 1000, 100)
+    got: list[int] = []
+    with _learner(endpoints=[a.endpoint, b.endpoint]) as learner:
+        assert len(learner) == 150
+        got += learner.sample(1)["step"].tolist()  # its shares now come from the lengths it saw
+        with _learner(a.endpoint) as other:  # shard a is drained behind its back
+            got += other.sample(49)["step"].tolist()
+        batch = learner.sample(60)["step"].tolist()
+        # The share asked of a could not be given: b gave it; nothing b drew was dropped.
+        assert len(batch) == 60 and len(set(batch)) == 60
+        got += batch
+        got += learner.sample(40)["step"].tolist()  # exactly what is left on both
+        with pytest.raises(RateLimitedError):  # nothing left anywhere
+            learner.sample(1)
+        assert learner.num_kept == 0
+    assert sorted(got) == [*range(50), *range(1000, 1100)], "every committed row exactly once"
+
+
+def test_over_shards_a_shard_going_down_mid_draw_loses_none_of_the_others_rows(start_server: Any) -> None:
+    a = start_server("a.h5", capacity=1000, sampling=QUEUE)
+    b = start_server("b.h5", capacity=1000, sampling=QUEUE)
+    _push(a.endpoint, 0, 100)
+    _push(b.endpoint, 1000, 100)
+    with _learner(endpoints=[a.endpoint, b.endpoint], timeout=1.0) as learner:
+        assert len(learner) == 200
+        a.kill()  # its share times out; b's part of the same call must reach the caller
+        got = learner.sample(50)["step"].tolist()
+        assert sorted(got) == list(range(1000, 1050))
+        assert learner.sample(50)["step"].tolist() == list(range(1050, 1100))
+        assert learner.info()["sampled"] == 100

@@ -78,6 +78,8 @@ def messages(draw: st.DrawFn, cls: type[P.Message]) -> P.Message:
             values[f.name] = n
         elif f.name == "indices":
             values[f.name] = draw(hnp.arrays(np.int64, (n,)))
+        elif f.name == "request_ids":
+            values[f.name] = draw(hnp.arrays(np.uint64, (n,)))
         elif f.name == "row_ids":
             values[f.name] = draw(hnp.arrays(np.int64, (n,), elements=st.integers(0, 2**63 - 1)))
         elif f.name == "episode_ids":

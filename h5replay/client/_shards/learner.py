@@ -11,9 +11,17 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from h5replay.client._shards._router import _outcome, _Router, _Shard
+from h5replay.client._kept import Kept, Part, join_parts, kept_error
+from h5replay.client._shards._router import _outcome, _Router, _Shard, log
 from h5replay.config import ClientConfig
-from h5replay.errors import ClosedError, ConfigError, EvictedError, NotEnoughDataError, ServerUnavailableError
+from h5replay.errors import (
+    ClosedError,
+    ConfigError,
+    EvictedError,
+    NotEnoughDataError,
+    RateLimitedError,
+    ServerUnavailableError,
+)
 from h5replay.records import Episode, SampleInfo, pack_ids, unpack_ids
 from h5replay.sampling import check_priorities
 from h5replay.spaces import Space, flatten_value, unflatten_value
@@ -95,6 +103,9 @@ class ShardedLearner(_Router):
         #: Calls that skipped each shard because it was down.
         self.num_skipped = [0] * len(self.shards)
         self._rng = np.random.default_rng()  # splits batches when the caller gives no seed
+        # Rows draws that change a shard's state handed out that no call returned yet (flat leaves,
+        # qualified info), as a single server's learner keeps them (see client/_kept.py).
+        self._kept = Kept()
         try:
             self._connect_initial()
         except BaseException:
@@ -114,6 +125,20 @@ class ShardedLearner(_Router):
         if view is not None:
             self._views[shard.index] = view
         self._lengths[shard.index] = -1
+        for kind, parts in shard.client._take_kept().items():  # rows it drew must outlive its client
+            self._kept.put(kind, [self._qualified_part(shard.index, shard.client._decode(arrays), info, 1.0)
+                                  for arrays, info in parts])
+
+    @property
+    def num_kept(self) -> int:
+        """Rows (windows) kept from calls that failed part-way, here and in every shard's client."""
+        return self._kept.count() + sum(int(s.client.num_kept) for s in self.shards if s.client is not None)
+
+    def _qualified_part(self, index: int, batch: Any, info: SampleInfo, weight: float) -> Part:
+        """A shard's draw as a part of this learner's: flat leaves, ids qualified by `index`, the
+        probabilities of the whole draw (the shard's own times its share `weight`)."""
+        shards = np.full(len(info), index, np.int64)
+        return self._flat(batch), SampleInfo(info.row_ids, info.episode_ids, info.probabilities * weight, shards)
 
     def _adopted(self, shard: _Shard) -> None:
         view = self._views.pop(shard.index, None)
@@ -159,23 +184,11 @@ class ShardedLearner(_Router):
     def _fan_out(self, calls: Mapping[int, Callable[[LearnerClient], Any]]) -> dict[int, Any]:
         """{shard: result} of one call per shard, all sent at once. A shard that does not answer is
         marked down and left out; any other error is raised (after every call has returned)."""
-        # All but the last go to the pool; the last runs in this thread meanwhile (one hand-over less).
-        *others, (last, last_call) = calls.items()
-        futures: dict[int, Any] = {i: self._pool.submit(call, self.shards[i].client) for i, call in others}
-        futures[last] = _run_inline(last_call, self.shards[last].client)
-        results: dict[int, Any] = {}
-        error: BaseException | None = None
-        for index, future in futures.items():
-            outcome = _outcome(future)
-            if isinstance(outcome, ServerUnavailableError):
-                self._mark_down(self.shards[index], outcome)
-            elif isinstance(outcome, BaseException):
-                error = error or outcome
-            else:
-                results[index] = outcome
-        if error is not None:
-            raise error
-        return results
+        outcomes = self._fan_out_outcomes(calls)
+        for outcome in outcomes.values():
+            if isinstance(outcome, BaseException) and not isinstance(outcome, ServerUnavailableError):
+                raise outcome
+        return {index: o for index, o in outcomes.items() if not isinstance(o, BaseException)}
 
     def _gather(self, call: Callable[[LearnerClient], Any]) -> dict[int, Any]:
         """`call` on every live shard; raises ServerUnavailableError when none answered."""
@@ -188,7 +201,9 @@ class ShardedLearner(_Router):
     # ------------------------------------------------------------------ figures
 
     def __len__(self) -> int:
-        results = self._gather(len)
+        """Rows that may be sampled on every live shard: rows held, less those a shard's
+        `max_times_sampled` removed (shards have no common logical index to keep them for)."""
+        results = self._gather(_drawable)
         for index, length in results.items():
             self._lengths[index] = length
         return int(sum(results.values()))
@@ -329,7 +344,7 @@ class ShardedLearner(_Router):
         and every shard draws its share in one request, all at once. `SampleInfo.probabilities` is
         the chance of each row in that draw; `shard_ids` says where each came from."""
         size = _positive(batch_size, "batch_size")
-        return self._draw(size, seed, with_info, lambda c, n, s: c.sample(n, s, with_info=True), "rows")
+        return self._draw(size, seed, with_info, lambda c, n, s: c.sample(n, s, with_info=True), "rows", ("rows",))
 
     def sample_sequences(self, batch_size: int, length: int, seed: int | None = None, *, with_info: bool = False) -> Any:
         """`batch_size` windows of `length` steps, each within one episode of one shard; shards are
@@ -337,11 +352,14 @@ class ShardedLearner(_Router):
         left out of the draw."""
         size, steps = _positive(batch_size, "batch_size"), _positive(length, "length")
         return self._draw(size, seed, with_info, lambda c, n, s: c.sample_sequences(n, steps, s, with_info=True),
-                          f"windows of {steps} steps")
+                          f"windows of {steps} steps", ("windows", steps))
 
     def _draw(self, size: int, seed: int | None, with_info: bool, call: Callable[[Any, int, int | None], Any],
-              what: str) -> Any:
+              what: str, kind: Any) -> Any:
         rng = self._rng if seed is None else np.random.default_rng(seed)
+        with self._lock:
+            if self._kept.count(kind) or any(s.client is not None and s.client._consuming for s in self.shards):
+                return self._draw_consuming(size, rng, seed, with_info, call, what, kind)
         empty: set[int] = set()  # shards that had nothing to draw in this call
         with self._lock:
             for _ in range(2 * len(self.shards) + 2):  # each retry leaves a shard out, or learns its length
@@ -382,6 +400,69 @@ class ShardedLearner(_Router):
                 return self._merge(live, assign, weights, results, with_info)
         raise NotEnoughDataError(f"cannot sample {what}: the shards kept going down or emptying during the call")
 
+    def _draw_consuming(self, size: int, rng: np.random.Generator, seed: int | None, with_info: bool,
+                        call: Callable[[Any, int, int | None], Any], what: str, kind: Any) -> Any:
+        """A draw over shards whose draws change their state (queues, rate limits): what one
+        shard could not give is asked of the others, and nothing drawn is ever dropped. When the
+        batch cannot be filled, the rows drawn are kept for the next call (first in it) and the
+        reason is raised: NotEnoughDataError (no shard has more), RateLimitedError (their
+        limits held the rest back), ServerUnavailableError (no shard answered)."""
+        parts = self._kept.take(kind, size)
+        have = sum(len(info) for _, info in parts)
+        failed: dict[int, BaseException] = {}  # shards that could not give their share in this call
+        try:
+            live = self._live()
+            for _ in range(2 * len(self.shards) + 2):  # each round fills the batch or leaves a shard out
+                live = [i for i in live if i not in failed and self.shards[i].client is not None]
+                if have >= size or not live:
+                    break
+                unknown = [i for i in live if self._lengths[i] < 0]
+                if unknown:
+                    for index, n in self._fan_out({i: _drawable for i in unknown}).items():
+                        self._lengths[index] = n
+                    continue
+                with_rows = [i for i in live if self._lengths[i] > 0] or live  # none seen: ask them all
+                lengths = self._lengths[with_rows].astype(np.float64)
+                weights = lengths / lengths.sum() if lengths.sum() > 0 else np.full(len(with_rows), 1.0 / len(with_rows))
+                counts = _shares(size - have, self._lengths[with_rows], weights, rng)
+                calls = {index: _share(call, int(counts[k]), None if seed is None else int(rng.integers(2**62)))
+                         for k, index in enumerate(with_rows) if counts[k]}
+                for index, outcome in self._fan_out_outcomes(calls).items():
+                    if isinstance(outcome, BaseException):
+                        failed[index] = outcome
+                        self._lengths[index] = -1
+                        continue
+                    batch, info = outcome
+                    parts.append(self._qualified_part(index, batch, info, float(weights[with_rows.index(index)])))
+                    have += len(info)
+                    client = self.shards[index].client
+                    view = client.view if client is not None else None
+                    if view is not None:  # rows left to draw there, as far as this draw tells
+                        self._lengths[index] = max(0, view.length - (len(info) if client._removes else 0))
+        except BaseException:
+            self._kept.give_back(kind, parts)
+            raise
+        if have < size:
+            self._kept.give_back(kind, parts)
+            raise kept_error(_shortfall(failed, what, len(self.shards)), have)
+        arrays, info = join_parts(parts, list(parts[0][0]))
+        batch = self._unflat(arrays)
+        return (batch, info) if with_info else batch
+
+    def _fan_out_outcomes(self, calls: Mapping[int, Callable[[LearnerClient], Any]]) -> dict[int, Any]:
+        """{shard: result or the exception it raised} of one call per shard, all sent at once; a
+        shard that does not answer is marked down."""
+        if not calls:
+            return {}
+        *others, (last, last_call) = calls.items()
+        futures: dict[int, Any] = {i: self._pool.submit(call, self.shards[i].client) for i, call in others}
+        futures[last] = _run_inline(last_call, self.shards[last].client)
+        outcomes = {index: _outcome(future) for index, future in futures.items()}
+        for index, outcome in outcomes.items():
+            if isinstance(outcome, ServerUnavailableError):
+                self._mark_down(self.shards[index], outcome)
+        return outcomes
+
     def _merge(self, live: list[int], assign: np.ndarray, weights: np.ndarray, results: Mapping[int, Any],
                with_info: bool) -> Any:
         masks = {index: assign == k for k, index in enumerate(live) if not isinstance(results[index], int)}
@@ -405,8 +486,13 @@ class ShardedLearner(_Router):
         return batch, SampleInfo(row_ids, episode_ids, probabilities, shard_ids)
 
     def close(self) -> None:
-        """Close every shard's client. Safe to call twice."""
+        """Close every shard's client (rows still kept, `num_kept`, are dropped with a warning).
+        Safe to call twice."""
         with self._lock:
+            if self._kept.count():
+                log.warning("closing a learner that still keeps %d rows (or windows) drawn for it that no call "
+                            "returned: they are gone (call sample() until num_kept is 0 first)", self._kept.count())
+                self._kept.take_all()
             super().close()
             self._pool.shutdown(wait=False, cancel_futures=True)
 
@@ -421,6 +507,46 @@ def _run_inline(call: Callable[[Any], Any], client: Any) -> cf.Future[Any]:
     except BaseException as exc:  # noqa: B036 (handed back through the future, as a pool would)
         future.set_exception(exc)
     return future
+
+
+def _drawable(client: Any) -> int:
+    """Rows a shard may still hand out: its length, less what `max_times_sampled` removed (the
+    writer counts those: its figures give them)."""
+    if client._removes:
+        return int(client.info().get("sampleable", 0) or 0)
+    return len(client)
+
+
+def _shares(n: int, lengths: np.ndarray, weights: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """How many of `n` rows to ask of each shard when its draws remove what they take: a
+    multinomial draw by `weights`, no shard asked for more than it holds (`lengths`, as last
+    seen) while others have room; only what all of them together lack is asked beyond that (it
+    waits for rows, as a sample from one queue does)."""
+    counts = np.minimum(rng.multinomial(n, weights), np.maximum(lengths, 0))
+    room = np.maximum(lengths, 0) - counts
+    excess = n - int(counts.sum())
+    while excess > 0 and room.sum() > 0:
+        extra = np.minimum(rng.multinomial(min(excess, int(room.sum())), room / room.sum()), room)
+        counts, room, excess = counts + extra, room - extra, excess - int(extra.sum())
+    if excess > 0:
+        counts = counts + rng.multinomial(excess, weights)
+    out: np.ndarray = counts.astype(np.int64)
+    return out
+
+
+def _share(call: Callable[[Any, int, int | None], Any], count: int, seed: int | None) -> Callable[[Any], Any]:
+    return lambda client: call(client, count, seed)
+
+
+def _shortfall(failed: Mapping[int, BaseException], what: str, num_shards: int) -> BaseException:
+    """Why a draw over shards came up short: the shards' own refusal, the most telling first."""
+    for cls in (RateLimitedError, NotEnoughDataError, ServerUnavailableError):
+        for exc in failed.values():
+            if isinstance(exc, cls):
+                return exc
+    for exc in failed.values():
+        return exc
+    return NotEnoughDataError(f"cannot sample {what}: no live shard of {num_shards} has any left")
 
 
 def _drawer(call: Callable[[Any, int, int | None], Any], count: int, seed: int | None) -> Callable[[Any], Any]:
