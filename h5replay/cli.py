@@ -215,6 +215,10 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("path", metavar="FILE")
     export.add_argument("out", metavar="OUT")
     export.add_argument("--overwrite", action="store_true")
+    export.add_argument("--new-replay", action="store_true",
+                        help="make the copy a new replay (its own replay id, publish count from 0), to serve it beside "
+                             "its source; by default it is the same replay, which clients follow when it is served in "
+                             "the source's place")
     layout_flags(export)
 
     compact = sub.add_parser("compact", parents=[common], help="rewrite a replay file in place (no server may be running)")
@@ -570,7 +574,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     if os.path.exists(args.out) and not args.overwrite:
         raise ConfigError(f"{args.out!r} already exists; pass --overwrite to replace it")
-    export_file(args.path, args.out, overwrite=args.overwrite, progress=_Progress("export"), **_layout_kwargs(args))
+    export_file(args.path, args.out, overwrite=args.overwrite, progress=_Progress("export"), new_replay=args.new_replay,
+                **_layout_kwargs(args))
     print(f"wrote {args.out}")
     return 0
 

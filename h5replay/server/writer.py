@@ -99,11 +99,11 @@ def _open_buffer(config: ServerConfig) -> ReplayBuffer:
     if config.space is None:
         raise ConfigError(f"{config.path!r} does not exist; creating it needs a space (--space SPACE.json)")
     sampling = config.sampling or SamplingConfig()
+    window: dict[str, Any] = {} if config.idempotency_window is None else {"idempotency_window": config.idempotency_window}
     return ReplayBuffer.create(
         config.space, config.capacity, config.path, multiprocessing=config.multiprocessing,
         open_timeout=config.open_timeout, sampler=sampling.sampler, rate_limit=sampling.rate_limit,
-        max_times_sampled=sampling.max_times_sampled, check_bounds=config.check_bounds,
-        **({} if config.idempotency_window is None else {"idempotency_window": config.idempotency_window}),
+        max_times_sampled=sampling.max_times_sampled, check_bounds=config.check_bounds, **window,
         **config.storage_kwargs,
     )
 

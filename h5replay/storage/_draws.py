@@ -348,6 +348,37 @@ class Sampling:
         if self.store is not None:
             self.store.write_times_at(slots, times)
 
+    def counts(self, first: int, stop: int, state: State) -> np.ndarray:
+        """How often rows [first, stop) were sampled (zeros without max_times_sampled)."""
+        out = np.zeros(max(0, stop - first), np.uint32)
+        if not self.config.removes:
+            return out
+        for s0, s1, id0 in self._pieces(first, stop, state):
+            at = id0 - first
+            if self.times is not None:
+                out[at : at + s1 - s0] = self.times[s0:s1]
+            elif self.store is not None:
+                out[at : at + s1 - s0] = self.store.read_times(s0, s1)
+        return out
+
+    def set_counts(self, first: int, counts: np.ndarray, state: State) -> None:
+        """Writer: rows [first, first + len(counts)) were sampled that often (an export carries
+        them): those at max_times_sampled leave the draws, as `mark_sampled` makes them."""
+        if self.times is None or counts.size == 0:
+            return
+        offset = 0
+        for s0, s1, _ in self._pieces(first, first + counts.shape[0], state):
+            part = counts[offset : offset + s1 - s0]
+            offset += s1 - s0
+            done_before = int(np.count_nonzero(self.times[s0:s1] >= self.config.max_times_sampled))
+            self.times[s0:s1] = part
+            done = part >= self.config.max_times_sampled
+            self.removed += int(np.count_nonzero(done)) - done_before
+            if done.any():
+                self.tree.set(s0 + np.flatnonzero(done), 0.0)
+            if self.store is not None:
+                self.store.write_times(s0, part)
+
     def first_held(self, state: State) -> int:
         """The id of the oldest row not removed (state.end if none): `begin` may move there."""
         if self.times is None or state.length == 0:

@@ -24,6 +24,7 @@ everything they cached, the storage's memory maps included.
 
 from __future__ import annotations
 
+import re
 import time
 import zlib
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from h5replay.records import NO_EPISODE
 from h5replay.sampling import SamplingConfig
 from h5replay.spaces import named_leaves
 from h5replay.storage._h5file import (
+    ATTR_REPLAY_ID,
     INTERNAL_GROUP,
     Prepare,
     data_end,
@@ -350,16 +352,21 @@ class Journal:
     @staticmethod
     def create_tables(
         capacity: int | None, initial: State | None = None, sampling: SamplingConfig | None = None,
-        key_window: int = DEFAULT_KEY_WINDOW,
+        key_window: int = DEFAULT_KEY_WINDOW, replay_id: str | None = None,
     ) -> Prepare:
         """The `prepare` hook that adds an empty journal to a new file (its ids starting where
         `initial` says: an export that keeps the ids of what it copies), with the datasets its
-        sampling settings need and an idempotency key table of `key_window` episodes."""
+        sampling settings need and an idempotency key table of `key_window` episodes. `replay_id`:
+        the id the file takes instead of a new one (an export or compaction of that replay)."""
         state = initial or State()
         state.check("a new replay journal", capacity)
         KeyFile.check_window(key_window)
+        if replay_id is not None and (not isinstance(replay_id, str) or not re.fullmatch(r"[0-9a-f]{32}", replay_id)):
+            raise ConfigError(f"a replay id is 32 lowercase hex digits (a UUID's hex), got {replay_id!r}")
 
         def create(f: h5py.File) -> None:
+            if replay_id is not None:
+                f.attrs[ATTR_REPLAY_ID] = replay_id
             group = f.require_group(REPLAY_GROUP)
             SamplingFile.create_tables(group, sampling or SamplingConfig(), capacity)
             KeyFile.create_table(group, key_window)

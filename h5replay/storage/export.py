@@ -1,5 +1,6 @@
 """Copying a buffer into a new file: `export` (another layout, compression or capacity) and
-`compact` (the same, in place). Row and episode ids are kept; the copy gets a new replay id.
+`compact` (the same, in place). Row and episode ids are kept, and so is the replay's identity
+(its id, publish and clear counters), unless the copy is asked to be a new replay.
 
 The copy is built under `<path>.partial` and renamed into place only when complete, so a crash
 or an error never leaves a half-made file at the target.
@@ -33,12 +34,19 @@ def export_buffer(
     capacity: int | None | str = "same",
     overwrite: bool = False,
     progress: Callable[[int, int], None] | None = None,
+    new_replay: bool = False,
     **storage_kwargs: Any,
 ) -> None:
     """Write the rows and episodes `buffer` holds to a new buffer file, oldest row first, keeping
-    their ids, priorities, idempotency keys (and their window), sampling settings and rate-limit
-    counters (not how often each row was sampled: the copy starts those at 0); `storage_kwargs`
-    go to `HDF5Storage.create`.
+    their ids, priorities, idempotency keys (and their window), sampling settings, rate-limit
+    counters and how often each row was sampled (rows `max_times_sampled` removed stay removed);
+    `storage_kwargs` go to `HDF5Storage.create`.
+
+    The copy is the same replay: it keeps the replay id, and its publishes and clears count on
+    from the source's, so a client that knew the source (its shards check the replay id, its
+    learners never read an older publish than they saw) goes on with the copy served in its
+    place. `new_replay=True` makes it a new replay instead (a new id, counters from 0): for a copy
+    served beside its source, or whose rows will diverge from it.
 
     A file cut short (see `ReplayBuffer.load_from`) is copied from the newest row back to the
     newest row that lies in its missing part, left out with everything older (a warning says how
@@ -77,9 +85,11 @@ def export_buffer(
         buffer.space, new_capacity, partial, first_row_id=first_row,  # type: ignore[arg-type]
         first_episode_id=episode_ids[0] if episode_ids else view.ep_end, sampler=sampling.sampler,
         rate_limit=sampling.rate_limit, max_times_sampled=sampling.max_times_sampled,
-        idempotency_window=buffer.idempotency_window, check_bounds=False, **storage_kwargs,  # copy what is held
+        idempotency_window=buffer.idempotency_window, check_bounds=False,  # copy what is held
+        replay_id=None if new_replay or not buffer.replay_id else buffer.replay_id, **storage_kwargs,
     )
-    copy.carry_over(inserted=view.inserted, sampled=view.sampled, limit_inserts=False)
+    same = {} if new_replay else {"seq": view.seq, "generation": view.generation}
+    copy.carry_over(inserted=view.inserted, sampled=view.sampled, limit_inserts=False, **same)
     try:
         block = max(1, _BLOCK_BYTES // max(1, buffer.storage.row_bytes))
         done = 0
@@ -88,13 +98,15 @@ def export_buffer(
                 hi = min(stop, lo + block)
                 ids = np.arange(lo, hi, dtype=np.int64)
                 copy.extend(buffer.get_rows(ids), priorities=buffer.priorities(ids) if sampling.prioritized else None)
+                if sampling.removes:
+                    copy.carry_sample_counts(lo, buffer.sample_counts(lo, hi))
                 done += hi - lo
                 if progress is not None:
                     progress(done, total)
             if record is not None:
                 key = keys.get(Receipt(episode, first, stop - first)) if episode is not None else None
                 copy.end_episode(record=record, idempotency_key=key)
-        copy.carry_over(inserted=view.inserted, sampled=view.sampled, limit_inserts=True)
+        copy.carry_over(inserted=view.inserted, sampled=view.sampled, limit_inserts=True, **same)
         copy.close()
         os.replace(partial, target)
     except BaseException:

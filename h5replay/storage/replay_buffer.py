@@ -145,7 +145,7 @@ class ReplayBuffer:
         cls, space: Space, capacity: int | None, cache_path: str | os.PathLike[str], *, first_row_id: int = 0,
         first_episode_id: int = 0, sampler: Sampler | None = None, rate_limit: RateLimit | None = None,
         max_times_sampled: int = 0, idempotency_window: int = DEFAULT_KEY_WINDOW, check_bounds: bool = True,
-        **storage_kwargs: Any,
+        replay_id: str | None = None, **storage_kwargs: Any,
     ) -> ReplayBuffer:
         """A new, empty buffer in a new file (`cache_path`, or `<cache_path>/storage.hdf5` when it is
         a directory). `storage_kwargs` go to `HDF5Storage.create` (multiprocessing, chunks, ...).
@@ -158,7 +158,8 @@ class ReplayBuffer:
         is removed; 0: never). See `h5replay.storage.sampling`.
 
         `idempotency_window`: how many of the latest episodes keep the idempotency key they were
-        committed with (see `commit_segment`), recorded in the file. `check_bounds`: refuse Box
+        committed with (see `commit_segment`), recorded in the file. `replay_id`: the file's id
+        (32 hex digits) instead of a new one: an export or compaction is the same replay. `check_bounds`: refuse Box
         values outside the space's bounds, and NaN (`SpaceMismatchError`), as gymnasium's
         `contains` would; a setting of this open buffer (`buffer.storage.check_bounds`).
 
@@ -178,7 +179,7 @@ class ReplayBuffer:
             origin=first_row if capacity is None else 0, ep_origin=first_episode if capacity is None else 0,
         )
         storage = HDF5Storage.create(
-            space, capacity, _h5file.file_path(cache_path), prepare=Journal.create_tables(capacity, initial, config, idempotency_window),
+            space, capacity, _h5file.file_path(cache_path), prepare=Journal.create_tables(capacity, initial, config, idempotency_window, replay_id),
             **storage_kwargs,
         )
         return cls._around(storage, check_bounds)
@@ -779,12 +780,36 @@ class ReplayBuffer:
             return reason, False
         return limiter.insert_blocker(rows, s.inserted, s.sampled, held), False
 
-    def carry_over(self, *, inserted: int, sampled: int, limit_inserts: bool) -> None:
+    def carry_over(self, *, inserted: int, sampled: int, limit_inserts: bool, seq: int | None = None,
+                   generation: int | None = None) -> None:
         """Writer: take the rate limiter's counters of the buffer this one copies (an export), and
-        whether inserts are limited meanwhile (rows copied were inserted once already)."""
+        whether inserts are limited meanwhile (rows copied were inserted once already); with
+        `seq` and `generation`, its publish and clear counters too, so the copy's publishes
+        follow the source's (a learner's view of the replay never goes back)."""
         self._require_writable("carry counters over")
-        self._state = self._state.replace(inserted=int(inserted), sampled=int(sampled))
+        changes = {"inserted": int(inserted), "sampled": int(sampled)}
+        if seq is not None:
+            changes["seq"] = max(self._state.seq, int(seq))
+        if generation is not None:
+            changes["generation"] = int(generation)
+        self._state = self._state.replace(**changes)
         self._limit_inserts = limit_inserts
+
+    def sample_counts(self, first: int, stop: int) -> np.ndarray:
+        """How often each row of ids [first, stop) (held) was sampled, as uint32: what
+        `max_times_sampled` counts (zeros for a buffer without it)."""
+        self._check_open()
+        counts = self._sampling.counts(first, stop, self._state)
+        return counts
+
+    def carry_sample_counts(self, first: int, counts: np.ndarray) -> None:
+        """Writer: the sample counts of rows [first, first + len(counts)) (just copied by an
+        export): rows sampled `max_times_sampled` times stay removed in the copy."""
+        self._require_writable("carry sample counts over")
+        self._sampling.set_counts(first, np.asarray(counts, np.uint32), self._state)
+        head = self._sampling.first_held(self._state)
+        if head > self._state.begin:
+            self._move_begin(head)
 
     def _check_insert(self, rows: int) -> None:
         if self._limit_inserts and self._sampling.config.rate_limit.samples_per_insert is not None:

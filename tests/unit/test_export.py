@@ -109,3 +109,38 @@ def test_export_and_compact_keep_the_idempotency_keys_and_their_window(tmp_path)
         assert again.commit_segment(w, idempotency_key=keys[5]) == receipts[5]
         assert again.episodes() == held and held[-1].episode_id == 5  # nothing stored twice
         again.close()
+
+
+def test_a_copy_is_the_same_replay_with_its_counters_and_sample_counts(tmp_path):
+    from h5replay.sampling import Uniform
+
+    rb = ReplayBuffer.create(SPACE, 100, tmp_path / "a.h5", sampler=Uniform(), max_times_sampled=1)
+    for e in range(4):
+        rb.extend({"x": np.arange(10) + 100 * e, "t": ["a"] * 10})
+        rb.end_episode()
+    rng = np.random.default_rng(0)
+    removed = set(rb.sample(15, rng, with_info=True)[1].row_ids.tolist())  # uniform: holes in the middle
+    rb.flush()
+    source = rb.info()
+    export_buffer(rb, tmp_path / "b.h5")
+    rb.close()
+    with ReplayBuffer.load_from(tmp_path / "b.h5", read_only=False) as copy:
+        info = copy.info()
+        assert info["replay_id"] == source["replay_id"], "a copy is the same replay"
+        assert info["seq"] > source["seq"] and info["generation"] == source["generation"]
+        assert info["sampleable"] == source["sampleable"] == 25, "removed rows came back"
+        drawn = copy.sample(25, np.random.default_rng(1), with_info=True)[1].row_ids.tolist()
+        assert sorted(drawn) == sorted(set(range(40)) - removed)
+    export_file(tmp_path / "b.h5", tmp_path / "c.h5", new_replay=True)
+    with ReplayBuffer.load_from(tmp_path / "c.h5") as other:
+        assert other.replay_id != source["replay_id"] and other.info()["seq"] <= 2  # counted from 0
+
+
+def test_compact_keeps_the_replay_id_and_publish_count(tmp_path):
+    path = tmp_path / "a.h5"
+    rb = _buffer(path)
+    before = rb.info()
+    rb.close()
+    compact_file(path)
+    with ReplayBuffer.load_from(path) as again:
+        assert again.replay_id == before["replay_id"] and again.info()["seq"] > before["seq"]
