@@ -60,8 +60,8 @@ sample             learner      batch_size, seed (int|None),         view, row_i
 sample_sequences   learner      batch_size, length, seed, min_seq,   view, row_ids, episode_ids, probabilities
                                 with_rows (bool), timeout            (of each window's first row), leaf
                                                                      arrays (b, length, ...) when with_rows
-episodes           learner      min_seq                              view, episodes: int64 (n, 3) of
-                                                                     (episode_id, first_row_id, length)
+episodes           learner      min_seq, first_episode (optional),   view, episodes: int64 (n, 3) of
+                                max_episodes (optional)              (episode_id, first_row_id, length)
 info               any client   -                                    stats: {name: scalar}
 heartbeat          any client   -                                    -
 cancel             learner      request_ids: uint64 (n,) of its own  request_ids: uint64, those dropped (they
@@ -83,6 +83,10 @@ environments): every episode has at least one row and its own key, no two the sa
 checks them all before it writes any, commits each (a key it already has answers with that
 episode's receipt) and answers once they are all published. Added within version 3: an older
 version 3 server refuses it as an unknown kind (``bad_request``).
+
+``episodes`` with ``first_episode`` / ``max_episodes`` (added within version 3) lists at most that
+many episodes from that id on: a list longer than a message is read in pages. Without them the
+whole list comes in one reply, or is refused when it would not fit one.
 
 ``cancel`` drops the client's own samples that still wait for the rate limit (a learner leaving a
 ``batches`` loop, or giving up on the rest of a split sample), so that no row is drawn for a
@@ -510,8 +514,13 @@ class SampleSequences(Request):
 
 @dataclass(frozen=True, eq=False, repr=False)
 class Episodes(Request):
+    """The complete episodes held, oldest first; with `first_episode` / `max_episodes`, at most
+    that many from that episode id on (a list too long for one message is read in pages)."""
+
     KIND = Kind.EPISODES
     min_seq: int = 0
+    first_episode: int | None = None
+    max_episodes: int | None = None
 
 
 @dataclass(frozen=True, eq=False, repr=False)
@@ -847,10 +856,11 @@ _SCALAR_CHECKS: dict[str, Callable[[Any, str, Limits], Any]] = {
     "stats": _stats, "code": _text, "message": _text, "read_endpoint": _text, "replay_id": _text,
     "instance_id": _text, "min_seq": _uint, "seq": _uint, "generation": _uint, "begin": _uint, "end": _uint,
     "with_rows": _bool, "timeout": _seconds, "ignored": _uint, "sampling": _stats, "idempotency_key": _key,
+    "first_episode": _optional_uint, "max_episodes": _optional_uint,
 }
 # Fields added within version 3, which earlier version 3 peers leave out: decoded as the message's
 # default when absent. `encode` leaves one out only when it is None.
-_OPTIONAL_SCALARS = frozenset({"idempotency_key", "timeout"})
+_OPTIONAL_SCALARS = frozenset({"idempotency_key", "timeout", "first_episode", "max_episodes"})
 
 
 @dataclass(frozen=True)

@@ -778,15 +778,36 @@ class LearnerClient:
         Over several servers, shard by shard, with packed ids (`h5replay.records.pack_ids`)."""
         if self._router is not None:
             return self._router.episodes()
-        reply = self._read_many([_request(P.Episodes, self._min_seq)])[0]
-        return [Episode(*row) for row in reply.episodes.tolist()]
+        table, _ = self._episode_table()
+        return [Episode(*row) for row in table.tolist()]
+
+    def _episode_table(self) -> tuple[np.ndarray, View]:
+        """(every complete episode as (episode_id, first_row_id, length) rows, the view of the
+        last page): read in pages of what fits a message, each page from the episode after the
+        last one the previous page gave. Episodes the ring dropped before the last page came
+        are left out, so the list is the episodes that last view holds."""
+        per = max(1, min(self.limits.max_rows_per_message,
+                         (self.limits.max_message_bytes - P.ROWS_MESSAGE_OVERHEAD) // (3 * P.ID_BYTES)))
+        pages: list[np.ndarray] = []
+        first = 0
+        while True:
+            reply = self._read_many([_request(P.Episodes, self._min_seq, first, per)])[0]
+            pages.append(reply.episodes)
+            if len(reply.episodes) < per:
+                break
+            first = int(reply.episodes[-1, 0]) + 1
+        view = View(reply.seq, reply.generation, reply.begin, reply.end)
+        table = np.concatenate(pages) if len(pages) > 1 else pages[0]
+        if len(pages) > 1:
+            table = table[table[:, 1] >= view.begin]
+        return table, view
 
     def get_segments(self) -> list[tuple[int, int]]:
         """(logical start, length) of every complete episode held, oldest first (one server only)."""
         if self._router is not None:
             return self._router.get_segments()
-        reply = self._read_many([_request(P.Episodes, self._min_seq)])[0]
-        return [(first - reply.begin, n) for _, first, n in reply.episodes.tolist()]
+        table, view = self._episode_table()
+        return [(first - view.begin, n) for _, first, n in table.tolist()]
 
     # ------------------------------------------------------------------ closing
 

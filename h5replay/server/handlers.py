@@ -153,7 +153,13 @@ def read_reply(buffer: ReplayBuffer, request: P.Request, rng: np.random.Generato
         return P.SampleSequencesReply(
             rid, *_view(buffer), info.row_ids, info.episode_ids, info.probabilities, arrays or {}
         )
-    table = buffer.episode_table()
+    table = buffer.episode_table(request.first_episode or 0, request.max_episodes)
+    size = table.nbytes + P.ROWS_MESSAGE_OVERHEAD
+    if size > limits.max_message_bytes:
+        raise LimitExceededError(
+            f"a list of {len(table)} episodes is {table.nbytes} bytes, over the limit max_message_bytes="
+            f"{limits.max_message_bytes}; ask for it in pages (first_episode, max_episodes: LearnerClient does)"
+        )
     return P.EpisodesReply(rid, *_view(buffer), table)
 
 

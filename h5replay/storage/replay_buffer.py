@@ -938,14 +938,19 @@ class ReplayBuffer:
         ids, starts, lengths = self._episodes.complete(self._state.begin)
         return [Episode(*t) for t in zip(ids.tolist(), starts.tolist(), lengths.tolist())]
 
-    def episode_table(self) -> np.ndarray:
-        """`episodes()` as an int64 array of (episode_id, first_row_id, length) rows."""
+    def episode_table(self, first_episode: int = 0, max_episodes: int | None = None) -> np.ndarray:
+        """`episodes()` as an int64 array of (episode_id, first_row_id, length) rows; with
+        `first_episode` / `max_episodes`, at most that many from that episode id on (a page)."""
         self._check_open()
         if self._is_reader:
             self.refresh()
         ids, starts, lengths = self._episodes.complete(self._state.begin)
         self.last_view = self._state
-        return np.stack([ids, starts, lengths], axis=1) if ids.size else np.zeros((0, 3), dtype=np.int64)
+        lo = int(np.searchsorted(ids, first_episode)) if first_episode > 0 else 0
+        hi = ids.shape[0] if max_episodes is None else min(ids.shape[0], lo + max(0, int(max_episodes)))
+        if hi <= lo:
+            return np.zeros((0, 3), dtype=np.int64)
+        return np.stack([ids[lo:hi], starts[lo:hi], lengths[lo:hi]], axis=1)
 
     def get_segments(self) -> list[tuple[int, int]]:
         """(logical start, length) of every complete episode held, oldest first."""

@@ -1,7 +1,8 @@
 """A draw that changes state is a transaction (issue 21): queue rows (fifo, max_times_sampled=1)
 and rate-limited samples are never dropped on the way, whatever splits, routes or outlives the
 request: a batch split over several messages, shards that cannot give their share, a learner
-that dies while its sample waits."""
+that dies while its sample waits. And a reply too long for one message (the episode list) is
+read in pages."""
 
 from __future__ import annotations
 
@@ -11,12 +12,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-from service_helpers import episode_rows, processes, wait_until
+from service_helpers import RawClient, episode_rows, error_of, processes, wait_until
 
 from h5replay import protocol as P
 from h5replay.client import ActorClient, LearnerClient
 from h5replay.config import ClientConfig
-from h5replay.errors import RateLimitedError
+from h5replay.errors import LimitExceededError, RateLimitedError
 from h5replay.sampling import Fifo, SamplingConfig
 
 SPAWN = mp.get_context("spawn")
@@ -143,3 +144,20 @@ def test_over_shards_a_shard_going_down_mid_draw_loses_none_of_the_others_rows(s
         assert sorted(got) == list(range(1000, 1050))
         assert learner.sample(50)["step"].tolist() == list(range(1050, 1100))
         assert learner.info()["sampled"] == 100
+
+
+def test_an_episode_list_longer_than_a_message_comes_in_pages(start_server: Any) -> None:
+    # 64 KiB messages hold 2,048 episode records: 5,000 episodes take three pages.
+    limits = P.Limits(max_message_bytes=64 << 10)
+    server = start_server(capacity=100_000, limits=limits)
+    with ActorClient(server.endpoint, timeout=10) as actor:
+        for first in range(0, 5000, 250):
+            actor.push_episodes([episode_rows(1, k, 1) for k in range(first, first + 250)])
+    with LearnerClient(server.endpoint, timeout=10) as learner:
+        episodes = learner.episodes()
+        assert [e.episode_id for e in episodes] == list(range(5000))
+        assert [e.first_row_id for e in episodes] == list(range(5000))
+        assert learner.get_segments() == [(k, 1) for k in range(5000)]
+    with RawClient(server.read_endpoint) as raw:  # the whole list at once: refused, saying how to page
+        reply = raw.call(lambda rid: P.Episodes(rid))
+        assert isinstance(error_of(reply), LimitExceededError) and "pages" in str(error_of(reply))

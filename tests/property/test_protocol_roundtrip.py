@@ -46,6 +46,7 @@ FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "timeout": st.floats(0, 86_400) | st.integers(0, 86_400).map(float), "ignored": u64,
     "sampling": st.dictionaries(st.text(max_size=12), json_scalars, max_size=8),
     "idempotency_key": st.none() | st.binary(min_size=16, max_size=16),
+    "first_episode": st.none() | u64, "max_episodes": st.none() | u64,
 }
 
 wire_dtypes = (

@@ -59,6 +59,7 @@ EXAMPLES: list[P.Message] = [
     P.SampleSequences(9, 3, 4, None, 5, False),
     P.Episodes(10),
     P.Episodes(10, 2**63),
+    P.Episodes(10, 3, 4096, 2048),
     P.Info(11),
     P.Heartbeat(12),
     P.Cancel(14, np.array([3, 2**64 - 1], np.uint64)),
