@@ -161,3 +161,19 @@ def test_an_episode_list_longer_than_a_message_comes_in_pages(start_server: Any)
     with RawClient(server.read_endpoint) as raw:  # the whole list at once: refused, saying how to page
         reply = raw.call(lambda rid: P.Episodes(rid))
         assert isinstance(error_of(reply), LimitExceededError) and "pages" in str(error_of(reply))
+
+
+def test_over_shards_len_and_shares_leave_out_rows_max_times_sampled_removed(start_server: Any) -> None:
+    # Uniform draws with max_times_sampled=1 remove rows anywhere in the ring, not only at its head:
+    # those rows are held (the ring has not moved past them) but can never be drawn again.
+    once = SamplingConfig(max_times_sampled=1)
+    a = start_server("a.h5", capacity=1000, sampling=once)
+    b = start_server("b.h5", capacity=1000, sampling=once)
+    _push(a.endpoint, 0, 50)
+    _push(b.endpoint, 1000, 50)
+    with _learner(a.endpoint) as other:
+        taken = other.sample(30)["step"].tolist()
+    with _learner(endpoints=[a.endpoint, b.endpoint]) as learner:
+        assert len(learner) == 70
+        got = learner.sample(70)["step"].tolist()  # exactly what may still be drawn, none asked of a twice
+    assert sorted(taken + got) == [*range(50), *range(1000, 1050)]
