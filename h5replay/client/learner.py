@@ -530,11 +530,12 @@ class LearnerClient:
         a server whose readers draw (no rate limit, no rows removed as sampled), one request
         carries several batches (up to `prefetch // 2`, about 1 MiB at most; always two requests
         or more in flight): the draws are the same independent ones, and each batch pays a part
-        of a round trip. Leave the loop to stop; requests still travelling are dropped
-        (`prefetch - 1` batches at most: with a sampler that removes what it draws,
-        `max_times_sampled`, those rows are gone; use `prefetch=1` there if no row may be
-        missed). Over several servers, each batch is one `sample` across the shards (which
-        already fans out).
+        of a round trip. Leave the loop to stop; requests still travelling are dropped, except
+        from a server whose draws change its state (a queue, a rate limit): there the batches
+        already drawn are kept (`num_kept`, returned first by the next sample or loop) and the
+        requests still waiting for the rate limit are cancelled, so no row is drawn for nobody.
+        Over several servers, each batch is one `sample` across the shards (which already fans
+        out).
 
         Raises:
             ConfigError: `batch_size`, `sequence_length` or `prefetch` is not a positive int
