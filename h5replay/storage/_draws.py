@@ -9,7 +9,10 @@ rebuilds it from the file once and then follows the priority log (`_sampling_fil
 only what changed.
 
 Draws come back as row ids with the probability each was drawn with, computed from the same
-weights the draw used. Pure numpy apart from the `SamplingFile` it is given (None: nothing kept).
+weights the draw used. Every priority that enters is checked against `Prioritized.priority_limit`
+(its weight is at most `MAX_WEIGHT`), so the tree's total is always finite; values read from a
+file are clipped to that bound (a damaged or hand-made file cannot make it inf either). Pure
+numpy apart from the `SamplingFile` it is given (None: nothing kept).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ class Sampling:
         self.limiter = RateLimiter(config.rate_limit)
         self._exponent = config.sampler.exponent if isinstance(config.sampler, Prioritized) else 1.0
         self._initial = config.sampler.initial_priority if isinstance(config.sampler, Prioritized) else None
+        self._limit = config.sampler.priority_limit if isinstance(config.sampler, Prioritized) else np.inf
         size = capacity or 0
         #: Whether draws go through the tree (else: uniform or in order over [begin, end)).
         self.weighted = config.prioritized or (config.removes and writer)  # readers never draw removals
@@ -118,6 +122,11 @@ class Sampling:
     def _default(self) -> float:
         return self._initial if self._initial is not None else self.max_priority
 
+    def _bounded(self, priorities: np.ndarray) -> np.ndarray:
+        """Priorities read from the file, within [0, priority_limit] (NaN, none given, stays)."""
+        bounded: np.ndarray = np.clip(priorities, 0.0, self._limit)
+        return bounded
+
     # ------------------------------------------------------------------ what is held
 
     def sampleable(self, state: State) -> int:
@@ -144,6 +153,7 @@ class Sampling:
         for s0, s1, _ in self._pieces(state.begin, state.end, state):
             p = self.store.read_priorities(s0, s1) if self.store is not None and self.config.prioritized else None
             if p is not None:
+                p = self._bounded(p)
                 held_prio.append(p)
                 if self.priorities is not None:
                     self.priorities[s0:s1] = p
@@ -173,6 +183,7 @@ class Sampling:
         if self.store is None or stop <= first or not self.config.prioritized:
             return
         ids, values = self.store.read_log(first, stop)
+        values = np.where(np.isnan(values), self._default(), self._bounded(values))
         held = (ids >= state.begin) & (ids < state.end)
         slots = self._set_priorities(ids[held], values[held], state)
         if self.writer:  # a writer reopening the file: its next checkpoint must save these too
@@ -192,7 +203,7 @@ class Sampling:
         self._grow(new, new.end)
         for s0, s1, _ in self._pieces(first_new, new.end, new):
             p = self.store.read_priorities(s0, s1) if self.store is not None else np.full(s1 - s0, np.nan)
-            p = np.where(np.isfinite(p), p, self._default())
+            p = np.where(np.isnan(p), self._default(), self._bounded(p))
             if self.priorities is not None:
                 self.priorities[s0:s1] = p
             self.tree.set_range(s0, self._weights(p))
@@ -424,7 +435,9 @@ class Sampling:
                                      f"the buffer has {self.sampleable(state)}")
         slots = np.concatenate(chosen)
         weights = self.tree.get(slots)
-        left = start_total - (np.cumsum(weights) - weights)
+        # The weight left before each pick is at least its own: rounding (a tiny weight after a
+        # huge one cancels to 0) must not make a probability above 1, inf or NaN.
+        left = np.maximum(start_total - (np.cumsum(weights) - weights), weights)
         return self._ids(slots, state), weights / left
 
     def _restore(self, slots: np.ndarray, state: State) -> None:
