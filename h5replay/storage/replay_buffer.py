@@ -902,7 +902,10 @@ class ReplayBuffer:
 
     def _checkpoint_priorities(self) -> None:
         """Write the updated priorities into their dataset and publish that, so the log's older
-        entries may be overwritten."""
+        entries may be overwritten. Every update applied is published first: the dataset never
+        holds a priority no publish counts, which a crash would recover and a reader's full load
+        would read (both load the dataset, then the log from `pckpt`)."""
+        self._publish()
         self._sampling.checkpoint()
         self._state = self._state.replace(pckpt=self._state.plog)
         self._publish()
