@@ -53,7 +53,8 @@ class Sampling:
         self.tree = SumTree(size if self.weighted else 0)
         self.priorities = np.full(size, np.nan) if config.prioritized else None
         self.times = np.zeros(size, dtype=np.uint32) if config.removes and writer else None
-        #: The largest priority given so far (the PER default for rows committed without one).
+        #: The largest priority given so far (the PER default for rows committed without one),
+        #: kept in the file by every publish that changes it.
         self.max_priority = 1.0
         #: Rows held that were sampled max_times_sampled times (never sampled again).
         self.removed = 0
@@ -150,6 +151,7 @@ class Sampling:
         self._grow(state, state.end)
         self.removed = 0
         held_prio: list[np.ndarray] = []
+        recorded = self._recorded_max(state)
         for s0, s1, _ in self._pieces(state.begin, state.end, state):
             p = self.store.read_priorities(s0, s1) if self.store is not None and self.config.prioritized else None
             if p is not None:
@@ -163,7 +165,8 @@ class Sampling:
                 self.removed += int(np.count_nonzero(t >= self.config.max_times_sampled))
         finite = [p[np.isfinite(p)] for p in held_prio]
         seen = np.concatenate(finite) if finite else np.zeros(0)
-        self.max_priority = max(1.0, float(seen.max())) if seen.size else 1.0
+        # The running maximum as of this publish (a file made before it was kept: the largest held).
+        self.max_priority = recorded if recorded is not None else max(1.0, float(seen.max()) if seen.size else 1.0)
         for s0, s1, _ in self._pieces(state.begin, state.end, state):
             if self.config.prioritized:
                 p = held_prio.pop(0)
@@ -175,9 +178,18 @@ class Sampling:
                 w = np.where(self.times[s0:s1] >= self.config.max_times_sampled, 0.0, w)
             self.tree.set_range(s0, w)
         self._apply_log(state, state.pckpt, state.plog)
-        if self.priorities is not None and state.length:
+        if recorded is None and self.priorities is not None and state.length:
             held = np.concatenate([self.priorities[s0:s1] for s0, s1, _ in self._pieces(state.begin, state.end, state)])
             self.max_priority = max(1.0, float(np.nanmax(held, initial=1.0)))
+
+    def _recorded_max(self, state: State) -> float | None:
+        """The running maximum priority the file records as of `state` (None: none)."""
+        if self.store is None or not self.config.prioritized:
+            return None
+        recorded = self.store.read_max(state.seq)
+        if recorded is None or not recorded >= 0:  # NaN or negative: a damaged entry, none
+            return None
+        return min(recorded, self._limit)
 
     def _apply_log(self, state: State, first: int, stop: int) -> None:
         if self.store is None or stop <= first or not self.config.prioritized:
@@ -307,6 +319,17 @@ class Sampling:
             slots = self._set_priorities(ids, values, state)
             self._dirty_chunks[slots // _CHECKPOINT_CHUNK] = True
         return int(ids.shape[0]), ignored
+
+    def before_publish(self, seq: int) -> None:
+        """Write what publish `seq` counts, before its state row: the log entries of the updates
+        so far and the running maximum priority (when it changed).
+
+        Raises:
+            StorageError: the file refused them (the publish must not happen).
+        """
+        self.write_log()
+        if self.store is not None and self.config.prioritized:
+            self.store.write_max(seq, self.max_priority)
 
     def write_log(self) -> None:
         """Write the log entries of the updates so far to the file (not yet published).

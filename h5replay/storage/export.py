@@ -79,7 +79,8 @@ def export_buffer(
         rate_limit=sampling.rate_limit, max_times_sampled=sampling.max_times_sampled,
         idempotency_window=buffer.idempotency_window, check_bounds=False, **storage_kwargs,  # copy what is held
     )
-    copy.carry_over(inserted=view.inserted, sampled=view.sampled, limit_inserts=False)
+    copy.carry_over(inserted=view.inserted, sampled=view.sampled, limit_inserts=False,
+                    max_priority=buffer.info().get("max_priority"))
     try:
         block = max(1, _BLOCK_BYTES // max(1, buffer.storage.row_bytes))
         done = 0

@@ -327,7 +327,7 @@ class ReplayBuffer:
         """Make the current rows durable, then point the file's state at them (see module doc)."""
         state = self._state.replace(seq=max(self._state.seq, self._published.seq) + 1)
         journal = self._journal_or_raise
-        self._sampling.write_log()  # the priority log entries the new state counts (`plog`)
+        self._sampling.before_publish(state.seq)  # the priority log entries it counts, the running maximum
         journal.publish(state, fsync=fsync)
         self._state = self._published = state
 
@@ -780,10 +780,14 @@ class ReplayBuffer:
             return reason, False
         return limiter.insert_blocker(rows, s.inserted, s.sampled, held), False
 
-    def carry_over(self, *, inserted: int, sampled: int, limit_inserts: bool) -> None:
+    def carry_over(self, *, inserted: int, sampled: int, limit_inserts: bool, max_priority: float | None = None) -> None:
         """Writer: take the rate limiter's counters of the buffer this one copies (an export), and
-        whether inserts are limited meanwhile (rows copied were inserted once already)."""
+        whether inserts are limited meanwhile (rows copied were inserted once already); and its
+        running maximum priority, the default of rows committed without one."""
         self._require_writable("carry counters over")
+        if max_priority is not None and self.sampling.prioritized:
+            bound = check_priorities([max_priority], 1, sampler=self.sampling.sampler)[0]
+            self._sampling.max_priority = max(self._sampling.max_priority, float(bound))
         self._state = self._state.replace(inserted=int(inserted), sampled=int(sampled))
         self._limit_inserts = limit_inserts
 
@@ -965,7 +969,7 @@ class ReplayBuffer:
             out["priority_updates_ignored"] = sampling.ignored_updates
         if sampling.config.prioritized:
             out["priority_sum"] = sampling.tree.total  # sum of priority ** exponent: what draws divide by
-            if self.is_mutable:
+            if not self._is_reader:  # as of the publish opened (a reader would have to follow it)
                 out["max_priority"] = sampling.max_priority
         return out
 

@@ -1,6 +1,6 @@
-"""SIGKILL a writer at the moments of a publish that carry priorities, and reopen the file.
+"""SIGKILL a writer at the two moments of a publish that carry priorities, and reopen the file.
 
-The priorities must come back exactly as of the last publish
+The priorities and the running maximum priority must come back exactly as of the last publish
 the file shows: every update that publish counts, none it does not (the README: a kill loses the
 updates applied since the last publish, and nothing of an earlier one). Each child process holds
 the buffer as an SWMR writer, arms a kill at that moment (a monkeypatch in the child: the real
@@ -101,3 +101,49 @@ def test_a_kill_after_a_priority_checkpoint_recovers_no_update_that_no_publish_c
         assert seq in expected, f"the file shows publish {seq}, after the flush's {flushed}"
         assert priorities == expected[seq][0], f"publish {seq} shows priorities {priorities}"
         assert maximum in (None, expected[seq][1])
+
+
+# ------------------------------------------------------------------ a publish cut short
+
+
+def _raise_max_then_die(path: str, seq: Any) -> None:
+    """Publish a running maximum of 50, raise it to 60 without publishing, then die in the
+    publish that would carry 60: after its log entries and maximum were written (and flushed),
+    before its state row."""
+    buffer = ReplayBuffer.load_from(path, read_only=False, multiprocessing=True)
+    buffer.update_priorities([0], [50.0])
+    buffer.flush()
+    seq.value = buffer.published.seq
+    buffer.update_priorities([0, 1], [60.0, 2.0])
+    journal, storage = buffer._journal, buffer.storage
+
+    def publish_then_die(state: object, fsync: bool = False) -> None:
+        journal.write_records()  # type: ignore[union-attr]
+        storage.flush()
+        _die()
+
+    journal.publish = publish_then_die  # type: ignore[method-assign, union-attr]
+    buffer.flush()
+
+
+def test_an_unpublished_running_maximum_never_leaks_into_the_file(tmp_path: Path) -> None:
+    """The running maximum (the default of a row committed without a priority) comes back as of
+    the last publish: 50, not the 60 of the publish the kill cut short, also once the next writer
+    has published under the same seq the dead one was making; and it outlives every row that
+    held it."""
+    path = str(tmp_path / "rb.h5")
+    with ReplayBuffer.create(SPACE, 16, path, sampler=Prioritized(exponent=1.0), multiprocessing=True) as buffer:
+        buffer.extend(np.arange(2), priorities=[1.0, 1.0])
+        buffer.end_episode()
+    flushed = _run_child(_raise_max_then_die, path)
+    for seq, priorities, maximum in _reads(path, [0, 1]):
+        assert (seq, priorities, maximum) in ((flushed, [50.0, 1.0], None), (flushed, [50.0, 1.0], 50.0))
+    with ReplayBuffer.load_from(path, read_only=False) as buffer:
+        buffer.update_priorities([0], [3.0])  # 50 is held no more
+        buffer.flush()
+        assert buffer.published.seq > flushed  # at the seq the dead writer's publish had, or past it
+    with ReplayBuffer.load_from(path, read_only=False) as buffer:
+        assert buffer.info()["max_priority"] == 50.0
+        buffer.append(np.int64(2))
+        buffer.end_episode()
+        assert buffer.priorities([0, 1, 2]).tolist() == [3.0, 1.0, 50.0]

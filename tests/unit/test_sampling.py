@@ -321,6 +321,50 @@ def test_priorities_in_a_file_beyond_the_bound_are_clipped_when_read(tmp_path: o
             assert np.all(np.isfinite(info.probabilities)) and np.all(info.probabilities > 0)
 
 
+# ---------------------------------------------------------------------------------------------- the running maximum
+
+
+def test_the_running_maximum_priority_survives_a_reopen_and_an_export(tmp_path: os.PathLike[str]) -> None:
+    """With initial_priority None a row committed without one gets the largest priority seen so
+    far, held or not: the file keeps it (it used to be the largest held after a reopen)."""
+    path = os.path.join(tmp_path, "b.h5")
+    with ReplayBuffer.create(SPACE, 10, path, sampler=Prioritized(exponent=1.0)) as rb:
+        fill(rb, [1.0, 2.0])
+        rb.update_priorities([0], [50.0])
+        rb.update_priorities([0], [1.0])  # 50 is held no more
+        assert rb.info()["max_priority"] == 50.0
+    with ReplayBuffer.load_from(path, read_only=True) as rb:
+        assert rb.info()["max_priority"] == 50.0
+    with ReplayBuffer.load_from(path, read_only=False) as rb:
+        assert rb.info()["max_priority"] == 50.0
+        rb.append(np.int64(2))
+        rb.end_episode()
+        assert rb.priorities([2]).tolist() == [50.0]
+        rb.update_priorities([2], [0.5])
+    with ReplayBuffer.load_from(path, read_only=False) as rb:
+        assert rb.info()["max_priority"] == 50.0 and rb.priorities([0, 1, 2]).tolist() == [1.0, 2.0, 0.5]
+        export_buffer(rb, os.path.join(tmp_path, "copy.h5"))
+    with ReplayBuffer.load_from(os.path.join(tmp_path, "copy.h5"), read_only=False) as copy:
+        assert copy.info()["max_priority"] == 50.0
+        copy.append(np.int64(3))
+        assert copy.priorities([3]).tolist() == [50.0]
+
+
+def test_a_file_made_before_the_running_maximum_gets_it_at_its_first_writable_open(tmp_path: os.PathLike[str]) -> None:
+    path = os.path.join(tmp_path, "b.h5")
+    with ReplayBuffer.create(SPACE, 10, path, sampler=Prioritized(exponent=1.0)) as rb:
+        fill(rb, [1.0, 4.0])
+    with h5py.File(path, "r+") as f:
+        del f["_h5replay/replay/priority_max"]  # as a file made before it
+    with ReplayBuffer.load_from(path, read_only=True) as rb:
+        assert rb.info()["max_priority"] == 4.0  # the largest held stands in
+    with ReplayBuffer.load_from(path, read_only=False) as rb:
+        assert rb.info()["max_priority"] == 4.0
+        rb.update_priorities([1, 1], [9.0, 1.0])
+    with ReplayBuffer.load_from(path, read_only=False) as rb:
+        assert rb.info()["max_priority"] == 9.0
+
+
 # ---------------------------------------------------------------------------------------------- settings
 
 
