@@ -234,7 +234,8 @@ def test_every_priority_zero_is_not_enough_data(tmp_path: os.PathLike[str]) -> N
 # ---------------------------------------------------------------------------------------------- bounded weights
 
 
-@pytest.mark.parametrize(("exponent", "huge", "shown"), [(2.0, 1e200, "1e\\+200"), (1.0, 1.7e308, "1.7e\\+308")])
+@pytest.mark.parametrize(("exponent", "huge", "shown"), [(2.0, 1e200, "1e\\+200"), (1.0, 1.7e308, "1.7e\\+308")],
+                         ids=["1e200 squared", "1.7e308 twice"])
 def test_a_priority_whose_weight_would_overflow_is_refused_by_every_way_in(
     tmp_path: os.PathLike[str], exponent: float, huge: float, shown: str
 ) -> None:
