@@ -27,7 +27,13 @@ from h5replay.errors import ConfigError
 
 __all__ = ["Uniform", "Prioritized", "Fifo", "Lifo", "Sampler", "RateLimit", "RateLimiter", "SamplingConfig",
            "sampler_from_json", "sampler_to_json", "rate_limit_from_json", "rate_limit_to_json", "check_priorities",
-           "rows_at_once"]
+           "rows_at_once", "MAX_WEIGHT"]
+
+#: The largest weight (priority ** exponent) a row may have. 2**63 rows at this weight (more than
+#: an int64 row id can name) still add up to 1e299, below float64's largest (1.8e308): the sum
+#: tree's total, every node in it and every sum a draw takes stay finite, whatever the buffer's
+#: size, so one priority can never make a draw's probabilities inf or NaN.
+MAX_WEIGHT = 1e280
 
 
 @dataclass(frozen=True)
@@ -38,7 +44,8 @@ class Uniform:
 @dataclass(frozen=True)
 class Prioritized:
     """Probability proportional to priority ** exponent. A row without a priority of its own gets
-    `initial_priority`, or (None) the largest priority seen so far, as in PER."""
+    `initial_priority`, or (None) the largest priority seen so far, as in PER. With exponent 0
+    every row is equally likely, priority 0 included (0 ** 0 is 1, as in Reverb)."""
 
     exponent: float = 0.6
     initial_priority: float | None = None
@@ -48,6 +55,25 @@ class Prioritized:
             raise ConfigError(f"Prioritized exponent must be a number in [0, 10], got {self.exponent!r}")
         if self.initial_priority is not None and not _positive_finite(self.initial_priority):
             raise ConfigError(f"Prioritized initial_priority must be a finite number > 0, got {self.initial_priority!r}")
+        if self.initial_priority is not None and self.initial_priority > self.priority_limit:
+            raise ConfigError(f"Prioritized initial_priority {self.initial_priority!r}: {_over_limit(self)}")
+
+    @property
+    def priority_limit(self) -> float:
+        """The largest priority a row may have: its weight priority ** exponent stays within
+        MAX_WEIGHT (inf when every finite priority's does, as with exponent 0)."""
+        if self.exponent == 0:
+            return math.inf
+        try:
+            return float(MAX_WEIGHT ** (1.0 / self.exponent))
+        except OverflowError:  # beyond float64: every finite priority is within the bound
+            return math.inf
+
+
+def _over_limit(sampler: Prioritized) -> str:
+    return (f"its weight priority ** exponent ({sampler.exponent:g}) would exceed {MAX_WEIGHT:g}, the bound that keeps "
+            f"the sum tree's total finite; priorities may be at most {sampler.priority_limit:.6g} with this exponent "
+            "(scale them down)")
 
 
 @dataclass(frozen=True)
@@ -302,12 +328,14 @@ class SamplingConfig:
         }
 
 
-def check_priorities(values: object, n: int, *, missing_ok: bool = False) -> np.ndarray:
+def check_priorities(values: object, n: int, *, missing_ok: bool = False, sampler: Sampler | None = None) -> np.ndarray:
     """Priorities as a float64 array of `n` finite values >= 0 (`missing_ok`: NaN too, for a
-    row given no priority of its own).
+    row given no priority of its own), each within `sampler`'s `priority_limit` when it is
+    `Prioritized` (None: the sampler is not known yet; the buffer checks again).
 
     Raises:
-        ConfigError: wrong count, not numbers, negative, NaN or infinite (names the first bad one).
+        ConfigError: wrong count, not numbers, negative, NaN, infinite, or a weight beyond
+            MAX_WEIGHT (names the first bad one).
     """
     try:
         arr = np.asarray(values, dtype=np.float64).reshape(-1)
@@ -319,4 +347,9 @@ def check_priorities(values: object, n: int, *, missing_ok: bool = False) -> np.
     if bad.any():
         i = int(np.argmax(bad))
         raise ConfigError(f"priority {i} is {float(arr[i])!r}: priorities must be finite and >= 0")
+    if isinstance(sampler, Prioritized):
+        over = arr > sampler.priority_limit  # NaN (none given) compares False
+        if over.any():
+            i = int(np.argmax(over))
+            raise ConfigError(f"priority {i} is {float(arr[i])!r}: {_over_limit(sampler)}")
     return arr

@@ -9,7 +9,10 @@ rebuilds it from the file once and then follows the priority log (`_sampling_fil
 only what changed.
 
 Draws come back as row ids with the probability each was drawn with, computed from the same
-weights the draw used. Pure numpy apart from the `SamplingFile` it is given (None: nothing kept).
+weights the draw used. Every priority that enters is checked against `Prioritized.priority_limit`
+(its weight is at most `MAX_WEIGHT`), so the tree's total is always finite; values read from a
+file are clipped to that bound (a damaged or hand-made file cannot make it inf either). Pure
+numpy apart from the `SamplingFile` it is given (None: nothing kept).
 """
 
 from __future__ import annotations
@@ -43,13 +46,15 @@ class Sampling:
         self.limiter = RateLimiter(config.rate_limit)
         self._exponent = config.sampler.exponent if isinstance(config.sampler, Prioritized) else 1.0
         self._initial = config.sampler.initial_priority if isinstance(config.sampler, Prioritized) else None
+        self._limit = config.sampler.priority_limit if isinstance(config.sampler, Prioritized) else np.inf
         size = capacity or 0
         #: Whether draws go through the tree (else: uniform or in order over [begin, end)).
         self.weighted = config.prioritized or (config.removes and writer)  # readers never draw removals
         self.tree = SumTree(size if self.weighted else 0)
         self.priorities = np.full(size, np.nan) if config.prioritized else None
         self.times = np.zeros(size, dtype=np.uint32) if config.removes and writer else None
-        #: The largest priority given so far (the PER default for rows committed without one).
+        #: The largest priority given so far (the PER default for rows committed without one),
+        #: kept in the file by every publish that changes it.
         self.max_priority = 1.0
         #: Rows held that were sampled max_times_sampled times (never sampled again).
         self.removed = 0
@@ -118,6 +123,11 @@ class Sampling:
     def _default(self) -> float:
         return self._initial if self._initial is not None else self.max_priority
 
+    def _bounded(self, priorities: np.ndarray) -> np.ndarray:
+        """Priorities read from the file, within [0, priority_limit] (NaN, none given, stays)."""
+        bounded: np.ndarray = np.clip(priorities, 0.0, self._limit)
+        return bounded
+
     # ------------------------------------------------------------------ what is held
 
     def sampleable(self, state: State) -> int:
@@ -141,9 +151,11 @@ class Sampling:
         self._grow(state, state.end)
         self.removed = 0
         held_prio: list[np.ndarray] = []
+        recorded = self._recorded_max(state)
         for s0, s1, _ in self._pieces(state.begin, state.end, state):
             p = self.store.read_priorities(s0, s1) if self.store is not None and self.config.prioritized else None
             if p is not None:
+                p = self._bounded(p)
                 held_prio.append(p)
                 if self.priorities is not None:
                     self.priorities[s0:s1] = p
@@ -153,7 +165,8 @@ class Sampling:
                 self.removed += int(np.count_nonzero(t >= self.config.max_times_sampled))
         finite = [p[np.isfinite(p)] for p in held_prio]
         seen = np.concatenate(finite) if finite else np.zeros(0)
-        self.max_priority = max(1.0, float(seen.max())) if seen.size else 1.0
+        # The running maximum as of this publish (a file made before it was kept: the largest held).
+        self.max_priority = recorded if recorded is not None else max(1.0, float(seen.max()) if seen.size else 1.0)
         for s0, s1, _ in self._pieces(state.begin, state.end, state):
             if self.config.prioritized:
                 p = held_prio.pop(0)
@@ -165,14 +178,24 @@ class Sampling:
                 w = np.where(self.times[s0:s1] >= self.config.max_times_sampled, 0.0, w)
             self.tree.set_range(s0, w)
         self._apply_log(state, state.pckpt, state.plog)
-        if self.priorities is not None and state.length:
+        if recorded is None and self.priorities is not None and state.length:
             held = np.concatenate([self.priorities[s0:s1] for s0, s1, _ in self._pieces(state.begin, state.end, state)])
             self.max_priority = max(1.0, float(np.nanmax(held, initial=1.0)))
+
+    def _recorded_max(self, state: State) -> float | None:
+        """The running maximum priority the file records as of `state` (None: none)."""
+        if self.store is None or not self.config.prioritized:
+            return None
+        recorded = self.store.read_max(state.seq)
+        if recorded is None or not recorded >= 0:  # NaN or negative: a damaged entry, none
+            return None
+        return min(recorded, self._limit)
 
     def _apply_log(self, state: State, first: int, stop: int) -> None:
         if self.store is None or stop <= first or not self.config.prioritized:
             return
         ids, values = self.store.read_log(first, stop)
+        values = np.where(np.isnan(values), self._default(), self._bounded(values))
         held = (ids >= state.begin) & (ids < state.end)
         slots = self._set_priorities(ids[held], values[held], state)
         if self.writer:  # a writer reopening the file: its next checkpoint must save these too
@@ -192,7 +215,7 @@ class Sampling:
         self._grow(new, new.end)
         for s0, s1, _ in self._pieces(first_new, new.end, new):
             p = self.store.read_priorities(s0, s1) if self.store is not None else np.full(s1 - s0, np.nan)
-            p = np.where(np.isfinite(p), p, self._default())
+            p = np.where(np.isnan(p), self._default(), self._bounded(p))
             if self.priorities is not None:
                 self.priorities[s0:s1] = p
             self.tree.set_range(s0, self._weights(p))
@@ -296,6 +319,17 @@ class Sampling:
             slots = self._set_priorities(ids, values, state)
             self._dirty_chunks[slots // _CHECKPOINT_CHUNK] = True
         return int(ids.shape[0]), ignored
+
+    def before_publish(self, seq: int) -> None:
+        """Write what publish `seq` counts, before its state row: the log entries of the updates
+        so far and the running maximum priority (when it changed).
+
+        Raises:
+            StorageError: the file refused them (the publish must not happen).
+        """
+        self.write_log()
+        if self.store is not None and self.config.prioritized:
+            self.store.write_max(seq, self.max_priority)
 
     def write_log(self) -> None:
         """Write the log entries of the updates so far to the file (not yet published).
@@ -455,7 +489,9 @@ class Sampling:
                                      f"the buffer has {self.sampleable(state)}")
         slots = np.concatenate(chosen)
         weights = self.tree.get(slots)
-        left = start_total - (np.cumsum(weights) - weights)
+        # The weight left before each pick is at least its own: rounding (a tiny weight after a
+        # huge one cancels to 0) must not make a probability above 1, inf or NaN.
+        left = np.maximum(start_total - (np.cumsum(weights) - weights), weights)
         return self._ids(slots, state), weights / left
 
     def _restore(self, slots: np.ndarray, state: State) -> None:

@@ -380,10 +380,11 @@ class Journal:
     def upgrade(f: h5py.File) -> None:
         """The `prepare` hook for a writable open: turn a format 1 file's state row into a journal
         row (same ids, generation 0), and give a file made before idempotency keys its key
-        table, before SWMR starts."""
+        table (and before the running maximum priority its dataset), before SWMR starts."""
         group = f.get(REPLAY_GROUP)
         if group is not None:
             KeyFile.create_table(group)
+            SamplingFile.upgrade(group)
         if group is None or _JOURNAL in group:
             upgrade_header(f)
             return

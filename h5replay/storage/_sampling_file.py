@@ -11,16 +11,27 @@ Under `/_h5replay/replay/` (made with the file, only those the settings need):
     published (`plog`) and up to where `priorities` already holds it (`pckpt`). Readers apply
     the entries between the state they saw and the new one: O(updates), never O(capacity).
   * `times_sampled` (uint32, one per physical row), when `max_times_sampled` is set.
+  * `priority_max` ((2, 3) int64): the running maximum priority (the default of a row committed
+    without one, when `initial_priority` is None), as two entries (publish seq, float64 bits,
+    CRC-32 of the two). A publish that changed it writes it, before its state row, into the entry
+    that does not hold the newest one published: the maximum of a publish is the newest intact
+    entry whose seq is at most its own. An entry of a publish never made (a crash before its state
+    row) is ignored, and replaced by the next publish of that seq. Files made before it get it at
+    their first writable open; until then the largest priority held stands in.
 
 The writer keeps an update's entries in memory and writes them with the next publish (one write
-per publish, not per update; nothing reads past the published `plog`). It checkpoints (writes
-the updated priorities into `priorities`, then publishes `pckpt`)
+per publish, not per update; nothing reads past the published `plog`). It checkpoints (publishes
+every update applied, writes the updated priorities into `priorities`, then publishes `pckpt`)
 before the ring would overwrite an entry at or after the published `pckpt`; so a reader that
-re-reads the state after reading entries [a, b) and finds `pckpt <= a` read them intact.
+re-reads the state after reading entries [a, b) and finds `pckpt <= a` read them intact, and
+`priorities` never holds a value that no publish counts (a crash, or a reader's full load, would
+take it for published).
 """
 
 from __future__ import annotations
 
+import math
+import zlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -45,10 +56,17 @@ LOG_ENTRIES = 1 << 20  # 16 MiB of log: a checkpoint once per half a million upd
 _PRIORITIES = "priorities"
 _LOG = "priority_log"
 _TIMES = "times_sampled"
+_MAX = "priority_max"
+_NO_ENTRY = (-1, 0.0)  # (seq, value) of an entry never written, or damaged
 _CHUNK = 4096
 _ATTR_SAMPLER = "sampler"
 _ATTR_RATE_LIMIT = "rate_limit"
 _ATTR_MAX_TIMES = "max_times_sampled"
+
+
+def _create_max(group: h5py.Group) -> None:
+    # Chunked, as every dataset an SWMR reader refreshes must be (a contiguous one fails to).
+    group.create_dataset(_MAX, shape=(2, 3), maxshape=(2, 3), chunks=(2, 3), dtype=np.int64)
 
 
 def read_config(attrs: Mapping[str, Any]) -> SamplingConfig:
@@ -80,6 +98,8 @@ class SamplingFile:
             self._priorities: h5py.Dataset | None = group.get(_PRIORITIES)
             self._log: h5py.Dataset | None = group.get(_LOG)
             self._times: h5py.Dataset | None = group.get(_TIMES)
+            self._max: h5py.Dataset | None = group.get(_MAX)
+        self._max_entries: list[tuple[int, float]] | None = None  # the writer's copy of them (read once)
         #: Entries in the priority log ring.
         self.log_entries = int(self._log.shape[0]) if self._log is not None else LOG_ENTRIES
         if self.config.prioritized and (self._priorities is None or self._log is None):
@@ -99,8 +119,16 @@ class SamplingFile:
             group.create_dataset(_PRIORITIES, shape=(size,), maxshape=(capacity,), chunks=(chunk,), dtype=np.float64,
                                  fillvalue=np.nan)
             group.create_dataset(_LOG, shape=(LOG_ENTRIES, 2), chunks=(min(_CHUNK, LOG_ENTRIES), 2), dtype=np.int64)
+            _create_max(group)
         if config.removes:
             group.create_dataset(_TIMES, shape=(size,), maxshape=(capacity,), chunks=(chunk,), dtype=np.uint32)
+
+    @staticmethod
+    def upgrade(group: h5py.Group) -> None:
+        """The writable-open hook for a file made before the running maximum was kept: a
+        prioritized buffer's group gets its `priority_max` (before SWMR starts)."""
+        if _MAX not in group and read_config(group.attrs).prioritized:
+            _create_max(group)
 
     # ------------------------------------------------------------------ per-row arrays
 
@@ -177,3 +205,54 @@ class SamplingFile:
                 parts.append(read_slice(self._log, 0, n - head))
         entries = parts[0] if len(parts) == 1 else np.concatenate(parts)
         return entries[:, 0].copy(), entries[:, 1].copy().view(np.float64)
+
+    # ------------------------------------------------------------------ the running maximum
+
+    def _read_max_entries(self) -> list[tuple[int, float]]:
+        """(publish seq, value) of both entries; _NO_ENTRY for one never written or damaged."""
+        if self._max is None:
+            return [_NO_ENTRY, _NO_ENTRY]
+        with h5_errors("reading the running maximum priority"):
+            if self._reader:
+                self._max.id.refresh()
+            rows = read_slice(self._max, 0, 2)
+        entries = []
+        for row in rows:
+            intact = int(row[2]) == zlib.crc32(row[:2].tobytes()) and int(row[0]) >= 0
+            entries.append((int(row[0]), float(row[1:2].view(np.float64)[0])) if intact else _NO_ENTRY)
+        return entries
+
+    def read_max(self, seq: int) -> float | None:
+        """The running maximum priority as of publish `seq` (None: the file records none by then)."""
+        entries = self._read_max_entries()
+        if not self._reader:
+            self._max_entries = entries
+        published = [entry for entry in entries if 0 <= entry[0] <= seq]
+        return max(published)[1] if published else None
+
+    def write_max(self, seq: int, value: float) -> None:
+        """Record `value` as the running maximum of publish `seq`, about to be made (see the
+        module doc), unless the newest entry before it holds it already and none is of `seq` or
+        later.
+
+        Raises:
+            StorageError: the file refused it (the publish must not happen).
+        """
+        if self._max is None:
+            return
+        entries = self._max_entries if self._max_entries is not None else self._read_max_entries()
+        self._max_entries = entries
+        before = [k for k in (0, 1) if 0 <= entries[k][0] < seq]
+        newest = max(before, key=lambda k: entries[k][0]) if before else 1
+        other = 1 - newest
+        if before and entries[newest][1] == value and entries[other][0] < seq:
+            return
+        row = np.zeros((1, 3), dtype=np.int64)
+        row[0, 0] = seq
+        row[0, 1:2] = np.array([value], dtype=np.float64).view(np.int64)
+        row[0, 2] = zlib.crc32(row[0, :2].tobytes())
+        entries[other] = (seq, math.nan)  # unknown until the write succeeds: written again next time
+        with h5_errors("writing the running maximum priority"):
+            if not write_rows(self._max, other, row):
+                self._max[other : other + 1] = row
+        entries[other] = (seq, value)

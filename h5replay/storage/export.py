@@ -89,7 +89,8 @@ def export_buffer(
         replay_id=None if new_replay or not buffer.replay_id else buffer.replay_id, **storage_kwargs,
     )
     same = {} if new_replay else {"seq": view.seq, "generation": view.generation}
-    copy.carry_over(inserted=view.inserted, sampled=view.sampled, limit_inserts=False, **same)
+    copy.carry_over(inserted=view.inserted, sampled=view.sampled, limit_inserts=False,
+                    max_priority=buffer.info().get("max_priority"), **same)
     try:
         block = max(1, _BLOCK_BYTES // max(1, buffer.storage.row_bytes))
         done = 0

@@ -331,7 +331,7 @@ class ReplayBuffer:
         """Make the current rows durable, then point the file's state at them (see module doc)."""
         state = self._state.replace(seq=max(self._state.seq, self._published.seq) + 1)
         journal = self._journal_or_raise
-        self._sampling.write_log()  # the priority log entries the new state counts (`plog`)
+        self._sampling.before_publish(state.seq)  # the priority log entries it counts, the running maximum
         journal.publish(state, fsync=fsync)
         self._state = self._published = state
 
@@ -393,7 +393,7 @@ class ReplayBuffer:
             RateLimitedError: the rate limit holds inserts back until more rows are sampled.
         """
         self._require_writable("append")
-        priorities = None if priority is None else check_priorities([priority], 1)
+        priorities = None if priority is None else check_priorities([priority], 1, sampler=self.sampling.sampler)
         self._write_tail(self.storage.encode_one(sample), 1, priorities)
 
     def extend(self, batch: Any, priorities: Any = None) -> None:
@@ -405,7 +405,8 @@ class ReplayBuffer:
         """
         self._require_writable("extend")
         encoded, n = self.storage.encode_batch(batch)
-        self._write_tail(encoded, n, None if priorities is None else check_priorities(priorities, n))
+        given = None if priorities is None else check_priorities(priorities, n, sampler=self.sampling.sampler)
+        self._write_tail(encoded, n, given)
 
     def _write_tail(self, encoded: dict[str, np.ndarray], n: int, priorities: np.ndarray | None) -> None:
         if n == 0:
@@ -441,9 +442,12 @@ class ReplayBuffer:
     mark_segment_end = end_episode
 
     def open_segment_writer(self) -> SegmentWriter:
-        """A streaming writer for one episode; publish it with `commit_segment`."""
+        """A streaming writer for one episode; publish it with `commit_segment`. It checks the
+        priorities it is given against this buffer's sampler as they come."""
         self._require_writable("open a segment writer")
-        return self.storage.open_segment_writer()
+        writer = self.storage.open_segment_writer()
+        writer.sampler = self.sampling.sampler
+        return writer
 
     @property
     def idempotency_window(self) -> int:
@@ -503,7 +507,8 @@ class ReplayBuffer:
             SegmentStateError: the writer belongs to another storage, was already committed or
                 aborted, or is longer than the capacity (it is aborted); or the key is already
                 the key of an episode of another length (the writer is left as it was).
-            ConfigError: the key is not 16 bytes.
+            ConfigError: the key is not 16 bytes, or a priority is beyond the sampler's
+                `priority_limit` (the writer is left open).
             StorageError: HDF5 failed; nothing of the segment is visible.
         """
         self._require_writable("commit a segment")
@@ -540,7 +545,8 @@ class ReplayBuffer:
             SegmentStateError: the writer belongs to another storage or is not open; the lengths do
                 not add up, one is < 1, or they exceed the capacity; or a key is one an episode
                 already has (look keys up with `receipt_for` first). The writer is left open.
-            ConfigError: a key is not 16 bytes, or two are the same.
+            ConfigError: a key is not 16 bytes, or two are the same, or a priority is beyond
+                the sampler's `priority_limit`.
             StorageError: HDF5 failed; nothing of the episodes is visible.
         """
         self._require_writable("commit episodes")
@@ -572,13 +578,15 @@ class ReplayBuffer:
         """Write the writer's rows at the tail (one write) and record them as episodes of
         `lengths` rows with `keys` (all checked); on failure, nothing of them stays."""
         n = sum(lengths)
+        priorities = writer.priorities
+        if priorities is not None:  # a writer opened on the storage itself has not checked them against the sampler
+            check_priorities(priorities, n, missing_ok=True, sampler=self.sampling.sampler)
         self._check_insert(n)
         if self._state.open_start < self._state.end:
             self.end_episode()
         before = self._state
         start = before.end
         undo: list[tuple[int, int]] = []
-        priorities = writer.priorities
         receipts = []
         try:
             self._evict(start + n)
@@ -780,13 +788,17 @@ class ReplayBuffer:
             return reason, False
         return limiter.insert_blocker(rows, s.inserted, s.sampled, held), False
 
-    def carry_over(self, *, inserted: int, sampled: int, limit_inserts: bool, seq: int | None = None,
-                   generation: int | None = None) -> None:
+    def carry_over(self, *, inserted: int, sampled: int, limit_inserts: bool, max_priority: float | None = None,
+                   seq: int | None = None, generation: int | None = None) -> None:
         """Writer: take the rate limiter's counters of the buffer this one copies (an export), and
-        whether inserts are limited meanwhile (rows copied were inserted once already); with
-        `seq` and `generation`, its publish and clear counters too, so the copy's publishes
-        follow the source's (a learner's view of the replay never goes back)."""
+        whether inserts are limited meanwhile (rows copied were inserted once already); its
+        running maximum priority, the default of rows committed without one; with `seq` and
+        `generation`, its publish and clear counters too, so the copy's publishes follow the
+        source's (a learner's view of the replay never goes back)."""
         self._require_writable("carry counters over")
+        if max_priority is not None and self.sampling.prioritized:
+            bound = check_priorities([max_priority], 1, sampler=self.sampling.sampler)[0]
+            self._sampling.max_priority = max(self._sampling.max_priority, float(bound))
         changes = {"inserted": int(inserted), "sampled": int(sampled)}
         if seq is not None:
             changes["seq"] = max(self._state.seq, int(seq))
@@ -902,13 +914,14 @@ class ReplayBuffer:
             How many ids were ignored.
 
         Raises:
-            ConfigError: the sampler keeps no priorities, or a priority is negative, NaN or
-                infinite, or there are not as many priorities as ids (nothing is changed).
+            ConfigError: the sampler keeps no priorities, or a priority is negative, NaN,
+                infinite or beyond the sampler's `priority_limit`, or there are not as many
+                priorities as ids (nothing is changed).
             IndexError: an id was never committed (nothing is changed).
         """
         self._require_writable("update priorities")
         ids = as_row_ids(row_ids)
-        values = check_priorities(priorities, ids.shape[0])
+        values = check_priorities(priorities, ids.shape[0], sampler=self.sampling.sampler)
         if ids.size and int(ids.max()) >= self._state.end:
             raise IndexError(f"row id {int(ids.max())} was never committed: the next row id is {self._state.end}")
         ignored = 0
@@ -925,7 +938,10 @@ class ReplayBuffer:
 
     def _checkpoint_priorities(self) -> None:
         """Write the updated priorities into their dataset and publish that, so the log's older
-        entries may be overwritten."""
+        entries may be overwritten. Every update applied is published first: the dataset never
+        holds a priority no publish counts, which a crash would recover and a reader's full load
+        would read (both load the dataset, then the log from `pckpt`)."""
+        self._publish()
         self._sampling.checkpoint()
         self._state = self._state.replace(pckpt=self._state.plog)
         self._publish()
@@ -990,7 +1006,7 @@ class ReplayBuffer:
             out["priority_updates_ignored"] = sampling.ignored_updates
         if sampling.config.prioritized:
             out["priority_sum"] = sampling.tree.total  # sum of priority ** exponent: what draws divide by
-            if self.is_mutable:
+            if not self._is_reader:  # as of the publish opened (a reader would have to follow it)
                 out["max_priority"] = sampling.max_priority
         return out
 

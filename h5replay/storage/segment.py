@@ -25,7 +25,7 @@ import h5py
 import numpy as np
 
 from h5replay.errors import SegmentStateError, SpaceMismatchError, StorageError
-from h5replay.sampling import check_priorities
+from h5replay.sampling import Sampler, check_priorities
 from h5replay.spaces import LeafSpace, Schema
 from h5replay.storage._h5file import h5_errors
 from h5replay.storage._rowio import read_slice, write_rows
@@ -193,6 +193,9 @@ class SegmentWriter:
         self._state = "open"  # open | committed | aborted | invalid
         self._why_invalid = ""
         self._priorities: np.ndarray | None = None  # per row, NaN where none was given
+        #: The sampler of the buffer this writer will commit to (`ReplayBuffer.open_segment_writer`
+        #: sets it): priorities are checked against its bound as they come. None: only at commit.
+        self.sampler: Sampler | None = None
 
     def __len__(self) -> int:
         return self.length
@@ -224,7 +227,7 @@ class SegmentWriter:
         """Check `priorities` for the next n rows, before anything is stored (None: none given)."""
         if priorities is None:
             return None
-        return check_priorities(priorities, n, missing_ok=missing_ok)
+        return check_priorities(priorities, n, missing_ok=missing_ok, sampler=self.sampler)
 
     def _keep_priorities(self, first: int, values: np.ndarray | None, n: int) -> None:
         if values is None and self._priorities is None:
@@ -261,7 +264,8 @@ class SegmentWriter:
             SpaceMismatchError: the sample does not fit the space (the writer is unchanged); or a
                 value appended earlier in this block is out of its bounds (the writer keeps the
                 rows before it; this sample is not added either).
-            ConfigError: the priority is not a finite number >= 0 (the writer is unchanged).
+            ConfigError: the priority is not a finite number >= 0, or beyond the buffer's bound
+                (`Prioritized.priority_limit`; the writer is unchanged).
             SegmentStateError: the writer was finished, committed or aborted.
         """
         row = self._buffered

@@ -202,6 +202,28 @@ def test_bad_priority_updates_are_refused_and_the_server_keeps_serving(start_ser
         assert len(learner) == 4 and learner.info()["priority_updates"] == 0
 
 
+def test_priorities_whose_weight_would_overflow_are_refused_before_anything_is_written(start_server: Any) -> None:
+    """1e200 ** 2 overflows float64: the sum tree would hold inf and every draw come back with
+    probability 0 and NaN weights. The server refuses it in a push, a push of several episodes
+    and an update, naming the bound; the file is as before and the server keeps serving."""
+    server = start_server(sampling=SamplingConfig(Prioritized(exponent=2.0)))
+    words = r"priority 1 is 1e\+200: its weight priority \*\* exponent \(2\) would exceed 1e\+280"
+    with ActorClient(server.endpoint, timeout=10) as actor, LearnerClient(server.endpoint, timeout=10) as learner:
+        actor.push_episode(episode_rows(1, 0, 4), priorities=[1.0, 2.0, 3.0, 4.0])
+        with pytest.raises(ProtocolError, match=words):
+            actor.push_episode(episode_rows(1, 1, 2), priorities=[1.0, 1e200])
+        with pytest.raises(ProtocolError, match=words.replace("priority 1", "priority 3")):
+            actor.push_episodes([episode_rows(1, 2, 2), episode_rows(1, 3, 2)], priorities=[[1.0, 1.0], [1.0, 1e200]])
+        with pytest.raises(ProtocolError, match=words):
+            learner.update_priorities([0, 1], [1.0, 1e200])
+        assert len(learner) == 4 and learner.info()["priority_updates"] == 0
+        assert learner.info()["priority_sum"] == pytest.approx(1 + 4 + 9 + 16)
+        _, info = learner.sample(64, seed=0, with_info=True)
+        assert np.all(np.isfinite(info.probabilities)) and np.all(np.isfinite(info.importance_weights(0.4)))
+        actor.push_episode(episode_rows(1, 4, 2), priorities=[1e140, 0.0])  # the bound itself is allowed
+        assert len(learner) == 6 and np.isfinite(learner.info()["priority_sum"])
+
+
 def test_pipelined_priority_updates_are_seen_by_the_next_read_and_their_refusals_raise_there(
         start_server: Any, caplog: Any) -> None:
     """update_priorities(wait=False) returns at once with several updates travelling; the next read

@@ -110,7 +110,11 @@ def test_export_keeps_ids(tmp_path):
     assert copy.episodes() == episodes
     np.testing.assert_array_equal(copy.get_at(slice(None)), rows)
     np.testing.assert_array_equal(copy.get_rows([e.first_row_id for e in episodes]), [10, 20, 30, 40][-len(episodes):])
-    assert copy.replay_id != ReplayBuffer.load_from(tmp_path / "a.h5").replay_id
+    with ReplayBuffer.load_from(tmp_path / "a.h5") as source:
+        assert copy.replay_id == source.replay_id  # the same replay: clients of the source go on with it
+        export_file(tmp_path / "a.h5", tmp_path / "c.h5", new_replay=True)
+        with ReplayBuffer.load_from(tmp_path / "c.h5") as other:
+            assert other.replay_id != source.replay_id and other.episodes() == episodes
     copy.close()
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import h5py
 import numpy as np
 import pytest
 
@@ -15,7 +16,7 @@ from h5replay.errors import (
     RateLimitedError,
     ReadOnlyError,
 )
-from h5replay.sampling import Fifo, Lifo, Prioritized, RateLimit, SamplingConfig, Uniform
+from h5replay.sampling import Fifo, Lifo, Prioritized, RateLimit, SamplingConfig, Uniform, sampler_from_json
 from h5replay.storage import BoxSpace, ReplayBuffer, _sampling_file, export_buffer
 from h5replay.storage._sumtree import SumTree
 
@@ -228,6 +229,141 @@ def test_every_priority_zero_is_not_enough_data(tmp_path: os.PathLike[str]) -> N
         fill(rb, [0.0, 0.0])
         with pytest.raises(NotEnoughDataError, match="priority 0"):
             rb.sample(1)
+
+
+# ---------------------------------------------------------------------------------------------- bounded weights
+
+
+@pytest.mark.parametrize(("exponent", "huge", "shown"), [(2.0, 1e200, "1e\\+200"), (1.0, 1.7e308, "1.7e\\+308")],
+                         ids=["1e200 squared", "1.7e308 twice"])
+def test_a_priority_whose_weight_would_overflow_is_refused_by_every_way_in(
+    tmp_path: os.PathLike[str], exponent: float, huge: float, shown: str
+) -> None:
+    """priority ** exponent past MAX_WEIGHT would make the sum tree's total inf (every draw then
+    returned the last row with probability 0 and NaN importance weights): refused, naming the
+    value, the exponent and the bound, and nothing changes."""
+    words = f"priority 1 is {shown}: its weight priority \\*\\* exponent \\({exponent:g}\\) would exceed 1e\\+280"
+    with make(tmp_path, sampler=Prioritized(exponent)) as rb:
+        fill(rb, [1.0, 2.0, 3.0])
+        with pytest.raises(ConfigError, match=words):
+            rb.update_priorities([0, 1], [1.0, huge])
+        with pytest.raises(ConfigError, match=words):
+            rb.extend(np.arange(3, 5), priorities=[1.0, huge])
+        with pytest.raises(ConfigError, match=words.replace("priority 1", "priority 0")):
+            rb.append(np.int64(3), priority=huge)
+        writer = rb.open_segment_writer()
+        writer.append(np.int64(3), priority=1.0)
+        with pytest.raises(ConfigError, match=words.replace("priority 1", "priority 0")):
+            writer.append(np.int64(4), priority=huge)
+        with pytest.raises(ConfigError, match=words):
+            writer.extend(np.arange(4, 6), priorities=[1.0, huge])
+        assert len(writer) == 1 and writer.state == "open"
+        writer.abort()
+        plain = rb.storage.open_segment_writer()  # knows no sampler: refused at the commit, left open
+        plain.extend(np.arange(3, 5), priorities=[1.0, huge])
+        for commit in (lambda: rb.commit_segment(plain), lambda: rb.commit_episodes(plain, [1, 1])):
+            with pytest.raises(ConfigError, match=words):
+                commit()
+            assert plain.state == "open"
+        plain.abort()
+        assert len(rb) == 3 and rb.priorities([0, 1, 2]).tolist() == [1.0, 2.0, 3.0]
+        assert rb.info()["priority_updates"] == 0 and rb.info()["max_priority"] == 3.0
+        # The bound itself is allowed, for every row at once: the total stays finite.
+        limit = Prioritized(exponent).priority_limit
+        assert rb.update_priorities([0, 1, 2], [limit] * 3) == 0
+        total = rb.info()["priority_sum"]
+        assert np.isfinite(total) and total == pytest.approx(3 * limit**exponent)
+        _, info = rb.sample(64, np.random.default_rng(0), with_info=True)
+        assert np.allclose(info.probabilities, 1 / 3) and np.all(np.isfinite(info.importance_weights(0.4)))
+
+
+def test_initial_priority_is_bounded_by_its_exponent() -> None:
+    with pytest.raises(ConfigError, match="initial_priority 1e\\+200: its weight .* at most 1e\\+140"):
+        Prioritized(exponent=2.0, initial_priority=1e200)
+    with pytest.raises(ConfigError, match="would exceed 1e\\+280"):
+        sampler_from_json('{"kind": "prioritized", "exponent": 1.0, "initial_priority": 1e300}')
+    assert Prioritized(exponent=1.0, initial_priority=1e280).priority_limit == 1e280
+    # Exponent 0 (and small ones): every finite priority's weight is within the bound.
+    assert Prioritized(exponent=0.0, initial_priority=1.7e308).priority_limit == float("inf")
+    assert Prioritized(exponent=0.5).priority_limit == float("inf")
+
+
+def test_exponent_zero_draws_every_row_alike_whatever_its_priority(tmp_path: os.PathLike[str]) -> None:
+    """0 ** 0 is 1 (as in Reverb): with exponent 0 a priority of 0 is drawn like any other."""
+    with make(tmp_path, sampler=Prioritized(exponent=0.0)) as rb:
+        fill(rb, [0.0, 1.7e308, 5.0])
+        _, info = rb.sample(32, np.random.default_rng(0), with_info=True)
+        assert rb.info()["priority_sum"] == 3.0 and np.allclose(info.probabilities, 1 / 3)
+
+
+def test_a_draw_without_replacement_after_a_huge_weight_keeps_probabilities(tmp_path: os.PathLike[str]) -> None:
+    """The weight left before the second pick cancels to 0 in float64 (1e280 - 1e280): its
+    probability must still be at most 1 (it is 1: the only row left), never inf or NaN."""
+    with make(tmp_path, sampler=Prioritized(exponent=1.0), max_times_sampled=1) as rb:
+        fill(rb, [1e280, 1.0])
+        batch, info = rb.sample(2, np.random.default_rng(0), with_info=True)
+        assert sorted(batch.tolist()) == [0, 1]
+        assert np.all(np.isfinite(info.probabilities)) and np.all((info.probabilities > 0) & (info.probabilities <= 1))
+
+
+def test_priorities_in_a_file_beyond_the_bound_are_clipped_when_read(tmp_path: os.PathLike[str]) -> None:
+    """A file holding a priority past the bound (written by hand, or damaged) cannot make the
+    tree's total inf either: a value read from the file is clipped to the bound."""
+    path = os.path.join(tmp_path, "b.h5")
+    with ReplayBuffer.create(SPACE, 10, path, sampler=Prioritized(exponent=2.0)) as rb:
+        fill(rb, [1.0, 2.0, 3.0])
+    with h5py.File(path, "r+") as f:
+        f["_h5replay/replay/priorities"][1] = 1e200
+    for read_only in (True, False):
+        with ReplayBuffer.load_from(path, read_only=read_only) as rb:
+            assert rb.priorities([0, 1, 2]).tolist() == [1.0, 1e140, 3.0]
+            assert np.isfinite(rb.info()["priority_sum"])
+            _, info = rb.sample(16, np.random.default_rng(0), with_info=True)
+            assert np.all(np.isfinite(info.probabilities)) and np.all(info.probabilities > 0)
+
+
+# ---------------------------------------------------------------------------------------------- the running maximum
+
+
+def test_the_running_maximum_priority_survives_a_reopen_and_an_export(tmp_path: os.PathLike[str]) -> None:
+    """With initial_priority None a row committed without one gets the largest priority seen so
+    far, held or not: the file keeps it (it used to be the largest held after a reopen)."""
+    path = os.path.join(tmp_path, "b.h5")
+    with ReplayBuffer.create(SPACE, 10, path, sampler=Prioritized(exponent=1.0)) as rb:
+        fill(rb, [1.0, 2.0])
+        rb.update_priorities([0], [50.0])
+        rb.update_priorities([0], [1.0])  # 50 is held no more
+        assert rb.info()["max_priority"] == 50.0
+    with ReplayBuffer.load_from(path, read_only=True) as rb:
+        assert rb.info()["max_priority"] == 50.0
+    with ReplayBuffer.load_from(path, read_only=False) as rb:
+        assert rb.info()["max_priority"] == 50.0
+        rb.append(np.int64(2))
+        rb.end_episode()
+        assert rb.priorities([2]).tolist() == [50.0]
+        rb.update_priorities([2], [0.5])
+    with ReplayBuffer.load_from(path, read_only=False) as rb:
+        assert rb.info()["max_priority"] == 50.0 and rb.priorities([0, 1, 2]).tolist() == [1.0, 2.0, 0.5]
+        export_buffer(rb, os.path.join(tmp_path, "copy.h5"))
+    with ReplayBuffer.load_from(os.path.join(tmp_path, "copy.h5"), read_only=False) as copy:
+        assert copy.info()["max_priority"] == 50.0
+        copy.append(np.int64(3))
+        assert copy.priorities([3]).tolist() == [50.0]
+
+
+def test_a_file_made_before_the_running_maximum_gets_it_at_its_first_writable_open(tmp_path: os.PathLike[str]) -> None:
+    path = os.path.join(tmp_path, "b.h5")
+    with ReplayBuffer.create(SPACE, 10, path, sampler=Prioritized(exponent=1.0)) as rb:
+        fill(rb, [1.0, 4.0])
+    with h5py.File(path, "r+") as f:
+        del f["_h5replay/replay/priority_max"]  # as a file made before it
+    with ReplayBuffer.load_from(path, read_only=True) as rb:
+        assert rb.info()["max_priority"] == 4.0  # the largest held stands in
+    with ReplayBuffer.load_from(path, read_only=False) as rb:
+        assert rb.info()["max_priority"] == 4.0
+        rb.update_priorities([1, 1], [9.0, 1.0])
+    with ReplayBuffer.load_from(path, read_only=False) as rb:
+        assert rb.info()["max_priority"] == 9.0
 
 
 # ---------------------------------------------------------------------------------------------- settings
