@@ -35,7 +35,7 @@ from h5replay.client._shards import ShardedLearner
 from h5replay.config import DEFAULT_ENDPOINT, ClientConfig, process_name
 from h5replay.errors import ClosedError, ConfigError, ProtocolError, ServerUnavailableError
 from h5replay.records import Episode, SampleInfo
-from h5replay.sampling import check_priorities, rows_at_once
+from h5replay.sampling import Prioritized, Sampler, check_priorities, rows_at_once
 from h5replay.spaces import Schema, Space, space_from_json
 
 log = logging.getLogger("h5replay.client")
@@ -171,6 +171,14 @@ class LearnerClient:
         self._samples: Connection = self._conn if hello.sampling.get("writer_samples") else self._reads
         self._consuming = self._samples is not self._reads
         self._removes = bool(hello.sampling.get("max_times_sampled"))
+        # The server's sampler as far as priorities go: its exponent bounds each priority, checked
+        # here too, so that updates merged into one message are refused only all for one reason.
+        self._sampler: Sampler | None = None
+        if hello.sampling.get("sampler") == "prioritized":
+            try:
+                self._sampler = Prioritized(hello.sampling.get("priority_exponent"))  # type: ignore[arg-type]
+            except ConfigError:
+                self._sampler = None  # a description that is no sampler: the server checks alone
         self._kept = Kept()
         # A priority update's reply waits for the publish carrying it: up to the server's interval.
         interval = hello.sampling.get("priority_publish_interval", 0.0)
@@ -685,7 +693,7 @@ class LearnerClient:
         if self._router is not None:
             return self._router.update_priorities(row_ids, priorities)
         ids = _integer_array(row_ids, "row ids")
-        values = check_priorities(priorities, ids.shape[0])
+        values = check_priorities(priorities, ids.shape[0], sampler=self._sampler)
         if ids.size and int(ids.min()) < 0:
             raise IndexError(f"row id {int(ids.min())} is negative; row ids count from 0")
         if not wait:

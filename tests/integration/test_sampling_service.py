@@ -490,3 +490,23 @@ def test_updates_made_while_others_travel_leave_merged_in_call_order(start_serve
         assert messages < calls / 2, f"{messages} messages for {calls} updates: nothing was merged"
         assert after["priority_updates"] - before["priority_updates"] == calls
         assert learner.ignored_priority_updates == 0
+
+
+def test_a_priority_beyond_the_bound_is_refused_by_the_learner_before_it_joins_a_merged_message(
+    start_server: Any,
+) -> None:
+    """Updates made with wait=False leave merged: one the server would refuse (its weight would
+    overflow the sum tree) must be refused at the call, or it would take the others with it."""
+    server = start_server(sampling=SamplingConfig(Prioritized(exponent=1.0)))
+    with ActorClient(server.endpoint, timeout=10) as actor:
+        actor.push_episode(episode_rows(1, 0, 8), priorities=np.ones(8))
+    with LearnerClient(server.endpoint, timeout=10) as learner:
+        learner.sample(8, seed=0)
+        learner.update_priorities([0], [0.0], wait=False)
+        with pytest.raises(ConfigError, match="would exceed"):
+            learner.update_priorities([1], [1e300], wait=False)
+        learner.update_priorities([2], [0.0], wait=False)
+        learner.flush_priorities()
+        _, info = learner.sample(1000, seed=1, with_info=True)
+        assert not set(info.row_ids.tolist()) & {0, 2}, "the updates around the refused one were lost"
+        assert learner.info()["priority_updates"] == 2
