@@ -39,7 +39,7 @@ from h5replay import protocol as P
 from h5replay.config import ServerConfig
 from h5replay.errors import AccessDeniedError, LimitExceededError, ProtocolError, ServerUnavailableError
 from h5replay.server.auth import RoleAuthenticator, server_keys
-from h5replay.server.guard import MONITOR_EVENTS, Budgets, ConnectionGuard
+from h5replay.server.guard import MONITOR_EVENTS, Budgets, ConnectionGuard, max_connections
 from h5replay.server.handlers import READ_KINDS, read_reply, reply_rows
 from h5replay.server.sockets import Started, bound_endpoint, configure_router
 from h5replay.storage.replay_buffer import ReplayBuffer
@@ -101,7 +101,8 @@ class _Learners:
             self.auth.start()
         self.sock = ctx.socket(zmq.ROUTER)
         configure_router(self.sock, config, server_keys(config.auth_dir) if config.auth_dir else None, mandatory=False)
-        self.guard = ConnectionGuard(Budgets(*config.byte_budgets()), name=name)
+        self.guard = ConnectionGuard(Budgets(*config.byte_budgets()), name=name,
+                                     max_connections=max_connections(config.limits.max_clients))
         self.guard.watch(self.sock.get_monitor_socket(MONITOR_EVENTS))  # before the bind: every connection
         self.guard.start()
         _bind_when_free(self.sock, config.resolved_read_bind)

@@ -41,7 +41,7 @@ from h5replay.config import ServerConfig
 from h5replay.errors import AccessDeniedError, ConfigError
 from h5replay.sampling import SamplingConfig
 from h5replay.server.auth import RefusalLog, RoleAuthenticator, handshake_failure, server_keys
-from h5replay.server.guard import MONITOR_EVENTS, Budgets, ConnectionGuard
+from h5replay.server.guard import MONITOR_EVENTS, Budgets, ConnectionGuard, max_connections, raise_descriptor_limit
 from h5replay.server.handlers import READ_KINDS, WRITE_KINDS, Service
 from h5replay.server.metrics import Metrics
 from h5replay.server.readers import ReaderPool
@@ -167,7 +167,9 @@ class Server:
                 kind, message = handshake_failure(event, value, endpoint, auth.directory)
                 refusals.refused(kind, endpoint, message)
 
-        guard = self._guard = ConnectionGuard(Budgets(*config.byte_budgets()), name="writer", refused=refused)
+        raise_descriptor_limit()  # before any socket; the reader processes inherit it
+        guard = self._guard = ConnectionGuard(Budgets(*config.byte_budgets()), name="writer", refused=refused,
+                                              max_connections=max_connections(config.limits.max_clients))
         try:
             if config.auth_dir is not None:  # before the bind: no connection may skip the key check
                 auth = RoleAuthenticator(ctx, config.auth_dir)
