@@ -44,7 +44,7 @@ from h5replay.server.auth import RefusalLog, RoleAuthenticator, handshake_failur
 from h5replay.server.guard import MONITOR_EVENTS, Budgets, ConnectionGuard, max_connections, raise_descriptor_limit
 from h5replay.server.handlers import READ_KINDS, WRITE_KINDS, Service
 from h5replay.server.metrics import Metrics
-from h5replay.server.readers import ReaderPool
+from h5replay.server.readers import FileIdentity, ReaderPool
 from h5replay.server.sockets import Started, bound_endpoint, configure_router
 from h5replay.storage.replay_buffer import ReplayBuffer
 
@@ -186,7 +186,7 @@ class Server:
             buffer = open_buffer(config)
             bound_config = config.replace(bind=bind)  # what readers name when a client comes to the wrong door
             if config.num_readers:  # one binds the learners' endpoint, or a front before several
-                readers = ReaderPool(bound_config, tmpdir, instance_id=self.instance_id)
+                readers = ReaderPool(bound_config, tmpdir, instance_id=self.instance_id, identity=FileIdentity.of(buffer))
                 read_bound = readers.endpoint
             else:
                 read_bound = bind  # the writer serves reads itself, on its own endpoint
