@@ -47,7 +47,7 @@ import zmq
 from h5replay import protocol as P
 from h5replay.config import ServerConfig
 from h5replay.errors import AccessDeniedError, LimitExceededError, ProtocolError, ServerUnavailableError, StorageError
-from h5replay.server.auth import RoleAuthenticator, server_keys
+from h5replay.server.auth import RefusalLog, RoleAuthenticator, server_keys
 from h5replay.server.guard import MONITOR_EVENTS, Budgets, ConnectionGuard, max_connections
 from h5replay.server.handlers import READ_KINDS, read_reply, reply_rows
 from h5replay.server.sockets import Started, bound_endpoint, configure_router
@@ -435,6 +435,8 @@ class ReaderPool:
         self._config = config
         self._identity = identity  # the file the writer holds: readers check they opened it
         self._path_seen: bool | None = True  # whether the path led to it when last looked at
+        self._unstarted: set[int] = set()  # processes whose restart the system refused (tried again)
+        self._trouble = RefusalLog()
         #: The learners' endpoint as bound by the front (or the single reader) once it started:
         #: replacements bind the same port, even when the configured one was 0.
         self.endpoint = config.resolved_read_bind
@@ -493,7 +495,9 @@ class ReaderPool:
 
     def revive(self) -> int:
         """Restart processes that died, and replace those that stopped answering (no beat for
-        `reader_timeout` seconds: stopped, or stuck); returns how many were restarted."""
+        `reader_timeout` seconds: stopped, or stuck); returns how many were restarted. A restart
+        the system refuses (out of descriptors, processes or memory) is tried again at the next
+        call, and logged now and then: it fails that reader, never the writer."""
         self._check_path()
         restarted = 0
         now = time.monotonic()
@@ -504,10 +508,18 @@ class ReaderPool:
                             self._name(index), silent)
                 proc.kill()
                 proc.join(1)
-            elif not proc.is_alive():
+            elif not proc.is_alive() and index not in self._unstarted:
                 log.warning("%s exited with code %s; restarting it", self._name(index), proc.exitcode)
             if not proc.is_alive():
-                self._spawn(index, wait=False)
+                try:
+                    self._spawn(index, wait=False)
+                except OSError as exc:
+                    self._unstarted.add(index)
+                    self._trouble.refused(f"spawn {exc.errno}", self._name(index), (
+                        f"cannot start {self._name(index)} ({exc.strerror or exc}); trying again every second "
+                        "(reads that need it fail meanwhile)"))
+                    continue
+                self._unstarted.discard(index)
                 restarted += 1
         return restarted
 

@@ -16,6 +16,7 @@ import errno
 import logging
 import os
 import shutil
+import signal
 import socket
 import time
 from collections.abc import Iterator
@@ -25,10 +26,11 @@ from typing import Any
 import pytest
 import zmq
 import zmq.auth
-from fault_helpers import FewDescriptorsServer
+from fault_helpers import FewDescriptorsServer, file_holders
 from service_helpers import episode_rows, server_config, wait_until
 
 from h5replay.client import ActorClient, LearnerClient
+from h5replay.errors import ServerUnavailableError
 from h5replay.server import guard
 from h5replay.server.auth import ACTOR, LEARNER, RoleAuthenticator, generate_keys
 
@@ -127,6 +129,33 @@ def test_a_connection_whose_descriptor_cannot_be_duplicated_keeps_its_byte_budge
         assert server.process.is_alive()
         with ActorClient(server.endpoint, timeout=10) as actor:
             assert actor.push_episode(episode_rows(3, 0, 5)).length == 5
+
+
+@pytest.mark.timeout(90)
+def test_a_reader_the_system_will_not_restart_fails_its_reads_never_the_writer(tmp_path):
+    """A reader restart that hit EMFILE (no pipe for the new process) raised out of the writer's
+    loop: the writer died. Now that reader is tried again every second, and the writer serves on."""
+    path, no_pipes = tmp_path / "rb.h5", tmp_path / "no-pipes"
+    with FewDescriptorsServer(server_config(path, num_readers=1), no_pipes_while=str(no_pipes)) as server:
+        with ActorClient(server.endpoint, timeout=10) as actor:
+            actor.push_episode(episode_rows(4, 0, 5))
+            assert wait_until(lambda: len(file_holders(server.pid, path)) == 1, timeout=10)
+            no_pipes.touch()
+            for pid in file_holders(server.pid, path):
+                os.kill(pid, signal.SIGKILL)
+            time.sleep(2.5)  # two restarts refused
+            assert server.process.is_alive(), f"the writer died (exit code {server.process.exitcode})"
+            assert actor.push_episode(episode_rows(4, 1, 5)).length == 5
+        no_pipes.unlink()
+        with LearnerClient(server.endpoint, timeout=2) as learner:
+            assert wait_until(lambda: _samples(learner), timeout=20), "the reader never came back"
+
+
+def _samples(learner: LearnerClient) -> bool:
+    try:
+        return learner.sample(4)["step"].shape == (4,)
+    except ServerUnavailableError:
+        return False
 
 
 # ---------------------------------------------------------------- key reloads that cannot read

@@ -8,33 +8,18 @@ Real servers with reader processes on 127.0.0.1; the reader is SIGKILLed, as a c
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import time
-from pathlib import Path
 
 import pytest
-from fault_helpers import children_of
+from fault_helpers import file_holders
 from service_helpers import EPISODE_SPACE, episode_rows, server_config, wait_until
 
 from h5replay.client import ActorClient, LearnerClient
 from h5replay.errors import ServerUnavailableError, StorageError
 from h5replay.server import ServerProcess
 from h5replay.storage import ReplayBuffer
-
-
-def _holders_of(server: ServerProcess, path: Path) -> list[int]:
-    """The server's child processes with `path` open (its readers, not the front)."""
-    found = []
-    for pid in children_of(server.pid):
-        with contextlib.suppress(OSError):
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                with contextlib.suppress(OSError):
-                    if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(str(path)):
-                        found.append(pid)
-                        break
-    return found
 
 
 @pytest.mark.timeout(120)
@@ -49,8 +34,8 @@ def test_a_reader_restarted_after_the_file_was_replaced_never_serves_the_other_f
     with ServerProcess(config, timeout=60) as server:
         with ActorClient(server.endpoint, timeout=10) as actor:
             actor.push_episode(episode_rows(1, 0, 50))
-        assert wait_until(lambda: len(_holders_of(server, path)) == readers, timeout=10)
-        pids = _holders_of(server, path)
+        assert wait_until(lambda: len(file_holders(server.pid, path)) == readers, timeout=10)
+        pids = file_holders(server.pid, path)
         assert len(pids) == readers, pids
         with LearnerClient(server.endpoint, timeout=2) as learner:
             assert set(learner.sample(16)["actor"].tolist()) == {1}
