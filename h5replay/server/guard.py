@@ -346,7 +346,10 @@ class ConnectionGuard:
                 continue
             with _borrowed(fd) as sock:
                 if sock is None:
-                    continue  # closed meanwhile (its close event is on the way): looked at again next time
+                    # Closed: its close event is on the way, or was lost (the monitor drops events
+                    # when the guard falls behind), and a stale entry must not count as open.
+                    self._connections.pop(fd, None)
+                    continue
                 if not _is_tcp(sock):
                     conn.unguarded = True  # ipc: local, no TCP counters
                     continue
