@@ -8,14 +8,16 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 import time
+import typing
 from collections.abc import Sequence
 from typing import Any
 
 from h5replay import __version__
-from h5replay.config import DEFAULT_ENDPOINT, ServerConfig
+from h5replay.config import DEFAULT_ENDPOINT, MAX_SECONDS, ServerConfig, check_seconds
 from h5replay.errors import ConfigError, H5ReplayError
 
 __all__ = ["main", "build_parser"]
@@ -25,6 +27,14 @@ log = logging.getLogger("h5replay")
 
 class UsageError(Exception):
     """Bad usage: exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage error in one line (as every other error here) instead of the whole
+    usage block, which buries the one line that says what is wrong."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
 
 
 def _int_at_least(lowest: int) -> Any:
@@ -51,30 +61,48 @@ def _byte_size(text: str) -> int:
         number, unit = number[:-1], number[-1]
     try:
         value = int(float(number) * units[unit])
-    except ValueError:
+    except (ValueError, OverflowError):  # not a number, NaN, or infinite
         raise argparse.ArgumentTypeError(f"{text!r} is not a size in bytes (e.g. 500M, 1G)") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
     return value
 
 
-def _seconds(text: str) -> float:
+def _number(text: str) -> float:
+    """A finite float: NaN and infinities are refused here, not deep inside the server."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number")
+    return value
+
+
+def _seconds(text: str, zero: bool = False) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be > 0 seconds")
+    try:
+        check_seconds("the value", value, zero=zero)
+    except ConfigError:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number of seconds {'>=' if zero else '>'} 0, "
+                                         f"at most {MAX_SECONDS:g}") from None
     return value
 
 
+def _seconds_or_zero(text: str) -> float:
+    return _seconds(text, zero=True)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="h5replay", description="An HDF5 experience store for reinforcement learning.")
+    parser = _Parser(prog="h5replay", description="An HDF5 experience store for reinforcement learning.")
     parser.add_argument("--version", action="version", version=f"h5replay {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
     # Every subcommand takes --debug too, so it works after the subcommand's name as well; SUPPRESS
     # leaves the value of a --debug given before the name in place.
-    common = argparse.ArgumentParser(add_help=False)
+    common = _Parser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks and debug logs")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
@@ -106,19 +134,19 @@ def build_parser() -> argparse.ArgumentParser:
     sampling = serve.add_argument_group("sampling (a new file; an existing one keeps its own)")
     sampling.add_argument("--sampler", choices=("uniform", "prioritized", "fifo", "lifo"),
                           help="how rows are drawn (default uniform)")
-    sampling.add_argument("--priority-exponent", type=float, metavar="A",
+    sampling.add_argument("--priority-exponent", type=_number, metavar="A",
                           help="prioritized: probability ~ priority ** A (default 0.6)")
-    sampling.add_argument("--initial-priority", type=float, metavar="P",
+    sampling.add_argument("--initial-priority", type=_number, metavar="P",
                           help="prioritized: the priority of a row given none (default: the largest so far)")
     sampling.add_argument("--min-size-to-sample", type=_positive_int, metavar="N",
                           help="samples wait until N rows are held (Reverb's MinSize)")
-    sampling.add_argument("--samples-per-insert", type=float, metavar="R",
+    sampling.add_argument("--samples-per-insert", type=_number, metavar="R",
                           help="keep rows sampled / rows inserted near R (Reverb's SampleToInsertRatio)")
-    sampling.add_argument("--error-buffer", type=float, metavar="E",
+    sampling.add_argument("--error-buffer", type=_number, metavar="E",
                           help="how far sampling may run ahead of or behind R (with --samples-per-insert)")
     sampling.add_argument("--max-times-sampled", type=_non_negative_int, metavar="K",
                           help="a row sampled K times is removed (fifo and 1: a queue; default 0: never)")
-    sampling.add_argument("--priority-publish-interval", type=float, default=0.0, metavar="S",
+    sampling.add_argument("--priority-publish-interval", type=_seconds_or_zero, default=0.0, metavar="S",
                           help="let priority updates wait up to S seconds for a publish (fewer flushes, e.g. "
                                "with --fsync; a SIGKILL loses at most that long of them; default 0: every pass)")
     serve.add_argument("--idempotency-window", type=_positive_int, metavar="N",
@@ -188,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     learner.add_argument("endpoint", metavar="ENDPOINT", nargs="+",
                          help="the server's endpoint; several: shards, the learner samples all of them")
     learner.add_argument("--batch-size", type=_positive_int, default=256)
-    learner.add_argument("--seconds", type=float, default=0.0, help="how long to run (0: until SIGTERM)")
+    learner.add_argument("--seconds", type=_seconds_or_zero, default=0.0, help="how long to run (0: until SIGTERM)")
     learner.add_argument("--report-every", type=_seconds, default=5.0)
     client_keys(learner)
 

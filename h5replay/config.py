@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import math
+import numbers
 import os
+import re
 import socket
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,22 +19,75 @@ from h5replay.errors import ConfigError
 from h5replay.protocol import DEFAULT_LIMITS, Limits
 from h5replay.sampling import SamplingConfig
 
-__all__ = ["ServerConfig", "ClientConfig", "DEFAULT_ENDPOINT", "read_endpoint_for"]
+__all__ = ["ServerConfig", "ClientConfig", "DEFAULT_ENDPOINT", "MAX_SECONDS", "read_endpoint_for", "check_endpoint", "check_seconds"]
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5555"
+#: The longest duration a setting may take (about three years): anything longer is a typo, and
+#: the timers that take these (setitimer, libzmq's int milliseconds) overflow not far beyond.
+MAX_SECONDS = 1e8
+_MAX_HEARTBEAT_SECONDS = 6553.0  # libzmq's ZMQ_HEARTBEAT_TTL holds at most 6553.599 s
+_MAX_CLIENT_SECONDS = 1e6  # a client's timeout goes to libzmq as int milliseconds (at most ~24 days)
+_MAX_READERS = 1024
+_MAX_ROWS = 1 << 62  # row and episode ids are int64: a capacity or a key window beyond is no size
+_MAX_QUEUED = 1 << 20  # max_in_flight becomes a libzmq high-water mark, an int
+_PORT = re.compile(r"[0-9]+")
+
+
+def check_endpoint(endpoint: Any, name: str, *, any_port: bool = False) -> None:
+    """Raise ConfigError unless `endpoint` is ipc://PATH or tcp://HOST:PORT with a port up to
+    65535 (0, any free port, only where `any_port`: a bind). libzmq itself takes a larger port
+    modulo 65536, binding a port nobody asked for.
+
+    Raises:
+        ConfigError: the message names the setting (`name`), the endpoint and what is wrong.
+    """
+    example = "e.g. tcp://127.0.0.1:5555 or ipc:///tmp/h5replay.sock"
+    if not isinstance(endpoint, str):
+        raise ConfigError(f"{name} must be an endpoint string ({example}), got {endpoint!r}")
+    if endpoint.startswith("ipc://"):
+        if endpoint == "ipc://":
+            raise ConfigError(f"{name} {endpoint!r} names no path ({example})")
+        return
+    if not endpoint.startswith("tcp://"):
+        raise ConfigError(f"{name} {endpoint!r} must start with tcp:// or ipc:// ({example})")
+    host, _, port = endpoint[len("tcp://") :].rpartition(":")
+    lowest = 0 if any_port else 1
+    if not host or not _PORT.fullmatch(port) or not lowest <= int(port) <= 65535:
+        raise ConfigError(f"{name} {endpoint!r} needs a host and a port from {lowest} to 65535"
+                          f"{' (0: any free one)' if any_port else ''}, {example}")
+
+
+def check_seconds(name: str, value: Any, *, zero: bool = False, most: float = MAX_SECONDS) -> None:
+    """Raise ConfigError unless `value` is a finite number of seconds above 0 (or 0 itself, with
+    `zero`) and at most `most`: NaN, infinities and bools are refused."""
+    number = float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else math.nan
+    if not math.isfinite(number) or not (0 <= number if zero else 0 < number) or number > most:
+        raise ConfigError(f"{name} must be a finite number of seconds {'>=' if zero else '>'} 0 and <= {most:g}, "
+                          f"got {value!r}")
+
+
+def _check_int(name: str, value: Any, lowest: int, highest: int | None = None, *, none: bool = False) -> None:
+    """Raise ConfigError unless `value` is an int (not a bool) in [lowest, highest], or None with `none`."""
+    if none and value is None:
+        return
+    number = int(value) if isinstance(value, numbers.Integral) and not isinstance(value, bool) else None
+    if number is None or number < lowest or (highest is not None and number > highest):
+        bound = f">= {lowest}" if highest is None else f">= {lowest} and <= {highest}"
+        raise ConfigError(f"{name} must be an int {bound}{' or None' if none else ''}, got {value!r}")
 
 
 def read_endpoint_for(endpoint: str) -> str:
     """The learners' endpoint next to a writer endpoint: the next TCP port (port 0, any free port,
-    stays 0), or `<path>.read` for ipc."""
+    stays 0), or `<path>.read` for ipc.
+
+    Raises:
+        ConfigError: `endpoint` is not a bind endpoint (see `check_endpoint`).
+    """
+    check_endpoint(endpoint, "endpoint", any_port=True)
     if endpoint.startswith("ipc://"):
         return endpoint + ".read"
-    if endpoint.startswith("tcp://"):
-        host, _, port = endpoint[len("tcp://") :].rpartition(":")
-        if not port.isdigit():
-            raise ConfigError(f"endpoint {endpoint!r} needs an explicit port (0: any free one), e.g. tcp://127.0.0.1:5555")
-        return f"tcp://{host}:{int(port) + 1 if int(port) else 0}"
-    raise ConfigError(f"endpoint {endpoint!r} must start with tcp:// or ipc://")
+    host, _, port = endpoint[len("tcp://") :].rpartition(":")
+    return f"tcp://{host}:{int(port) + 1 if int(port) else 0}"
 
 
 def is_loopback_host(host: str) -> bool:
@@ -124,36 +180,42 @@ class ServerConfig:
     idempotency_window: int | None = None
 
     def __post_init__(self) -> None:
-        if self.idempotency_window is not None and (
-                type(self.idempotency_window) is not int or self.idempotency_window < 1):
-            raise ConfigError(f"idempotency_window must be an int >= 1 (episodes) or None, got {self.idempotency_window!r}")
-        if self.num_readers < 0:
-            raise ConfigError(f"num_readers must be >= 0, got {self.num_readers}")
+        _check_int("capacity", self.capacity, 1, _MAX_ROWS, none=True)
+        _check_int("idempotency_window", self.idempotency_window, 1, _MAX_ROWS, none=True)
+        _check_int("num_readers", self.num_readers, 0, _MAX_READERS)
         if self.num_readers and not self.multiprocessing:
             raise ConfigError("reader processes need multiprocessing=True (SWMR); use num_readers=0")
-        for name in ("heartbeat_interval", "heartbeat_timeout", "session_timeout", "idle_timeout", "open_timeout",
-                     "reader_timeout"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
-        if not 0 <= self.priority_publish_interval <= 1:
-            raise ConfigError(f"priority_publish_interval must be between 0 and 1 second, got "
-                              f"{self.priority_publish_interval!r}")
-        if self.max_in_flight < 1:
-            raise ConfigError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
+        for name in ("session_timeout", "idle_timeout", "open_timeout", "reader_timeout"):
+            check_seconds(name, getattr(self, name))
+        # In whole milliseconds to libzmq: below 1 ms a heartbeat would be off.
+        for name in ("heartbeat_interval", "heartbeat_timeout"):
+            check_seconds(name, getattr(self, name), most=_MAX_HEARTBEAT_SECONDS)
+            if getattr(self, name) < 1e-3:
+                raise ConfigError(f"{name} must be at least 0.001 seconds (libzmq counts milliseconds), got "
+                                  f"{getattr(self, name)!r}")
+        check_seconds("priority_publish_interval", self.priority_publish_interval, zero=True, most=1.0)
+        _check_int("max_in_flight", self.max_in_flight, 1, _MAX_QUEUED)
         for name in ("client_bytes_in", "client_bytes_out", "total_bytes_in", "total_bytes_out"):
-            value = getattr(self, name)
-            if value is not None and (type(value) is not int or value < 1):
-                raise ConfigError(f"{name} must be an int >= 1 or None, got {value!r}")
-        if type(self.max_clients_per_key) is not int or self.max_clients_per_key < 1:
-            raise ConfigError(f"max_clients_per_key must be an int >= 1, got {self.max_clients_per_key!r}")
+            _check_int(name, getattr(self, name), 1, none=True)
+        _check_int("max_clients_per_key", self.max_clients_per_key, 1)
+        _check_int("actor_slots", self.actor_slots, 0, none=True)
         if not 0 <= self.resolved_actor_slots < self.limits.max_clients:
             raise ConfigError(f"actor_slots must be >= 0 and below max_clients={self.limits.max_clients}, got "
                               f"{self.actor_slots!r}")
-        if self.min_free_bytes is not None and (type(self.min_free_bytes) is not int or self.min_free_bytes < 0):
-            raise ConfigError(f"min_free_bytes must be an int >= 0 or None, got {self.min_free_bytes!r}")
-        if type(self.staging_memory_bytes) is not int or self.staging_memory_bytes < 0:
-            raise ConfigError(f"staging_memory_bytes must be an int >= 0, got {self.staging_memory_bytes!r}")
-        read_endpoint_for(self.bind)  # validates the endpoint's form
+        _check_int("min_free_bytes", self.min_free_bytes, 0, none=True)
+        _check_int("staging_memory_bytes", self.staging_memory_bytes, 0)
+        _check_int("metrics_port", self.metrics_port, 1, 65535, none=True)
+        check_endpoint(self.bind, "bind", any_port=True)
+        if self.read_bind is not None:
+            check_endpoint(self.read_bind, "read_bind", any_port=True)
+        else:
+            try:
+                check_endpoint(self.resolved_read_bind, "read_bind", any_port=True)
+            except ConfigError:
+                raise ConfigError(f"the learners' endpoint would be {self.resolved_read_bind} (the port after bind's "
+                                  f"{self.bind}), which is no port; give read_bind (--read-bind)") from None
+        if self.advertise_read is not None:
+            check_endpoint(self.advertise_read, "advertise_read")
         exposed = not (is_loopback(self.bind) and is_loopback(self.resolved_read_bind))
         if exposed and not self.insecure and self.auth_dir is None:
             raise ConfigError(
@@ -233,13 +295,14 @@ class ClientConfig:
     commit_attempts: int = 3
 
     def __post_init__(self) -> None:
-        if self.timeout <= 0:
-            raise ConfigError(f"timeout must be > 0 seconds, got {self.timeout}")
-        if not 0 <= self.rate_limit_timeout <= 86_400:
-            raise ConfigError(f"rate_limit_timeout must be in [0, 86400] seconds, got {self.rate_limit_timeout}")
-        if self.shard_retry_interval <= 0:
-            raise ConfigError(f"shard_retry_interval must be > 0 seconds, got {self.shard_retry_interval}")
-        if self.max_in_flight < 1 or self.batch_rows < 1 or self.batch_bytes < 1 or self.commit_attempts < 1:
-            raise ConfigError("max_in_flight, batch_rows, batch_bytes and commit_attempts must be >= 1")
-        if not self.endpoint.startswith(("tcp://", "ipc://")):
-            raise ConfigError(f"endpoint {self.endpoint!r} must start with tcp:// or ipc://")
+        check_seconds("timeout", self.timeout, most=_MAX_CLIENT_SECONDS)
+        check_seconds("rate_limit_timeout", self.rate_limit_timeout, zero=True, most=86_400)
+        check_seconds("shard_retry_interval", self.shard_retry_interval)
+        check_seconds("batch_seconds", self.batch_seconds, zero=True)
+        check_seconds("heartbeat_interval", self.heartbeat_interval, most=_MAX_CLIENT_SECONDS / 3)
+        if self.heartbeat_interval < 1e-3:
+            raise ConfigError(f"heartbeat_interval must be at least 0.001 seconds (libzmq counts milliseconds), got "
+                              f"{self.heartbeat_interval!r}")
+        for name in ("max_in_flight", "batch_rows", "batch_bytes", "commit_attempts"):
+            _check_int(name, getattr(self, name), 1)
+        check_endpoint(self.endpoint, "endpoint")

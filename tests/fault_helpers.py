@@ -35,8 +35,8 @@ from h5replay.server import Server, ServerProcess
 from h5replay.storage import ReplayBuffer
 
 __all__ = [
-    "CrashHistory", "FileState", "Fuzzer", "LimitedServer", "TcpRecorder", "children_of", "cli_command", "cli_server",
-    "crash_actor_main", "crash_learner_main", "drain", "flood_reads", "limited_server_main", "ping", "process_figures", "process_status",
+    "CrashHistory", "FewDescriptorsServer", "FileState", "Fuzzer", "LimitedServer", "TcpRecorder", "children_of", "cli_command", "cli_server",
+    "crash_actor_main", "crash_learner_main", "drain", "few_descriptors_main", "file_holders", "flood_reads", "limited_server_main", "ping", "process_figures", "process_status",
     "read_file_state", "segment_table_problems", "soak_actor_main", "soak_learner_main",
 ]
 
@@ -61,6 +61,55 @@ class LimitedServer(ServerProcess):
 
     def __init__(self, config: ServerConfig, fsize_bytes: int, timeout: float = 60.0) -> None:
         super().__init__(config, timeout, logging.WARNING, child_args=(fsize_bytes,))
+
+
+def few_descriptors_main(config: ServerConfig, ready: Any, log_level: int, nofile: int, reserve: int | None,
+                         failing_dup: bool, no_pipes_while: str | None) -> None:
+    """Run a server that may hold `nofile` descriptors at most (RLIMIT_NOFILE, soft and hard, so
+    the server cannot raise it), keeping `reserve` of them for itself (None: the guard's own
+    reserve; 0: connections may take every descriptor). With `failing_dup`, os.dup fails with
+    EMFILE in the server's process, as it does when descriptors run out; os.pipe does so while
+    the file `no_pipes_while` exists (a process cannot be started then)."""
+    import errno
+
+    from h5replay.server import guard
+
+    def out_of_descriptors(*_: Any) -> Any:
+        raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+
+    logging.basicConfig(level=log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+    if reserve is not None:
+        guard.RESERVED_DESCRIPTORS = reserve
+    if failing_dup:
+        os.dup = out_of_descriptors
+    if no_pipes_while is not None:
+        pipe, flag = os.pipe, no_pipes_while
+        os.pipe = lambda: out_of_descriptors() if os.path.exists(flag) else pipe()
+    raise SystemExit(Server(config).run(ready))
+
+
+class FewDescriptorsServer(ServerProcess):
+    """`few_descriptors_main` in a spawned process; started ready, stopped, killed as ServerProcess."""
+
+    child_main = staticmethod(few_descriptors_main)
+
+    def __init__(self, config: ServerConfig, nofile: int = 1024, reserve: int | None = None,
+                 failing_dup: bool = False, no_pipes_while: str | None = None, timeout: float = 60.0) -> None:
+        super().__init__(config, timeout, logging.WARNING, child_args=(nofile, reserve, failing_dup, no_pipes_while))
+
+
+def file_holders(parent: int, path: Path | str) -> list[int]:
+    """The child processes of `parent` that have `path` open (a server's readers, not its front)."""
+    found = []
+    for pid in children_of(parent):
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(os.fspath(path)):
+                        found.append(pid)
+                        break
+    return found
 
 
 # ------------------------------------------------------------------------- drain a results queue

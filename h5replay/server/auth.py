@@ -15,7 +15,10 @@ for each message (`role_of`), so a key removed or moved to learners/ loses what 
 reload interval, on connections already open too; the writer then closes the sessions of a
 removed key and aborts the open segments of a demoted one. The directories are re-read every
 second by a thread of their own (never by a server's loop), skipping anything that is not a
-regular file; emptying them revokes every key. A refused client gets no answer at all (it cannot
+regular file; emptying or removing them revokes every key. A directory or key file that cannot
+be read (the process is out of descriptors, say, or lacks permission) is no removal: the keys it
+held stay as they were (and new ones wait) until it can be read again, so that running out of a
+resource never revokes everyone's keys. A refused client gets no answer at all (it cannot
 tell a refusal from a dead server), so the server logs each refusal, once per key and address
 and at most a few lines a minute (`RefusalLog`).
 """
@@ -31,6 +34,7 @@ import stat
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -136,15 +140,39 @@ def read_public_key(path: str) -> bytes | None:
     return match.group(1) if match else None
 
 
-def _role_keys(directory: str) -> tuple[dict[bytes, str], list[str]]:
-    """({public key: role}, [files that could not be read])."""
-    keys: dict[bytes, str] = {}
-    unreadable = []
-    for role in (LEARNER, ACTOR):  # a key listed in both directories gets the actor role
+@dataclass
+class _Listing:
+    """What one reading of the key directories found."""
+
+    keys: dict[str, tuple[str, bytes]] = field(default_factory=dict)  # key file -> (role, public key)
+    unreadable: list[str] = field(default_factory=list)  # files that hold no key (malformed, not regular)
+    failed: dict[str, OSError] = field(default_factory=dict)  # directories or files that could not be read
+
+    def roles(self) -> dict[bytes, str]:
+        """{public key: role}; a key listed in both directories gets the actor role."""
+        roles: dict[bytes, str] = {}
+        for role, key in self.keys.values():
+            if roles.get(key) != ACTOR:
+                roles[key] = role
+        return roles
+
+
+# What a listing or a read may meet when the directory or the file is really gone: then its keys
+# are revoked. Any other error (EMFILE, ENFILE, EACCES, EIO, ENOMEM...) says nothing of the keys.
+_GONE = (FileNotFoundError, NotADirectoryError)
+
+
+def _list_keys(directory: str) -> _Listing:
+    """Read every key file under `directory`/actors and /learners."""
+    listing = _Listing()
+    for role in (LEARNER, ACTOR):
         sub = os.path.join(directory, _ROLE_DIRS[role])
         try:
             names = sorted(os.listdir(sub))
-        except OSError:
+        except _GONE:
+            continue  # removed: no key of this role
+        except OSError as exc:
+            listing.failed[sub] = exc
             continue
         for name in names:
             if not name.endswith(".key"):
@@ -152,13 +180,16 @@ def _role_keys(directory: str) -> tuple[dict[bytes, str], list[str]]:
             path = os.path.join(sub, name)
             try:
                 public = read_public_key(path)
-            except OSError:
-                public = None
-            if public is None:  # malformed, not a regular file, or still being copied in
-                unreadable.append(path)
+            except _GONE:
+                continue  # removed since it was listed
+            except OSError as exc:
+                listing.failed[path] = exc
                 continue
-            keys[public] = role
-    return keys, unreadable
+            if public is None:  # malformed, not a regular file, or still being copied in
+                listing.unreadable.append(path)
+                continue
+            listing.keys[path] = (role, public)
+    return listing
 
 
 class RefusalLog:
@@ -235,6 +266,8 @@ class RoleAuthenticator(ThreadAuthenticator):
         self._reported: set[str] = set()
         self._address = "an unknown address"
         self._refusals = RefusalLog()
+        self._trouble = RefusalLog()  # key directories that could not be read
+        self._files: dict[str, tuple[str, bytes]] = {}  # each key file of the last reading -> (role, key)
         self._stop_reloading = threading.Event()
         self._reloader: threading.Thread | None = None
         self.reload(first=True)
@@ -268,24 +301,29 @@ class RoleAuthenticator(ThreadAuthenticator):
         return self._roles.get(key.encode("ascii") if isinstance(key, str) else key)
 
     def reload(self, first: bool = False) -> int:
-        """Re-read the key directories; returns the count of keys admitted. Unreadable files and
-        anything but regular files are skipped (and logged once). Keys no longer listed are
-        revoked at once; emptying the directories revokes every key (fail closed).
+        """Re-read the key directories; returns the count of keys admitted. Keys no longer listed
+        are revoked at once: a key file removed (or left without a key), a role directory
+        emptied or removed. A directory or file that cannot be read (out of descriptors, EMFILE;
+        permissions; I/O errors) says nothing about its keys: those it held at the last reading
+        stay as they were until it can be read again (a new key there waits), and this is logged
+        once in a while. Anything but a regular file is skipped (and logged once).
 
         Raises:
             ConfigError: at the first load, no client key could be read.
         """
-        roles, unreadable = _role_keys(self.directory)
-        if any(key not in roles for key in self._roles):
+        listing = self._read()
+        if any(key not in listing.roles() for key in self._roles):
             # A key moved from one directory to the other while they were listed one after the
             # other is in neither listing. A rename is atomic, and done by now: a second listing
             # finds it in its new place, and a key gone from both is revoked.
-            roles, unreadable = _role_keys(self.directory)
-        for path in set(unreadable) - self._reported:
+            listing = self._read()
+        for path in set(listing.unreadable) - self._reported:
             log.warning("skipping the key file %s: not a readable key (or not a regular file)", path)
-        self._reported = set(unreadable)
+        self._reported = set(listing.unreadable)
+        roles = listing.roles()
         if first and not roles:
-            raise ConfigError(f"no client keys under {self.directory!r}/actors or /learners")
+            reasons = "".join(f"; cannot read {path}: {exc.strerror}" for path, exc in listing.failed.items())
+            raise ConfigError(f"no client keys under {self.directory!r}/actors or /learners{reasons}")
         if roles != self._roles:
             removed = [k for k in self._roles if k not in roles]
             demoted = [k for k, r in self._roles.items() if r == ACTOR and roles.get(k) == LEARNER]
@@ -295,6 +333,21 @@ class RoleAuthenticator(ThreadAuthenticator):
             self._roles = roles  # one assignment: the other threads see the old dict or the new one
             self.generation += 1
         return len(roles)
+
+    def _read(self) -> _Listing:
+        """A reading of the key directories in which what could not be read keeps the keys it
+        had at the last reading (`reload`)."""
+        listing = _list_keys(self.directory)
+        for place, exc in listing.failed.items():
+            self._trouble.refused(
+                exc.strerror or type(exc).__name__, place,
+                f"cannot read {place} to re-read the keys ({exc.strerror or exc}): the keys it held are kept as they "
+                "were until it can be read again (remove a key file to revoke its key)")
+            for path, entry in self._files.items():
+                if path == place or os.path.dirname(path) == place:
+                    listing.keys.setdefault(path, entry)
+        self._files = dict(listing.keys)
+        return listing
 
     async def handle_zap_message(self, msg: list[bytes]) -> None:
         # The credentials callback is not told who asks: note the peer's address first (frame 3 of

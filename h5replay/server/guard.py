@@ -20,8 +20,16 @@ drops the client's session (its open segments are aborted), as for any client th
 
 The guard is a thread. It learns of connections from the socket monitor (the accepted socket's
 descriptor comes with the event), reads TCP_INFO every `interval` and, as it owns the monitor,
-also reports refused handshakes and disconnections. Only TCP connections are guarded: ipc:// is
-local (and its socket's directory is the owner's only). Linux only; elsewhere it does nothing.
+also reports refused handshakes and disconnections. It reads through libzmq's own descriptor,
+never a duplicate: a duplicate needs a free descriptor, and there is none exactly when a flood of
+connections has taken them all. Only TCP connections are guarded: ipc:// is local (and its
+socket's directory is the owner's only). Linux only; elsewhere it does nothing.
+
+Connections also cost descriptors, which the server needs for itself (its file, the key
+reloads, a reader's restart). A connection accepted into the last `RESERVED_DESCRIPTORS` of the
+process's limit, or past `max_connections`, is cut as it comes: the new connection fails, never
+the server's own work. The server raises its soft descriptor limit to the hard one at start
+(`raise_descriptor_limit`).
 """
 
 from __future__ import annotations
@@ -30,12 +38,13 @@ import contextlib
 import logging
 import math
 import os
+import resource
 import socket
 import struct
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +67,28 @@ _BYTES_ACKED, _BYTES_RECEIVED = 120, 128  # offsets of tcpi_bytes_acked / tcpi_b
 MONITOR_EVENTS = (zmq.EVENT_ACCEPTED | zmq.EVENT_CLOSED | zmq.EVENT_DISCONNECTED
                   | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 _HANDSHAKE_FAILURES = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+#: Descriptors kept for the server's own use (its file, key reloads, reader restarts, metrics
+#: scrapes), a quarter of the limit at most: a connection accepted into them is cut at once.
+RESERVED_DESCRIPTORS = 64
+_MOST_DESCRIPTORS = 1 << 16  # the soft limit `raise_descriptor_limit` goes up to, at most
+
+
+def raise_descriptor_limit() -> int:
+    """Raise this process's soft RLIMIT_NOFILE to its hard limit (at most 65,536), as Go's runtime
+    does: the soft 1,024 of many systems is a few hundred idle connections. Returns the soft limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = _MOST_DESCRIPTORS if hard == resource.RLIM_INFINITY else min(hard, _MOST_DESCRIPTORS)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+    return soft
+
+
+def max_connections(max_clients: int) -> int:
+    """The connections a server process accepts at once: four per client slot, at least 1,024.
+    More are cut as they come (see `ConnectionGuard`)."""
+    return max(1024, 4 * max_clients)
 
 
 @dataclass(frozen=True)
@@ -85,21 +116,46 @@ class _Connection:
     sent_seen: int = 0
 
 
-def _tcp_socket(fd: int) -> socket.socket | None:
-    """A duplicate of descriptor `fd` as a socket object, or None if it is not a TCP socket."""
+@contextlib.contextmanager
+def _borrowed(fd: int) -> Iterator[socket.socket | None]:
+    """Descriptor `fd` (libzmq's) as a socket object that holds no descriptor of its own, or None
+    when `fd` is not an open socket now. A duplicate would need a free descriptor, and there is
+    none exactly when a flood of connections makes the guard matter most. Detached at the end,
+    never closed: the descriptor stays libzmq's."""
+    try:
+        sock: socket.socket | None = socket.socket(fileno=fd)  # reads its family and type; no new descriptor
+    except OSError:
+        sock = None
+    try:
+        yield sock
+    finally:
+        if sock is not None:
+            sock.detach()
+
+
+def _is_tcp(sock: socket.socket) -> bool:
+    return sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM
+
+
+@contextlib.contextmanager
+def _pinned(fd: int) -> Iterator[socket.socket | None]:
+    """A duplicate of `fd` as a stream socket, so that what is checked and what is cut are the same
+    connection even if libzmq closes `fd` meanwhile; without a free descriptor for it, `fd` itself
+    (`_borrowed`): a connection over its budget is cut all the same. None: not an open stream socket."""
     try:
         dup = os.dup(fd)
     except OSError:
-        return None
+        with _borrowed(fd) as borrowed:
+            yield borrowed if borrowed is not None and borrowed.type == socket.SOCK_STREAM else None
+        return
     try:
         sock = socket.socket(fileno=dup)
     except OSError:
         os.close(dup)
-        return None
-    if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
-        sock.close()
-        return None
-    return sock
+        yield None
+        return
+    with sock:
+        yield sock if sock.type == socket.SOCK_STREAM else None
 
 
 def _counters(sock: socket.socket) -> tuple[int, int] | None:
@@ -108,7 +164,7 @@ def _counters(sock: socket.socket) -> tuple[int, int] | None:
         info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_BYTES)
     except OSError:
         return None
-    if len(info) < _BYTES_RECEIVED + 8:
+    if len(info) < _BYTES_RECEIVED + 8:  # a kernel before Linux 4.1: no byte counters
         return None
     (acked,) = struct.unpack_from("=Q", info, _BYTES_ACKED)
     (received,) = struct.unpack_from("=Q", info, _BYTES_RECEIVED)
@@ -133,8 +189,9 @@ class ConnectionGuard:
     """
 
     def __init__(self, budgets: Budgets, *, name: str, interval: float = 0.02,
-                 refused: Callable[[int, int, str], None] | None = None) -> None:
+                 refused: Callable[[int, int, str], None] | None = None, max_connections: int | None = None) -> None:
         self.budgets = budgets
+        self.max_connections = max_connections
         self.name = name
         self.interval = interval
         self.disconnects = threading.Event()
@@ -149,6 +206,7 @@ class ConnectionGuard:
         self._thread: threading.Thread | None = None
         self._last_failure_log = -math.inf
         self.enabled = sys.platform.startswith("linux")
+        self._descriptors = sys.maxsize  # the soft RLIMIT_NOFILE, read at start
 
     # ------------------------------------------------------------------ called by the server
 
@@ -188,10 +246,12 @@ class ConnectionGuard:
     def disconnect(self, fd: int, why: str) -> None:
         """Close the connection `fd` now (a client whose key was revoked)."""
         conn = self._connections.get(fd)
-        if conn is not None and not conn.unguarded and conn.peer is not None:
+        if conn is not None and not conn.unguarded:
             self._cut(conn, why)
 
     def start(self) -> None:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        self._descriptors = sys.maxsize if soft == resource.RLIM_INFINITY else soft
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name=f"h5replay-guard-{self.name}", daemon=True)
             self._thread.start()
@@ -249,13 +309,32 @@ class ConnectionGuard:
     def _event(self, event: Any) -> None:
         kind, value = event["event"], int(event["value"])
         if kind == zmq.EVENT_ACCEPTED and self.enabled:
-            self._connections[value] = _Connection(value, None)
+            conn = self._connections[value] = _Connection(value, None)
+            why = self._no_room(value)
+            if why is not None:
+                with _borrowed(value) as sock:
+                    conn.peer = _peer(sock) if sock is not None else None
+                self._cut(conn, why)
         elif kind in (zmq.EVENT_CLOSED, zmq.EVENT_DISCONNECTED):
             self._connections.pop(value, None)
             self.disconnects.set()
         elif kind in _HANDSHAKE_FAILURES and self._refused is not None:
             endpoint = event["endpoint"]
             self._refused(kind, value, endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint))
+
+    def _no_room(self, fd: int) -> str | None:
+        """Why the connection just accepted on descriptor `fd` may not stay (None: it may). Linux
+        gives the lowest free descriptor, so `fd` tells how few are left: past the limit less the
+        reserve, the server could no longer open its own files or re-read its keys."""
+        reserve = min(RESERVED_DESCRIPTORS, self._descriptors // 4)
+        if fd >= self._descriptors - reserve:
+            return (f"no descriptor to spare: it came in on descriptor {fd}, and the last {reserve} of the process's "
+                    f"{self._descriptors} (ulimit -n) are kept for the server's own files; raise the limit, or find who "
+                    "holds so many connections")
+        if self.max_connections is not None and len(self._connections) > self.max_connections:
+            return (f"too many connections: {len(self._connections)} are open, over the {self.max_connections} this "
+                    "server accepts (4 per client slot of max_clients, at least 1024); find who holds so many")
+        return None
 
     def _check(self, elapsed: float) -> None:
         budgets = self.budgets
@@ -265,19 +344,20 @@ class ConnectionGuard:
         for fd, conn in list(self._connections.items()):
             if conn.unguarded:
                 continue
-            sock = _tcp_socket(fd)
-            if sock is None:
-                conn.unguarded = True  # not TCP (ipc), or gone (its close event is on the way)
-                continue
-            try:
+            with _borrowed(fd) as sock:
+                if sock is None:
+                    # Closed: its close event is on the way, or was lost (the monitor drops events
+                    # when the guard falls behind), and a stale entry must not count as open.
+                    self._connections.pop(fd, None)
+                    continue
+                if not _is_tcp(sock):
+                    conn.unguarded = True  # ipc: local, no TCP counters
+                    continue
                 if conn.peer is None:
                     conn.peer = _peer(sock)
                 counters = _counters(sock)
-            finally:
-                sock.close()
             if counters is None:
-                conn.unguarded = True
-                continue
+                continue  # no TCP_INFO this time: looked at again next time
             received, acked = counters
             if received < conn.received or acked < conn.acked:
                 # The descriptor now belongs to another connection (counters never go back): afresh.
@@ -311,19 +391,19 @@ class ConnectionGuard:
         for why, conn in over:
             self._cut(conn, why)
 
-    def _cut(self, conn: _Connection, why: str) -> None:
-        sock = _tcp_socket(conn.fd)
-        if sock is None:
-            return
-        try:
-            if sock.getpeername() != conn.peer:
-                return  # the descriptor was reused meanwhile: not the one to cut
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            return
-        finally:
-            sock.close()
+    def _cut(self, conn: _Connection, why: str) -> bool:
+        """Shut connection `conn` down (libzmq then closes it); whether it was."""
+        with _pinned(conn.fd) as sock:
+            if sock is None:
+                return False
+            try:
+                if conn.peer is not None and sock.getpeername() != conn.peer:
+                    return False  # the descriptor was reused meanwhile: not the one to cut
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                return False
         self._connections.pop(conn.fd, None)
         self.cuts += 1
         peer = conn.peer[0] if isinstance(conn.peer, tuple) else str(conn.peer)
         self._log.refused(f"cut {why[:24]}", str(peer), f"{self.name}: disconnected the client at {conn.peer}: {why}")
+        return True

@@ -18,6 +18,15 @@ process of the same user that connects there is ignored, and cannot slip a reply
 
 Every process here stamps `beats[index]` (monotonic seconds) every poll; the writer replaces one
 that has not stamped for `reader_timeout` (stopped with SIGSTOP, or stuck).
+
+A reader opens the file by its path, which is not always the file the writer holds: another
+replay moved over it (`mv backup.h5 FILE`, a restore) is what a reader started afterwards (a
+replacement, or a crashed one restarted) would open. So the writer hands its readers the identity
+of the file it holds (`FileIdentity`: device, inode, replay_id) and a reader that opened another
+file serves none of it: every request gets a StorageError saying so, and the writer logs it. Why
+not open the very inode the writer holds (/proc/<writer>/fd/N)? That needs Linux and a readable
+/proc, and would quietly go on serving a file that no longer has a name, whose commits a restart
+then loses; the path changed under the server, and the operator should hear of it.
 """
 
 from __future__ import annotations
@@ -30,21 +39,21 @@ import multiprocessing as mp
 import os
 import signal
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import zmq
 
 from h5replay import protocol as P
 from h5replay.config import ServerConfig
-from h5replay.errors import AccessDeniedError, LimitExceededError, ProtocolError, ServerUnavailableError
-from h5replay.server.auth import RoleAuthenticator, server_keys
-from h5replay.server.guard import MONITOR_EVENTS, Budgets, ConnectionGuard
+from h5replay.errors import AccessDeniedError, LimitExceededError, ProtocolError, ServerUnavailableError, StorageError
+from h5replay.server.auth import RefusalLog, RoleAuthenticator, server_keys
+from h5replay.server.guard import MONITOR_EVENTS, Budgets, ConnectionGuard, max_connections
 from h5replay.server.handlers import READ_KINDS, read_reply, reply_rows
 from h5replay.server.sockets import Started, bound_endpoint, configure_router
 from h5replay.storage.replay_buffer import ReplayBuffer
 
-__all__ = ["ReaderPool", "front_endpoint", "reader_token"]
+__all__ = ["ReaderPool", "FileIdentity", "front_endpoint", "reader_token"]
 
 log = logging.getLogger("h5replay.server")
 _POLL_MS = 100
@@ -52,6 +61,42 @@ _QUEUED_FOR_FRONT = 4  # replies a reader behind the front may have waiting for 
 _FRONT_WAIT = 2.0  # seconds a reader waits for the front to take a reply
 _READY_EVERY = 1.0  # seconds between a reader's "ready" to the front (a replaced front learns of it)
 _READY = b""  # the frame a reader sends to say it is ready
+
+
+class FileIdentity(NamedTuple):
+    """Which file a process holds open: its device and inode (whatever name leads to it now), and
+    the replay_id inside it."""
+
+    device: int
+    inode: int
+    replay_id: str
+
+    @classmethod
+    def of(cls, buffer: ReplayBuffer) -> FileIdentity:
+        """The identity of the file `buffer` holds open.
+
+        Raises:
+            StorageError: the open file cannot be looked at.
+        """
+        return cls(*buffer.storage.file_identity(), buffer.replay_id)
+
+    def describe(self) -> str:
+        return f"device {os.major(self.device)}:{os.minor(self.device)} inode {self.inode}, replay_id {self.replay_id}"
+
+    def same_file(self, path: str) -> bool | None:
+        """Whether `path` leads to this file now (None: nothing is there)."""
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        return (st.st_dev, st.st_ino) == (self.device, self.inode)
+
+
+def replaced_file(path: str, held: FileIdentity, opened: FileIdentity) -> str:
+    """What a reader that opened `opened` at `path`, instead of the writer's `held`, says."""
+    return (f"{path!r} is no longer the file this server holds: it was replaced or moved while the server runs (the "
+            f"server holds {held.describe()}; the path now leads to {opened.describe()}), so this reader serves "
+            "none of it; restart the server to serve the file now at that path")
 
 
 def front_endpoint(directory: str) -> str:
@@ -101,7 +146,8 @@ class _Learners:
             self.auth.start()
         self.sock = ctx.socket(zmq.ROUTER)
         configure_router(self.sock, config, server_keys(config.auth_dir) if config.auth_dir else None, mandatory=False)
-        self.guard = ConnectionGuard(Budgets(*config.byte_budgets()), name=name)
+        self.guard = ConnectionGuard(Budgets(*config.byte_budgets()), name=name,
+                                     max_connections=max_connections(config.limits.max_clients))
         self.guard.watch(self.sock.get_monitor_socket(MONITOR_EVENTS))  # before the bind: every connection
         self.guard.start()
         _bind_when_free(self.sock, config.resolved_read_bind)
@@ -167,13 +213,14 @@ def _watchdog(beats: Any, index: int) -> Any:
 
 def reader_main(
     config: ServerConfig, behind: tuple[str, bytes] | None, ready: Any, stop: Any, counters: Any, index: int,
-    instance_id: str = "", beats: Any = None,
+    instance_id: str = "", beats: Any = None, identity: FileIdentity | None = None,
 ) -> None:
     """Body of one reader process (spawned). Exits when `stop` is set or its parent dies.
 
     `behind` None: bind the learners' endpoint itself (with its own authenticator under --auth,
     and a connection guard); else (the front's endpoint, this reader's routing id): connect to
-    the front and serve what it hands over.
+    the front and serve what it hands over. `identity`: the file the writer holds; a reader that
+    opened another one at the path answers every request with a StorageError saying so.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the writer coordinates shutdown
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -182,6 +229,11 @@ def reader_main(
     beat()
     limits = config.limits
     buffer = ReplayBuffer.load_from(config.path, read_only=True, multiprocessing=True, open_timeout=config.open_timeout)
+    wrong_file: StorageError | None = None
+    if identity is not None and (opened := FileIdentity.of(buffer)) != identity:
+        wrong_file = StorageError(replaced_file(config.path, identity, opened))
+        log.error("reader process %d: %s", index, wrong_file)
+        buffer.close()  # none of it is served
     ctx = zmq.Context()
     learners: _Learners | None = None
     guard: ConnectionGuard | None = None
@@ -222,6 +274,8 @@ def reader_main(
                 if refusal is not None:
                     raise refusal
                 request = P.decode(frames, limits, expect=P.Request)
+                if wrong_file is not None:
+                    raise wrong_file
                 reply = answer(buffer, request, rng, config, instance_id, served)
                 counters[2 * index + 1] += reply_rows(reply)
             except Exception as exc:  # every refusal becomes an error reply; the reader keeps serving
@@ -375,9 +429,14 @@ class ReaderPool:
     file in SWMR mode. `directory`: the server's private directory (mode 0700), for the front's
     endpoint, to which the readers connect."""
 
-    def __init__(self, config: ServerConfig, directory: str, instance_id: str = "") -> None:
+    def __init__(self, config: ServerConfig, directory: str, instance_id: str = "",
+                 identity: FileIdentity | None = None) -> None:
         self._ctx = mp.get_context("spawn")
         self._config = config
+        self._identity = identity  # the file the writer holds: readers check they opened it
+        self._path_seen: bool | None = True  # whether the path led to it when last looked at
+        self._unstarted: set[int] = set()  # processes whose restart the system refused (tried again)
+        self._trouble = RefusalLog()
         #: The learners' endpoint as bound by the front (or the single reader) once it started:
         #: replacements bind the same port, even when the configured one was 0.
         self.endpoint = config.resolved_read_bind
@@ -415,7 +474,8 @@ class ReaderPool:
             behind = None if k == 1 else (self._endpoint, reader_token(self._secret, index, self._generations[index]))
         proc = self._ctx.Process(
             target=target,
-            args=(self._config, behind, ready, stop, self.counters, index, self._instance_id, self.beats),
+            args=(self._config, behind, ready, stop, self.counters, index, self._instance_id, self.beats,
+                  *(() if front else (self._identity,))),
             name="h5replay-read-front" if front else f"h5replay-reader-{index}",
             daemon=True,
         )
@@ -435,7 +495,10 @@ class ReaderPool:
 
     def revive(self) -> int:
         """Restart processes that died, and replace those that stopped answering (no beat for
-        `reader_timeout` seconds: stopped, or stuck); returns how many were restarted."""
+        `reader_timeout` seconds: stopped, or stuck); returns how many were restarted. A restart
+        the system refuses (out of descriptors, processes or memory) is tried again at the next
+        call, and logged now and then: it fails that reader, never the writer."""
+        self._check_path()
         restarted = 0
         now = time.monotonic()
         for index, proc in enumerate(self._procs):
@@ -445,12 +508,35 @@ class ReaderPool:
                             self._name(index), silent)
                 proc.kill()
                 proc.join(1)
-            elif not proc.is_alive():
+            elif not proc.is_alive() and index not in self._unstarted:
                 log.warning("%s exited with code %s; restarting it", self._name(index), proc.exitcode)
             if not proc.is_alive():
-                self._spawn(index, wait=False)
+                try:
+                    self._spawn(index, wait=False)
+                except OSError as exc:
+                    self._unstarted.add(index)
+                    self._trouble.refused(f"spawn {exc.errno}", self._name(index), (
+                        f"cannot start {self._name(index)} ({exc.strerror or exc}); trying again every second "
+                        "(reads that need it fail meanwhile)"))
+                    continue
+                self._unstarted.discard(index)
                 restarted += 1
         return restarted
+
+    def _check_path(self) -> None:
+        """Log, once each time it happens, that the path no longer leads to the file the writer
+        holds (replaced or moved): readers started from then on refuse to serve."""
+        if self._identity is None:
+            return
+        same = self._identity.same_file(self._config.path)
+        if same is not True and same != self._path_seen:
+            log.error("%r no longer leads to the file this server holds (%s): it was %s while the server runs; reader "
+                      "processes started from now on (after a crash, or to replace a stuck one) %s; restart the server "
+                      "to serve the file at that path", self._config.path, self._identity.describe(),
+                      "removed" if same is None else "replaced",
+                      "cannot open it" if same is None else "refuse to serve the file now there, and learners reading "
+                      "from them get a StorageError saying so")
+        self._path_seen = same
 
     def totals(self) -> dict[str, int]:
         values = list(self.counters)

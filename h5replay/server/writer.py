@@ -41,10 +41,10 @@ from h5replay.config import ServerConfig
 from h5replay.errors import AccessDeniedError, ConfigError
 from h5replay.sampling import SamplingConfig
 from h5replay.server.auth import RefusalLog, RoleAuthenticator, handshake_failure, server_keys
-from h5replay.server.guard import MONITOR_EVENTS, Budgets, ConnectionGuard
+from h5replay.server.guard import MONITOR_EVENTS, Budgets, ConnectionGuard, max_connections, raise_descriptor_limit
 from h5replay.server.handlers import READ_KINDS, WRITE_KINDS, Service
 from h5replay.server.metrics import Metrics
-from h5replay.server.readers import ReaderPool
+from h5replay.server.readers import FileIdentity, ReaderPool
 from h5replay.server.sockets import Started, bound_endpoint, configure_router
 from h5replay.storage.replay_buffer import ReplayBuffer
 
@@ -167,7 +167,9 @@ class Server:
                 kind, message = handshake_failure(event, value, endpoint, auth.directory)
                 refusals.refused(kind, endpoint, message)
 
-        guard = self._guard = ConnectionGuard(Budgets(*config.byte_budgets()), name="writer", refused=refused)
+        raise_descriptor_limit()  # before any socket; the reader processes inherit it
+        guard = self._guard = ConnectionGuard(Budgets(*config.byte_budgets()), name="writer", refused=refused,
+                                              max_connections=max_connections(config.limits.max_clients))
         try:
             if config.auth_dir is not None:  # before the bind: no connection may skip the key check
                 auth = RoleAuthenticator(ctx, config.auth_dir)
@@ -184,7 +186,7 @@ class Server:
             buffer = open_buffer(config)
             bound_config = config.replace(bind=bind)  # what readers name when a client comes to the wrong door
             if config.num_readers:  # one binds the learners' endpoint, or a front before several
-                readers = ReaderPool(bound_config, tmpdir, instance_id=self.instance_id)
+                readers = ReaderPool(bound_config, tmpdir, instance_id=self.instance_id, identity=FileIdentity.of(buffer))
                 read_bound = readers.endpoint
             else:
                 read_bound = bind  # the writer serves reads itself, on its own endpoint

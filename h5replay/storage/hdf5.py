@@ -315,6 +315,21 @@ class HDF5Storage:
             self._file = self.root.file
         return self._file
 
+    def file_identity(self) -> tuple[int, int]:
+        """(st_dev, st_ino) of the file this storage holds open, through HDF5's own descriptor:
+        which file it is, whatever name leads to it now (a file moved over its path is another).
+
+        Raises:
+            StorageError: HDF5 does not say its descriptor, or it cannot be looked at.
+        """
+        with h5_errors(f"looking at the file descriptor of {self.filename}"):
+            handle = self.file.id.get_vfd_handle()
+        try:
+            st = os.fstat(int(handle))
+        except (OSError, TypeError, ValueError) as exc:
+            raise StorageError(f"cannot look at the open file {self.filename!r}: {exc}") from exc
+        return st.st_dev, st.st_ino
+
     @property
     def leaves(self) -> list[tuple[str, LeafSpace]]:
         """(dataset path, leaf space) for every leaf, in storage order."""

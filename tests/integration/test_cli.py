@@ -171,6 +171,34 @@ def test_serve_needs_capacity_or_unbounded_to_create_a_file(tmp_path, space_file
     assert both.returncode == 2 and "not allowed with" in both.stderr
 
 
+BAD_SERVE_FLAGS = [  # issue 21, defect 16: each was taken, or failed as something else than bad usage
+    ("--bind", "tcp://127.0.0.1:86546"),  # libzmq served it on port 21010
+    ("--read-bind", "tcp://127.0.0.1:65536"),
+    ("--advertise-read", "tcp://server:0"),
+    ("--open-timeout", "nan"),  # "reader process 0 failed to start", exit 1
+    ("--idle-timeout", "nan"),  # taken
+    ("--session-timeout", "inf"),
+    ("--heartbeat-timeout", "1e9"),  # past libzmq's heartbeat TTL
+    ("--priority-publish-interval", "nan"),
+    ("--samples-per-insert", "inf"),
+    ("--min-free-bytes", "inf"),  # an OverflowError traceback
+    ("--metrics-port", "70000"),
+    ("--readers", "100000"),
+    ("--idempotency-window", str(1 << 70)),  # an OverflowError traceback
+]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("flag", "value"), BAD_SERVE_FLAGS, ids=[f"{f}={v}" for f, v in BAD_SERVE_FLAGS])
+def test_serve_refuses_a_number_or_endpoint_out_of_range_as_bad_usage(tmp_path, space_file, flag, value):
+    """Exit 2 and one line naming the setting, before anything is made."""
+    path = tmp_path / "rb.h5"
+    message = one_line_error(h5replay(*serve_args(path, "--space", str(space_file), "--capacity", "100", flag, value)),
+                             2, "serve")
+    assert flag in message or flag[2:].replace("-", "_") in message or value in message, message
+    assert not list(tmp_path.glob("rb.h5*"))
+
+
 @pytest.mark.timeout(90)
 def test_serve_unbounded_makes_an_unbounded_file(tmp_path, space_file):
     path = tmp_path / "grows.h5"
