@@ -70,7 +70,7 @@ def export_buffer(
         spans = spans[lo:hi]
     first_row = spans[0][0] if spans else view.end
     total = sum(stop - first for first, stop, _, _ in spans)
-    new_capacity = buffer.capacity if capacity == "same" else capacity
+    new_capacity = buffer.capacity if capacity == "same" else None if capacity is None else int(capacity)
     if new_capacity is not None and int(new_capacity) < total:
         raise ConfigError(f"capacity {new_capacity} cannot hold the {total} rows this buffer holds")
     partial = target + ".partial"
@@ -81,8 +81,9 @@ def export_buffer(
     # compaction is answered with its receipt, not stored a second time.
     keys = {receipt: key for key, receipt in buffer.idempotency_keys()}
     sampling = buffer.sampling
+    storage_kwargs = {**_same_chunks(buffer, new_capacity, storage_kwargs), **storage_kwargs}
     copy = type(buffer).create(
-        buffer.space, new_capacity, partial, first_row_id=first_row,  # type: ignore[arg-type]
+        buffer.space, new_capacity, partial, first_row_id=first_row,
         first_episode_id=episode_ids[0] if episode_ids else view.ep_end, sampler=sampling.sampler,
         rate_limit=sampling.rate_limit, max_times_sampled=sampling.max_times_sampled,
         idempotency_window=buffer.idempotency_window, check_bounds=False,  # copy what is held
@@ -115,6 +116,22 @@ def export_buffer(
         with contextlib.suppress(OSError):
             os.unlink(partial)
         raise
+
+
+def _same_chunks(buffer: ReplayBuffer, capacity: int | None, asked: dict[str, Any]) -> dict[str, Any]:
+    """{"chunks": the source's chunk shape per leaf} when the caller asked for no layout of its
+    own: a copy of a served file (whose leaves SWMR keeps chunked) must stay servable, which a
+    contiguous copy is not (SWMR readers of HDF5 1.14.4+ cannot open it, HDFGroup/hdf5#5251;
+    those of 2.0 fail to refresh it once it grows). A contiguous source stays contiguous."""
+    if any(asked.get(name) is not None for name in ("chunks", "compression", "compression_level")):
+        return {}
+    shapes: dict[str, Any] = {}
+    for path, _ in buffer.storage.leaves:
+        chunks = buffer.storage.dataset(path).chunks
+        if chunks is not None and capacity is not None:
+            chunks = (min(chunks[0], capacity), *chunks[1:])
+        shapes[path] = chunks
+    return {"chunks": shapes} if any(c is not None for c in shapes.values()) else {}
 
 
 Span = tuple[int, int, "bool | None", "int | None"]

@@ -181,7 +181,10 @@ class ServiceModel:
         outcome = self._try(lambda: self.actor.push_episodes([r for _, r, _ in episodes],
                                                              [p for _, _, p in episodes]))
         for (tag, _, _), n, k in zip(episodes, lengths, range(len(lengths))):
-            self._settled(tag, n, outcome[k] if isinstance(outcome, list) else outcome)
+            if isinstance(outcome, list):
+                self._settled(tag, n, outcome[k])
+            else:  # the episodes before the one that failed may be committed: none is known either way
+                self.doubt[tag] = n
 
     def stream(self, n: int, wait: bool) -> None:
         """Steps appended one by one on shard 1, committed waited or in flight."""
@@ -350,6 +353,16 @@ class ServiceModel:
                 f"{kept} are kept by it")
 
     def _check_held(self) -> None:
+        # Draws first, each of one message (one state: the parts of a split sample may come from
+        # different publishes), with the state it came from: commits in flight may land meanwhile,
+        # and a draw's probabilities are over the rows of its own state (ids below its view's end).
+        draws = {}
+        if self.prioritized:
+            for shard, single in enumerate(self.singles):
+                outcome = self._until_up(lambda single=single: self._try(
+                    lambda: single.sample(LIMITS.max_rows_per_message, with_info=True)))
+                if isinstance(outcome, tuple) and single.view is not None:
+                    draws[shard] = (outcome[1], single.view.end)
         held, rows_of, problems = self._held()
         assert not problems, problems
         for tag in self.acked:
@@ -358,15 +371,12 @@ class ServiceModel:
         for tag, count in held.items():
             assert tag in self.acked or (tag in unsure and count == 1), f"episode {tag} is held {count} times, " \
                 f"acknowledged: {tag in self.acked}, refused: {tag in self.refused}"
-        if self.prioritized:
-            for shard, single in enumerate(self.singles):
-                if not rows_of[shard]:
-                    continue
-                _, info = self._until_up(lambda single=single: single.sample(200, with_info=True))
-                total = sum(self.priority[tag] for tag in rows_of[shard].values())
-                expected = [self.priority[rows_of[shard][int(i)]] / total for i in info.row_ids]
-                assert np.allclose(info.probabilities, expected), f"shard {shard}: draw probabilities differ " \
-                    "from the priorities given and acknowledged"
+        for shard, (info, end) in draws.items():
+            tags = {row_id: tag for row_id, tag in rows_of[shard].items() if row_id < end}
+            total = sum(self.priority[tag] for tag in tags.values())
+            expected = [self.priority[tags[int(i)]] / total for i in info.row_ids]
+            assert np.allclose(info.probabilities, expected), f"shard {shard}: draw probabilities differ from the " \
+                "priorities given and acknowledged"
 
     def _check_queue(self, kept: int) -> None:
         returned = Counter(self.delivered)

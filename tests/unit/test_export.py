@@ -144,3 +144,23 @@ def test_compact_keeps_the_replay_id_and_publish_count(tmp_path):
     compact_file(path)
     with ReplayBuffer.load_from(path) as again:
         assert again.replay_id == before["replay_id"] and again.info()["seq"] > before["seq"]
+
+
+def test_a_copy_of_a_served_file_keeps_its_chunks_and_stays_servable(tmp_path):
+    # A served (SWMR) file has chunked leaves where a plain one would be contiguous; a contiguous
+    # copy could not be served again (its SWMR readers fail on it once it grows).
+    rb = ReplayBuffer.create(SPACE, 1000, tmp_path / "a.h5", multiprocessing=True)
+    rb.extend({"x": np.arange(10), "t": ["a"] * 10})
+    rb.end_episode()
+    chunks = {path: rb.storage.dataset(path).chunks for path, _ in rb.storage.leaves}
+    rb.close()
+    compact_file(tmp_path / "a.h5")
+    export_file(tmp_path / "a.h5", tmp_path / "b.h5", capacity=500)
+    with ReplayBuffer.load_from(tmp_path / "a.h5") as again, ReplayBuffer.load_from(tmp_path / "b.h5") as smaller:
+        assert {path: again.storage.dataset(path).chunks for path, _ in again.storage.leaves} == chunks
+        assert all(smaller.storage.dataset(path).chunks is not None for path, _ in smaller.storage.leaves)
+    plain = _buffer(tmp_path / "p.h5")
+    plain.close()
+    compact_file(tmp_path / "p.h5")  # a plain file stays plain (contiguous)
+    with ReplayBuffer.load_from(tmp_path / "p.h5") as again:
+        assert again.storage.dataset("x").chunks is None
