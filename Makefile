@@ -1,5 +1,5 @@
 # Two commands: `make demo` and `make test`. Each creates .venv when missing and installs
-# everything it needs into it from the package registries. CI (.ci/run) also runs test-torch,
+# everything it needs into it from the package registries. CI (.ci/run) also runs test-model, test-torch,
 # test-ray and compose-test.
 PYTHON ?= python3
 VENV := .venv
@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 TORCH_INDEX ?=
 
-.PHONY: demo check test lint test-torch test-ray compose-test bench clean venv
+.PHONY: demo check test lint test-model test-torch test-ray compose-test bench clean venv
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,11 @@ test: lint
 lint: $(STAMP)
 	$(BIN)/ruff check h5replay tests docker benchmarks
 	$(BIN)/mypy
+
+# The model-based test of the whole service, long profile: 40 seeded walks of 60 steps over two
+# real shards (`make test` runs the short one: 4 walks of 25 steps).
+test-model: $(STAMP)
+	H5REPLAY_MODEL_PROFILE=long $(BIN)/python -m pytest -n 2 tests/faults/test_service_model.py
 
 # The PyTorch integration's tests, which `make test` skips while torch is not installed.
 test-torch: $(STAMP)
