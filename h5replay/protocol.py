@@ -342,16 +342,32 @@ class Message:
 
 @dataclass(frozen=True, eq=False, repr=False)
 class Request(Message):
-    """A message a client sends; the server answers it with exactly one Reply."""
+    """A message a client sends; the server answers it with exactly one Reply.
+
+    What a kind is, the server dispatches on (never on a list of classes of its own):
+    `READS`: answered from a published state of the file (a reader process may serve it);
+    `WRITES`: changes rows (only an actor may send it); `DRAWS`: a draw, which a rate limit counts
+    and which removes rows when the file's sampler does (the writer alone draws it then);
+    `CARRIES_ROWS`: brings rows in its own arrays (a rate limit holding it back holds them)."""
 
     request_id: int
+    READS: ClassVar[bool] = False
+    WRITES: ClassVar[bool] = False
+    DRAWS: ClassVar[bool] = False
+    CARRIES_ROWS: ClassVar[bool] = False
 
 
 @dataclass(frozen=True, eq=False, repr=False)
 class Reply(Message):
-    """A message the server sends back. KIND is the kind of request it answers."""
+    """A message the server sends back. KIND is the kind of request it answers.
+
+    `ACKNOWLEDGES`: it acknowledges a change (a commit, a priority update), so it leaves only
+    after the publish that carries the change; `DRAWN`: it answers a draw (leaving after the
+    publish too when the draw changed the file's state)."""
 
     ok: ClassVar[bool] = True
+    ACKNOWLEDGES: ClassVar[bool] = False
+    DRAWN: ClassVar[bool] = False
 
 
 @dataclass(frozen=True, eq=False, repr=False)
@@ -364,6 +380,7 @@ class Hello(Request):
 @dataclass(frozen=True, eq=False, repr=False)
 class OpenSegment(Request):
     KIND = Kind.OPEN_SEGMENT
+    WRITES = True
 
 
 _NO_PRIORITIES: Array = np.zeros(0, dtype=np.float64)
@@ -378,6 +395,8 @@ def _check_priorities(priorities: Array, num_rows: int) -> None:
 @dataclass(frozen=True, eq=False, repr=False)
 class Append(Request):
     KIND = Kind.APPEND
+    WRITES = True
+    CARRIES_ROWS = True
     segment_id: int
     num_rows: int
     arrays: Arrays
@@ -391,6 +410,7 @@ class Append(Request):
 @dataclass(frozen=True, eq=False, repr=False)
 class Commit(Request):
     KIND = Kind.COMMIT
+    WRITES = True
     segment_id: int
     timeout: float = 0.0  # seconds the rate limit may hold the commit back
     idempotency_key: bytes | None = None  # 16 bytes, the same for every retry of this commit
@@ -399,12 +419,15 @@ class Commit(Request):
 @dataclass(frozen=True, eq=False, repr=False)
 class Abort(Request):
     KIND = Kind.ABORT
+    WRITES = True
     segment_id: int
 
 
 @dataclass(frozen=True, eq=False, repr=False)
 class PushEpisode(Request):
     KIND = Kind.PUSH_EPISODE
+    WRITES = True
+    CARRIES_ROWS = True
     num_rows: int
     arrays: Arrays
     timeout: float = 0.0
@@ -422,6 +445,8 @@ class PushEpisodes(Request):
     `arrays` (num_rows in all), one idempotency key per episode (`keys`, k x 16 bytes)."""
 
     KIND = Kind.PUSH_EPISODES
+    WRITES = True
+    CARRIES_ROWS = True
     num_rows: int
     lengths: Array
     keys: Array
@@ -464,6 +489,7 @@ class UpdatePriorities(Request):
 @dataclass(frozen=True, eq=False, repr=False)
 class Get(Request):
     KIND = Kind.GET
+    READS = True
     min_seq: int
     indices: Array
 
@@ -474,6 +500,7 @@ class Get(Request):
 @dataclass(frozen=True, eq=False, repr=False)
 class GetRows(Request):
     KIND = Kind.GET_ROWS
+    READS = True
     min_seq: int
     row_ids: Array
 
@@ -486,21 +513,35 @@ class GetRows(Request):
 @dataclass(frozen=True, eq=False, repr=False)
 class Sample(Request):
     KIND = Kind.SAMPLE
+    READS = True
+    DRAWS = True
     batch_size: int
     seed: int | None = None
     min_seq: int = 0
     timeout: float = 0.0  # seconds the rate limit may hold the sample back (writer-side sampling)
 
+    @property
+    def num_drawn(self) -> int:
+        """Rows the draw hands out (what a rate limit counts)."""
+        return self.batch_size
+
 
 @dataclass(frozen=True, eq=False, repr=False)
 class SampleSequences(Request):
     KIND = Kind.SAMPLE_SEQUENCES
+    READS = True
+    DRAWS = True
     batch_size: int
     length: int
     seed: int | None = None
     min_seq: int = 0
     with_rows: bool = True  # False: only the windows' ids (the learner then fetches rows by id)
     timeout: float = 0.0
+
+    @property
+    def num_drawn(self) -> int:
+        """Rows the draw hands out (what a rate limit counts): every row of every window."""
+        return self.batch_size * self.length
 
     def _validate(self, limits: Limits) -> None:
         if self.length < 1:
@@ -518,6 +559,7 @@ class Episodes(Request):
     that many from that episode id on (a list too long for one message is read in pages)."""
 
     KIND = Kind.EPISODES
+    READS = True
     min_seq: int = 0
     first_episode: int | None = None
     max_episodes: int | None = None
@@ -577,6 +619,7 @@ class AppendReply(Reply):
 @dataclass(frozen=True, eq=False, repr=False)
 class CommitReply(Reply):
     KIND = Kind.COMMIT
+    ACKNOWLEDGES = True
     episode_id: int | None  # None: the segment was empty, nothing was recorded
     first_row_id: int | None
     length: int
@@ -590,6 +633,7 @@ class AbortReply(Reply):
 @dataclass(frozen=True, eq=False, repr=False)
 class PushEpisodeReply(Reply):
     KIND = Kind.PUSH_EPISODE
+    ACKNOWLEDGES = True
     episode_id: int | None
     first_row_id: int | None
     length: int
@@ -598,12 +642,14 @@ class PushEpisodeReply(Reply):
 @dataclass(frozen=True, eq=False, repr=False)
 class PushEpisodesReply(Reply):
     KIND = Kind.PUSH_EPISODES
+    ACKNOWLEDGES = True
     episodes: Array  # int64 (k, 3): (episode_id, first_row_id, length) of each episode, in the order sent
 
 
 @dataclass(frozen=True, eq=False, repr=False)
 class UpdatePrioritiesReply(Reply):
     KIND = Kind.UPDATE_PRIORITIES
+    ACKNOWLEDGES = True
     ignored: int  # ids no longer held (evicted, cleared or removed): ignored, as Reverb does
     seq: int  # the publish that makes the new priorities durable and visible to readers (may follow the reply)
 
@@ -642,6 +688,7 @@ class GetRowsReply(ReadReply):
 @dataclass(frozen=True, eq=False, repr=False)
 class SampleReply(ReadReply):
     KIND = Kind.SAMPLE
+    DRAWN = True
     row_ids: Array
     episode_ids: Array
     probabilities: Array
@@ -656,6 +703,7 @@ class SampleReply(ReadReply):
 @dataclass(frozen=True, eq=False, repr=False)
 class SampleSequencesReply(ReadReply):
     KIND = Kind.SAMPLE_SEQUENCES
+    DRAWN = True
     row_ids: Array  # of each window's first row
     episode_ids: Array
     probabilities: Array

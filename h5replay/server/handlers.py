@@ -34,7 +34,7 @@ from h5replay.server.waiting import Side, WaitingRoom
 from h5replay.storage.replay_buffer import ReplayBuffer
 from h5replay.storage.segment import SegmentWriter
 
-__all__ = ["Session", "Service", "read_reply", "reply_rows", "Stats", "READ_KINDS", "WRITE_KINDS"]
+__all__ = ["Session", "Service", "read_reply", "reply_rows", "Stats"]
 
 log = logging.getLogger("h5replay.server")
 
@@ -78,7 +78,7 @@ def reply_rows(reply: P.Reply) -> int:
     if not arrays:
         return 0
     first = next(iter(arrays.values()))
-    return int(first.shape[0] * (first.shape[1] if isinstance(reply, P.SampleSequencesReply) else 1))
+    return int(np.prod(first.shape[:2]) if reply.KIND is P.Kind.SAMPLE_SEQUENCES else first.shape[0])
 
 
 def _check_reply_rows(buffer: ReplayBuffer, rows: int, limits: P.Limits, per_sample: int = 0) -> None:
@@ -126,33 +126,46 @@ def read_reply(buffer: ReplayBuffer, request: P.Request, rng: np.random.Generato
         ServerUnavailableError: the file is older than what the client has seen.
         ProtocolError: `request` is not a read request.
     """
-    if not isinstance(request, READ_KINDS):
+    answer = _READS.get(type(request))
+    if answer is None:
         raise ProtocolError(f"{request.KIND.value} is not a read request")
-    _at_least(buffer, request.min_seq)
-    rid = request.request_id
-    if isinstance(request, P.Get):
-        _check_reply_rows(buffer, len(request.indices), limits, len(request.indices) * P.ID_BYTES)
-        arrays, ids = buffer.get_at_with_ids(request.indices, decode=False)
-        return P.GetReply(rid, *_view(buffer), ids, arrays)
-    if isinstance(request, P.GetRows):
-        _check_reply_rows(buffer, len(request.row_ids), limits)
-        arrays = buffer.get_rows(request.row_ids, decode=False)
-        return P.GetRowsReply(rid, *_view(buffer), len(request.row_ids), arrays)
-    if isinstance(request, P.Sample):
-        _check_reply_rows(buffer, request.batch_size, limits, request.batch_size * P.SAMPLE_INFO_BYTES)
-        gen = rng if request.seed is None else np.random.default_rng(request.seed)
-        arrays, info = buffer.sample(request.batch_size, gen, with_info=True, decode=False)
-        return P.SampleReply(rid, *_view(buffer), info.row_ids, info.episode_ids, info.probabilities, arrays)
-    if isinstance(request, P.SampleSequences):
-        _check_reply_rows(buffer, request.batch_size * request.length if request.with_rows else 0, limits,
-                          request.batch_size * P.SAMPLE_INFO_BYTES)
-        gen = rng if request.seed is None else np.random.default_rng(request.seed)
-        arrays, info = buffer.sample_sequences(
-            request.batch_size, request.length, gen, with_info=True, decode=False, rows=request.with_rows
-        )
-        return P.SampleSequencesReply(
-            rid, *_view(buffer), info.row_ids, info.episode_ids, info.probabilities, arrays or {}
-        )
+    _at_least(buffer, request.min_seq)  # type: ignore[attr-defined]
+    return answer(buffer, request, rng, limits)
+
+
+def _get(buffer: ReplayBuffer, request: P.Get, rng: np.random.Generator, limits: P.Limits) -> P.Reply:
+    _check_reply_rows(buffer, len(request.indices), limits, len(request.indices) * P.ID_BYTES)
+    arrays, ids = buffer.get_at_with_ids(request.indices, decode=False)
+    return P.GetReply(request.request_id, *_view(buffer), ids, arrays)
+
+
+def _get_rows(buffer: ReplayBuffer, request: P.GetRows, rng: np.random.Generator, limits: P.Limits) -> P.Reply:
+    _check_reply_rows(buffer, len(request.row_ids), limits)
+    arrays = buffer.get_rows(request.row_ids, decode=False)
+    return P.GetRowsReply(request.request_id, *_view(buffer), len(request.row_ids), arrays)
+
+
+def _sample(buffer: ReplayBuffer, request: P.Sample, rng: np.random.Generator, limits: P.Limits) -> P.Reply:
+    _check_reply_rows(buffer, request.batch_size, limits, request.batch_size * P.SAMPLE_INFO_BYTES)
+    gen = rng if request.seed is None else np.random.default_rng(request.seed)
+    arrays, info = buffer.sample(request.batch_size, gen, with_info=True, decode=False)
+    return P.SampleReply(request.request_id, *_view(buffer), info.row_ids, info.episode_ids, info.probabilities, arrays)
+
+
+def _sample_sequences(buffer: ReplayBuffer, request: P.SampleSequences, rng: np.random.Generator,
+                      limits: P.Limits) -> P.Reply:
+    _check_reply_rows(buffer, request.batch_size * request.length if request.with_rows else 0, limits,
+                      request.batch_size * P.SAMPLE_INFO_BYTES)
+    gen = rng if request.seed is None else np.random.default_rng(request.seed)
+    arrays, info = buffer.sample_sequences(
+        request.batch_size, request.length, gen, with_info=True, decode=False, rows=request.with_rows
+    )
+    return P.SampleSequencesReply(
+        request.request_id, *_view(buffer), info.row_ids, info.episode_ids, info.probabilities, arrays or {}
+    )
+
+
+def _episodes(buffer: ReplayBuffer, request: P.Episodes, rng: np.random.Generator, limits: P.Limits) -> P.Reply:
     table = buffer.episode_table(request.first_episode or 0, request.max_episodes)
     size = table.nbytes + P.ROWS_MESSAGE_OVERHEAD
     if size > limits.max_message_bytes:
@@ -160,13 +173,13 @@ def read_reply(buffer: ReplayBuffer, request: P.Request, rng: np.random.Generato
             f"a list of {len(table)} episodes is {table.nbytes} bytes, over the limit max_message_bytes="
             f"{limits.max_message_bytes}; ask for it in pages (first_episode, max_episodes: LearnerClient does)"
         )
-    return P.EpisodesReply(rid, *_view(buffer), table)
+    return P.EpisodesReply(request.request_id, *_view(buffer), table)
 
 
-READ_KINDS = (P.Get, P.GetRows, P.Sample, P.SampleSequences, P.Episodes)
-WRITE_KINDS = (P.OpenSegment, P.Append, P.Commit, P.Abort, P.PushEpisode, P.PushEpisodes)
-_PUSH_KINDS = (P.PushEpisode, P.PushEpisodes)
-SAMPLE_KINDS = (P.Sample, P.SampleSequences)
+# How each read is answered (every kind whose READS is true has one: tests/unit/test_protocol.py).
+_READS: dict[type[P.Request], Callable[[ReplayBuffer, Any, np.random.Generator, P.Limits], P.Reply]] = {
+    P.Get: _get, P.GetRows: _get_rows, P.Sample: _sample, P.SampleSequences: _sample_sequences, P.Episodes: _episodes,
+}
 _WAITING_PER_CLIENT = 4  # requests one client may have waiting for the rate limit, on average
 _WAITING_BYTES = 256 << 20  # rows of waiting push_episode requests held in memory, at most
 
@@ -251,6 +264,10 @@ class Service:
             max_waiting=limits.max_clients * _WAITING_PER_CLIENT,
         )
         self._waiting_bytes = 0
+        # Rows each kind of write inserts, for the rate limit (kinds not here insert none).
+        self._inserts: dict[type[P.Request], Callable[[bytes, Any], int]] = {
+            P.Commit: self._commit_rows, P.PushEpisode: self._push_rows, P.PushEpisodes: self._pushes_rows,
+        }
 
     # ------------------------------------------------------------------ sessions
 
@@ -260,24 +277,25 @@ class Service:
         """(side, rows) of a request the rate limit governs; None for any other."""
         if not self._limited:
             return None
-        if isinstance(request, P.Commit):
-            session = self.sessions.get(identity)
-            writer = session.segments.get(request.segment_id) if session is not None else None
-            return ("insert", len(writer)) if writer is not None and len(writer) else None
-        if isinstance(request, P.PushEpisode):
-            if self._committed(request.idempotency_key, None) is not None:
-                return None  # a retry of a push already applied: answered at once, never held back
-            return ("insert", request.num_rows) if request.num_rows else None
-        if isinstance(request, P.PushEpisodes):
-            # A retry counts only the episodes not yet applied: those are all it will insert.
-            rows = sum(int(n) for key, n in zip(request.keys, request.lengths)
-                       if self._committed(bytes(key), int(n)) is None)
-            return ("insert", rows) if rows else None
-        if isinstance(request, P.Sample) and self.writer_samples:
-            return "sample", request.batch_size
-        if isinstance(request, P.SampleSequences) and self.writer_samples:
-            return "sample", request.batch_size * request.length
-        return None
+        if request.DRAWS:
+            return ("sample", request.num_drawn) if self.writer_samples else None  # type: ignore[attr-defined]
+        inserts = self._inserts.get(type(request))
+        rows = inserts(identity, request) if inserts is not None else 0
+        return ("insert", rows) if rows else None
+
+    def _commit_rows(self, identity: bytes, request: P.Commit) -> int:
+        session = self.sessions.get(identity)
+        writer = session.segments.get(request.segment_id) if session is not None else None
+        return len(writer) if writer is not None else 0
+
+    def _push_rows(self, identity: bytes, request: P.PushEpisode) -> int:
+        if self._committed(request.idempotency_key, None) is not None:
+            return 0  # a retry of a push already applied: answered at once, never held back
+        return request.num_rows
+
+    def _pushes_rows(self, identity: bytes, request: P.PushEpisodes) -> int:
+        # A retry counts only the episodes not yet applied: those are all it will insert.
+        return sum(int(n) for key, n in zip(request.keys, request.lengths) if self._committed(bytes(key), int(n)) is None)
 
     def submit(self, identity: bytes, request: P.Request, granted_role: str | None = None,
                key: str | None = None) -> P.Reply | None:
@@ -292,7 +310,7 @@ class Service:
         if gate is None:
             return self.handle(identity, request, granted_role, key)
         side, rows = gate
-        nbytes = sum(a.nbytes for a in request.arrays.values()) if isinstance(request, _PUSH_KINDS) else 0
+        nbytes = sum(a.nbytes for a in request.arrays.values()) if request.CARRIES_ROWS else 0  # type: ignore[attr-defined]
         if nbytes and self._waiting_bytes + nbytes > _WAITING_BYTES and self.waiting.queues["insert"]:
             raise RateLimitedError(f"the rate limit holds inserts back and {self._waiting_bytes} bytes of episodes "
                                    "already wait in this server's memory; stream long episodes through segments")
@@ -333,17 +351,15 @@ class Service:
         return out
 
     def _forget_bytes(self, request: P.Request) -> None:
-        if isinstance(request, _PUSH_KINDS):
-            self._waiting_bytes -= sum(a.nbytes for a in request.arrays.values())
+        if request.CARRIES_ROWS:
+            self._waiting_bytes -= sum(a.nbytes for a in request.arrays.values())  # type: ignore[attr-defined]
 
     def needs_publish(self, reply: P.Reply) -> bool:
         """Whether a reply may leave only after the publish that carries what it acknowledges:
         commits, priority updates, and samples that changed the buffer (counted, or rows
         removed). So a reply never names a publish the file does not have yet, and what it
         acknowledges survives a crash of the writer."""
-        if isinstance(reply, (P.CommitReply, P.PushEpisodeReply, P.PushEpisodesReply, P.UpdatePrioritiesReply)):
-            return True
-        return self.writer_samples and isinstance(reply, (P.SampleReply, P.SampleSequencesReply))
+        return reply.ACKNOWLEDGES or (self.writer_samples and reply.DRAWN)
 
     def session(self, identity: bytes, key: str | None = None, granted_role: str | None = None) -> Session:
         """The session of `identity`, created on its first message (within max_clients, the
@@ -456,8 +472,8 @@ class Service:
         """
         self.stats.requests += 1
         session = self.session(identity, key, granted_role)
-        if isinstance(request, READ_KINDS):
-            if isinstance(request, SAMPLE_KINDS) and self.writer_samples:  # they change the buffer: drawn here
+        if request.READS:
+            if request.DRAWS and self.writer_samples:  # they change the buffer: drawn here
                 if self.write_failure is not None:
                     raise StorageError(f"this server stopped writing after a failed write ({self.write_failure}); "
                                        "samples change the buffer here (a rate limit, or removals), so none is served")
@@ -470,12 +486,12 @@ class Service:
             reply = read_reply(self.buffer, request, self._rng, self.limits)
             self.stats.rows_out += reply_rows(reply)
             return reply
-        if isinstance(request, WRITE_KINDS) and session.role != "actor":
+        if request.WRITES and session.role != "actor":
             raise ReadOnlyError(f"a {session.role} may not {request.KIND.value.replace('_', ' ')}; connect as an actor")
         handler = self._handlers.get(type(request))
         if handler is None:
             raise ProtocolError(f"the writer does not serve {request.KIND.value} requests")
-        if not isinstance(request, WRITE_KINDS):
+        if not request.WRITES:
             return handler(request, session)
         if self.write_failure is not None:
             raise StorageError(
@@ -778,8 +794,7 @@ class Service:
 
         def keep(parked: Parked) -> bool:
             identity, waiting, _, _ = parked
-            return not (identity == session.identity and waiting.request_id in named
-                        and isinstance(waiting, SAMPLE_KINDS))
+            return not (identity == session.identity and waiting.request_id in named and waiting.DRAWS)
 
         dropped = self.waiting.drop(keep)
         return P.CancelReply(request.request_id, np.array([w.payload[1].request_id for w in dropped], np.uint64))

@@ -49,7 +49,7 @@ from h5replay.config import ServerConfig
 from h5replay.errors import AccessDeniedError, LimitExceededError, ProtocolError, ServerUnavailableError, StorageError
 from h5replay.server.auth import RefusalLog, RoleAuthenticator, server_keys
 from h5replay.server.guard import MONITOR_EVENTS, Budgets, ConnectionGuard, max_connections
-from h5replay.server.handlers import READ_KINDS, read_reply, reply_rows
+from h5replay.server.handlers import read_reply, reply_rows
 from h5replay.server.sockets import Started, bound_endpoint, configure_router
 from h5replay.storage.replay_buffer import ReplayBuffer
 
@@ -126,7 +126,7 @@ def answer(buffer: ReplayBuffer, request: P.Request, rng: np.random.Generator, c
     Raises:
         ProtocolError: a request only the writer serves (the message names the writer endpoint's job).
     """
-    if isinstance(request, READ_KINDS):
+    if request.READS:
         return read_reply(buffer, request, rng, config.limits)
     if isinstance(request, P.Info):
         return P.InfoReply(request.request_id, {**buffer.info(), "instance_id": instance_id})

@@ -42,7 +42,7 @@ from h5replay.errors import AccessDeniedError, ConfigError
 from h5replay.sampling import SamplingConfig
 from h5replay.server.auth import RefusalLog, RoleAuthenticator, handshake_failure, server_keys
 from h5replay.server.guard import MONITOR_EVENTS, Budgets, ConnectionGuard, max_connections, raise_descriptor_limit
-from h5replay.server.handlers import READ_KINDS, WRITE_KINDS, Service
+from h5replay.server.handlers import Service
 from h5replay.server.metrics import Metrics
 from h5replay.server.readers import FileIdentity, ReaderPool
 from h5replay.server.sockets import Started, bound_endpoint, configure_router
@@ -378,12 +378,12 @@ class Server:
             if auth is not None and role is None:  # listed at its handshake, removed since
                 self._guard_disconnect(identity, "its key was removed from the key directories")
                 raise AccessDeniedError("this client's key is no longer listed in the server's key directories")
-            if isinstance(request, READ_KINDS) and not service.reads_elsewhere:
+            if request.READS and not service.reads_elsewhere:
                 self._reads.append((identity, body, request, role, key, time.monotonic()))  # after the writes
                 return
-            if isinstance(request, WRITE_KINDS):
+            if request.WRITES:
                 self._last_write = time.monotonic()
-            if (service.unpublished or service.updates_pending) and isinstance(request, READ_KINDS):
+            if (service.unpublished or service.updates_pending) and request.READS:
                 # A read must not see a commit before it is acknowledged, and must see every
                 # priority update acknowledged (its client may ask for the publish named in the reply).
                 self._publish(sock, service, force=True)
@@ -398,8 +398,7 @@ class Server:
         if answer is None:
             return  # it waits for the rate limit (see _release)
         self._reply(sock, service, identity, answer)
-        if service.waiting and isinstance(answer, (P.CommitReply, P.PushEpisodeReply, P.PushEpisodesReply, P.SampleReply,
-                                                   P.SampleSequencesReply)):
+        if service.waiting and (answer.ACKNOWLEDGES or answer.DRAWN):
             self._release(sock, service)  # the counters moved: a waiting request may go now
 
     def _serve_reads(self, sock: zmq.Socket[Any], service: Service) -> None:

@@ -5,6 +5,7 @@ every row out exactly once, settings kept across restarts, and the refusals."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import re
 import threading
 import time
 from typing import Any
@@ -214,8 +215,11 @@ def test_priorities_whose_weight_would_overflow_are_refused_before_anything_is_w
             actor.push_episode(episode_rows(1, 1, 2), priorities=[1.0, 1e200])
         with pytest.raises(ProtocolError, match=words.replace("priority 1", "priority 3")):
             actor.push_episodes([episode_rows(1, 2, 2), episode_rows(1, 3, 2)], priorities=[[1.0, 1.0], [1.0, 1e200]])
-        with pytest.raises(ProtocolError, match=words):
+        with pytest.raises(ConfigError, match=words):  # the learner checks the server's bound too: nothing is sent
             learner.update_priorities([0, 1], [1.0, 1e200])
+        with RawClient(server.endpoint) as raw:  # one that does not is refused by the server all the same
+            reply = raw.call(lambda rid: P.UpdatePriorities(rid, np.array([0, 1]), np.array([1.0, 1e200])))
+            assert isinstance(error_of(reply), ProtocolError) and re.search(words, str(error_of(reply)))
         assert len(learner) == 4 and learner.info()["priority_updates"] == 0
         assert learner.info()["priority_sum"] == pytest.approx(1 + 4 + 9 + 16)
         _, info = learner.sample(64, seed=0, with_info=True)

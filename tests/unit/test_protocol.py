@@ -545,3 +545,27 @@ def test_an_idempotency_key_must_be_16_bytes(key: Any) -> None:
     head["fields"]["idempotency_key"] = key
     with pytest.raises(ProtocolError, match="'idempotency_key' must be 16 bytes"):
         P.decode([msgpack.packb(head, use_bin_type=True)])
+
+
+def test_what_each_kind_is_is_said_by_its_class() -> None:
+    """The server dispatches on these (read or write, a draw, rows carried, answered after the
+    publish); a new kind says what it is here, where the table pins it."""
+    from h5replay.server.handlers import _READS
+
+    requests = {c.KIND.value: (c.READS, c.WRITES, c.DRAWS, c.CARRIES_ROWS) for c in P.Request.__subclasses__()}
+    assert requests == {
+        "hello": (False, False, False, False), "open_segment": (False, True, False, False),
+        "append": (False, True, False, True), "commit": (False, True, False, False), "abort": (False, True, False, False),
+        "push_episode": (False, True, False, True), "push_episodes": (False, True, False, True),
+        "update_priorities": (False, False, False, False), "get": (True, False, False, False),
+        "get_rows": (True, False, False, False), "sample": (True, False, True, False),
+        "sample_sequences": (True, False, True, False), "episodes": (True, False, False, False),
+        "info": (False, False, False, False), "heartbeat": (False, False, False, False),
+        "cancel": (False, False, False, False),
+    }
+    replies = [c for c in P.Reply.__subclasses__() if c not in (P.ReadReply, P.ErrorReply)] + P.ReadReply.__subclasses__()
+    assert {c.KIND.value for c in replies if c.ACKNOWLEDGES} == {"commit", "push_episode", "push_episodes",
+                                                                 "update_priorities"}
+    assert {c.KIND.value for c in replies if c.DRAWN} == {"sample", "sample_sequences"}
+    assert {c for c in P.Request.__subclasses__() if c.READS} == set(_READS)  # every read has its answer
+    assert P.Sample(1, 7).num_drawn == 7 and P.SampleSequences(1, 3, 4).num_drawn == 12
