@@ -8,16 +8,15 @@ set before the nodes start, and their workers inherit it). Skipped when Ray is n
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+# tests/, where the helper modules are: on this process's sys.path through pytest's `pythonpath`
+# setting (pyproject.toml); Ray's workers get it through PYTHONPATH below.
 _TESTS = str(Path(__file__).resolve().parent.parent)
-if _TESTS not in sys.path:  # tests/ is not a package
-    sys.path.insert(0, _TESTS)
 
 NUM_NODES = 3
 _NODE = {"num_cpus": 1, "object_store_memory": 80 * 1024 * 1024}
