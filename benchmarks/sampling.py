@@ -5,13 +5,13 @@
    Target: prioritized at least 0.8x uniform.
 2. `update_priorities` of 256 ids: calls per second locally (ReplayBuffer) and over the wire
    (LearnerClient), against a raw ZeroMQ DEALER/ROUTER round trip of the same 4 KiB message.
-   Over the wire a call returns once the writer has applied the update in memory; the writer
-   publishes updates (log entries written, file flushed, readers see them) at the end of its
-   pass, after the reply (so one learner calling in turn causes a publish per call), and as a
-   second figure with priority_publish_interval=0.002 (a pass of updates alone publishes them
-   once the oldest is 2 ms old), and with `wait=False` (up to max_in_flight messages travelling,
-   the updates made meanwhile held by the client and sent merged; every reply read by the end of
-   the round). Target: at least 5,000 calls/s.
+   Over the wire a call returns once the writer has applied the update and published it (log
+   entries written, file flushed, readers see them) at the end of its pass (so one learner
+   calling in turn causes a publish per call); as a second figure with
+   priority_publish_interval=0.002 (a pass of updates alone publishes them once the oldest is
+   2 ms old, and a waited call waits for that publish), and with `wait=False` (up to
+   max_in_flight messages travelling, the updates made meanwhile held by the client and sent
+   merged; every reply read by the end of the round). Target: at least 5,000 calls/s.
 3. A rate-limited run: 4 actor processes, 1 learner, samples_per_insert 8: the observed ratio
    sampled / inserted, and how long each side waited for the limiter, against the same processes
    with no rate limit (the baseline: rows in and batches out per second).
