@@ -10,6 +10,7 @@ import multiprocessing as mp
 import time
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
 from service_helpers import RawClient, episode_rows, error_of, processes, wait_until
@@ -17,7 +18,7 @@ from service_helpers import RawClient, episode_rows, error_of, processes, wait_u
 from h5replay import protocol as P
 from h5replay.client import ActorClient, LearnerClient
 from h5replay.config import ClientConfig
-from h5replay.errors import LimitExceededError, RateLimitedError
+from h5replay.errors import LimitExceededError, ProtocolError, RateLimitedError
 from h5replay.sampling import Fifo, SamplingConfig
 
 SPAWN = mp.get_context("spawn")
@@ -177,3 +178,28 @@ def test_over_shards_len_and_shares_leave_out_rows_max_times_sampled_removed(sta
         assert len(learner) == 70
         got = learner.sample(70)["step"].tolist()  # exactly what may still be drawn, none asked of a twice
     assert sorted(taken + got) == [*range(50), *range(1000, 1050)]
+
+
+def test_a_client_can_cancel_only_its_own_waiting_samples(start_server: Any) -> None:
+    server = start_server(capacity=1000, sampling=QUEUE)
+    with RawClient(server.endpoint) as waiter, RawClient(server.endpoint) as other:
+        waiter.send(P.encode(P.Sample(7, 5, None, 0, 30.0)))  # waits: the queue is empty
+        with LearnerClient(server.endpoint, timeout=10) as watcher:
+            assert wait_until(lambda: watcher.info()["waiting_samples"] == 1, 10)
+            reply = other.call(lambda rid: P.Cancel(rid, np.array([7], np.uint64)))  # another client's id 7
+            assert reply.request_ids.tolist() == []  # type: ignore[attr-defined]
+            assert watcher.info()["waiting_samples"] == 1
+            reply = waiter.call(lambda rid: P.Cancel(rid, np.array([7, 99, 2**64 - 1], np.uint64)))
+            assert reply.request_ids.tolist() == [7]  # type: ignore[attr-defined]
+            assert watcher.info()["waiting_samples"] == 0
+            # Hand-made nonsense is refused, and the server goes on.
+            header = {"version": P.PROTOCOL_VERSION, "kind": "cancel", "id": 5, "fields": {},
+                      "arrays": [["request_ids", "<f8", [1]]]}
+            refused = other.request([msgpack.packb(header), np.zeros(1).tobytes()])
+            assert isinstance(error_of(refused), ProtocolError)
+            with RawClient(server.read_endpoint) as reader:
+                reply = reader.call(lambda rid: P.Episodes(rid, 0, 2**64 - 1, 2**64 - 1))
+                assert len(reply.episodes) == 0  # type: ignore[attr-defined]
+        _push(server.endpoint, 0, 5)
+        with _learner(server.endpoint) as learner:
+            assert learner.sample(5)["step"].tolist() == list(range(5)), "a cancelled sample took rows"
