@@ -33,6 +33,7 @@ from h5replay.errors import (
     ClosedError,
     ConfigError,
     EvictedError,
+    LimitExceededError,
     NotEnoughDataError,
     RateLimitedError,
     ReadOnlyError,
@@ -168,8 +169,9 @@ class ReplayBuffer:
         config = SamplingConfig(sampler if sampler is not None else Uniform(),
                                 rate_limit if rate_limit is not None else RateLimit(), max_times_sampled)
         first_row, first_episode = int(first_row_id), int(first_episode_id)
-        if first_row < 0 or first_episode < 0:
-            raise ConfigError(f"first ids must be >= 0, got row {first_row_id!r} and episode {first_episode_id!r}")
+        if not (0 <= first_row < _h5file.MAX_ID and 0 <= first_episode < _h5file.MAX_ID):
+            raise ConfigError(f"first ids must be >= 0 and below 2**62, got row {first_row_id!r} and episode "
+                              f"{first_episode_id!r}")
         initial = State(
             begin=first_row, end=first_row, open_start=first_row, ep_begin=first_episode, ep_end=first_episode,
             origin=first_row if capacity is None else 0, ep_origin=first_episode if capacity is None else 0,
@@ -406,6 +408,7 @@ class ReplayBuffer:
     def _write_tail(self, encoded: dict[str, np.ndarray], n: int, priorities: np.ndarray | None) -> None:
         if n == 0:
             return
+        self._check_ids(n, 1)  # the open episode these rows join becomes one episode
         self._check_insert(n)
         before = self._state
         self._evict(self._state.end + n)
@@ -568,6 +571,7 @@ class ReplayBuffer:
         """Write the writer's rows at the tail (one write) and record them as episodes of
         `lengths` rows with `keys` (all checked); on failure, nothing of them stays."""
         n = sum(lengths)
+        self._check_ids(n, len(lengths) + 1)  # + 1: an open episode is ended first
         self._check_insert(n)
         if self._state.open_start < self._state.end:
             self.end_episode()
@@ -778,6 +782,19 @@ class ReplayBuffer:
         self._require_writable("carry counters over")
         self._state = self._state.replace(inserted=int(inserted), sampled=int(sampled))
         self._limit_inserts = limit_inserts
+
+    def _check_ids(self, rows: int, episodes: int) -> None:
+        """Refuse, before anything is written, rows or episodes whose ids would reach MAX_ID
+        (2**62): the file could not record them (see `_journal`).
+
+        Raises:
+            LimitExceededError: this file has no ids left for them.
+        """
+        s = self._state
+        if max(s.end, s.inserted) + rows >= _h5file.MAX_ID or s.ep_end + episodes >= _h5file.MAX_ID:
+            raise LimitExceededError(
+                f"{self.storage.filename!r} cannot take {rows} more rows: its row or episode ids would reach 2**62, the "
+                f"most a file records (next row id {s.end}, next episode id {s.ep_end})")
 
     def _check_insert(self, rows: int) -> None:
         if self._limit_inserts and self._sampling.config.rate_limit.samples_per_insert is not None:
