@@ -21,7 +21,9 @@ import h5py
 import numpy as np
 import pytest
 from fault_helpers import cli_command
+from service_helpers import EPISODE_SPACE, RawClient, episode_rows, running_server, server_config
 
+from h5replay import protocol as P
 from h5replay.cli import main
 from h5replay.errors import LimitExceededError, SpaceMismatchError, StorageError
 from h5replay.sampling import Prioritized
@@ -237,3 +239,15 @@ def test_a_commit_that_would_take_ids_past_2_62_is_refused_before_anything_is_wr
     again.close()
     with pytest.raises(Exception, match="below 2\\*\\*62"):
         ReplayBuffer.create(SPACE, 16, tmp_path / "late.h5", first_row_id=MAX_ID)
+
+
+def test_a_server_refuses_a_push_that_would_take_ids_past_2_62_and_keeps_serving(tmp_path: Path) -> None:
+    path = tmp_path / "rb.h5"
+    ReplayBuffer.create(EPISODE_SPACE, 10_000, path, first_row_id=MAX_ID - 20).close()
+    with running_server(server_config(path)) as server, RawClient(server.endpoint) as raw:
+        refused = raw.call(lambda rid: P.PushEpisode(rid, 30, episode_rows(0, 0, 30), 0.0))
+        assert isinstance(refused, P.ErrorReply) and refused.code == P.ErrorCode.LIMIT_EXCEEDED.value, refused
+        assert "ids would reach 2**62" in refused.message
+        stored = raw.call(lambda rid: P.PushEpisode(rid, 5, episode_rows(0, 1, 5), 0.0))
+        assert isinstance(stored, P.PushEpisodeReply) and stored.first_row_id == MAX_ID - 20
+        assert server.stop() == 0
