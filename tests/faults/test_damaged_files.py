@@ -51,8 +51,9 @@ def rows(n: int, value: float = 0.0) -> np.ndarray:
 
 
 def byte_offset(path: Path, name: str, index: int) -> int:
-    """Where row `index` of the chunked, unfiltered dataset `name` lies in the file."""
-    with h5py.File(path, "r") as f:
+    """Where row `index` of the chunked, unfiltered dataset `name` lies in the file (which a
+    writer may hold open: read as an SWMR reader)."""
+    with h5py.File(path, "r", swmr=True, locking=False) as f:
         ds = f[name]
         per_chunk = ds.chunks[0]
         chunk = ds.id.get_chunk_info_by_coord((index - index % per_chunk,) + (0,) * (ds.ndim - 1))
@@ -304,3 +305,4 @@ def test_an_episode_record_out_of_range_refuses_the_file(tmp_path: Path, damage:
         f[f"{REPLAY}/episodes"][episode % 16] = record
     with pytest.raises(StorageError, match=f"impossible episode record {episode}"):
         open_as(path, how).close()
+
