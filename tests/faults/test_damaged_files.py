@@ -236,13 +236,14 @@ def _prioritized(path: Path) -> None:
     assert ReplayBuffer.load_from(path).published.pckpt == 0
 
 
-def _damage_log_entry(path: Path, row_id: int, value: float) -> None:
+def _damage_log_entry(path: Path, row_id: int, value: float, update: int = 1) -> None:
+    """Overwrite the log entry of update `update` (by default the last: row 1's)."""
     entry = np.array([row_id, np.float64(value).view(np.int64)], dtype=np.int64)
-    overwrite(path, byte_offset(path, f"{REPLAY}/priority_log", 0), entry.tobytes())
+    overwrite(path, byte_offset(path, f"{REPLAY}/priority_log", update), entry.tobytes())
 
 
 @pytest.mark.parametrize("how", OPENS)
-@pytest.mark.parametrize(("row_id", "value"), [(0, np.nan), (0, -3.0), (0, np.inf), (-5, 9.0), (12, 9.0),
+@pytest.mark.parametrize(("row_id", "value"), [(1, np.nan), (1, -3.0), (1, np.inf), (-5, 9.0), (12, 9.0),
                                                (1 << 40, 9.0)],
                          ids=["NaN", "negative", "infinite", "negative row id", "row not held", "row id 2**40"])
 def test_a_damaged_priority_log_entry_is_never_applied(tmp_path: Path, how: str, row_id: int, value: float) -> None:
@@ -252,13 +253,13 @@ def test_a_damaged_priority_log_entry_is_never_applied(tmp_path: Path, how: str,
     with open_as(path, how) as rb:
         priorities = rb._sampling.priorities
         assert priorities is not None
-        assert priorities[:10].tolist() == [1.0, 7.0] + [1.0] * 8  # row 0 kept the priority it had
-        assert rb._sampling.tree.total == pytest.approx(1.0 + 7.0 + 8.0)
+        assert priorities[:10].tolist() == [5.0, 1.0] + [1.0] * 8  # row 1 kept the priority it had
+        assert rb._sampling.tree.total == pytest.approx(5.0 + 1.0 + 8.0)
         _, info = rb.sample(64, np.random.default_rng(0), with_info=True)
         assert np.all(np.isfinite(info.probabilities)) and np.all(info.probabilities > 0)
         if how == "writer":
-            rb.update_priorities(np.array([0]), np.array([2.0]))  # and it takes new updates as before
-            assert rb.priorities(np.array([0, 1])).tolist() == [2.0, 7.0]
+            rb.update_priorities(np.array([1]), np.array([2.0]))  # and it takes new updates as before
+            assert rb.priorities(np.array([0, 1])).tolist() == [5.0, 2.0]
 
 
 @pytest.mark.parametrize("how", OPENS)
@@ -306,3 +307,35 @@ def test_an_episode_record_out_of_range_refuses_the_file(tmp_path: Path, damage:
     with pytest.raises(StorageError, match=f"impossible episode record {episode}"):
         open_as(path, how).close()
 
+
+
+# ------------------------------------------------------------------------------ a file cut short
+
+
+@pytest.mark.parametrize("cut", [16 * 1024, 64 * 1024, 200 * 1024])
+def test_export_of_a_file_cut_short_keeps_the_longest_readable_run_of_whole_episodes(
+        tmp_path: Path, cut: int, caplog: pytest.LogCaptureFixture) -> None:
+    from h5replay.storage.export import export_file
+
+    path = tmp_path / "cut.h5"
+    rb = ReplayBuffer.create(BoxSpace(-1, 1, (64,)), 5000, path, multiprocessing=True, chunks=True)
+    for e in range(40):  # 50 rows an episode, each row holding its episode's number
+        writer = rb.open_segment_writer()
+        writer.extend(np.full((50, 64), e / 100, np.float32))
+        rb.commit_segment(writer)
+    rb.close()
+    os.truncate(path, os.path.getsize(path) - cut)
+    with pytest.raises(StorageError, match="shorter than its HDF5 superblock records"):
+        ReplayBuffer.load_from(path, read_only=False)
+    with caplog.at_level(logging.WARNING, "h5replay.storage"):
+        export_file(path, tmp_path / "copy.h5")
+    assert "is cut short: the copy keeps" in caplog.text
+    with ReplayBuffer.load_from(tmp_path / "copy.h5") as copy:
+        episodes = copy.episodes()
+        first = episodes[0].episode_id
+        assert 0 < len(episodes) < 40 and [e.episode_id for e in episodes] == list(range(first, first + len(episodes)))
+        assert first == 0  # the older episodes lie before the cut; the newest ones were in it
+        assert all(e.first_row_id == 50 * e.episode_id and e.length == 50 for e in episodes)
+        values = copy.get_at(slice(None))
+        expected = np.repeat(np.arange(first, first + len(episodes), dtype=np.float32) / np.float32(100), 50)
+        np.testing.assert_array_equal(values[:, 0], expected)

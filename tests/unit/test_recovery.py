@@ -207,3 +207,118 @@ def test_a_reader_follows_the_writer_reading_only_what_changed(tmp_path: Path, c
             assert reader.priorities(held).tolist() == writer.priorities(held).tolist()
             assert reader._sampling.tree.total == pytest.approx(writer._sampling.tree.total)
     writer.close()
+
+
+# ------------------------------------------------------------------------------ the priority log
+
+
+@pytest.mark.parametrize("updates", [1, 2, 3, 5, 8])
+def test_every_priority_comes_back_from_the_log_ring_after_a_reopen(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, updates: int) -> None:
+    """A ring of 8 log entries: updates wrap around it, with checkpoints between; a reopened
+    writer and a reader each rebuild exactly the priorities the writer had, 0 included."""
+    from h5replay.storage import _sampling_file
+
+    monkeypatch.setattr(_sampling_file, "LOG_ENTRIES", 8)
+    path = tmp_path / "rb.h5"
+    rb = ReplayBuffer.create(BoxSpace(-1, 1, (3,)), 16, path, sampler=Prioritized(1.0, 1.0))
+    w = rb.open_segment_writer()
+    w.extend(np.zeros((12, 3), np.float32), priorities=np.linspace(1.0, 2.1, 12))
+    rb.commit_segment(w)
+    for k in range(updates):  # 3 log entries a publish (rows 3k.. to k / 4, 0 first): replays cross the ring's end
+        rb.update_priorities(np.arange(3 * k, 3 * k + 3) % 12, np.array([k / 4, k / 4 + 0.1, 0.0]))
+        rb.flush()
+    expected = rb.priorities(np.arange(12)).tolist()
+    published = rb.published
+    rb.close()
+    assert published.plog == 3 * updates
+    for how in OPENS:
+        with ReplayBuffer.load_from(path, read_only=how != "writer", multiprocessing=how == "swmr_reader") as again:
+            assert again.priorities(np.arange(12)).tolist() == expected, how
+            assert again._sampling.tree.total == pytest.approx(sum(expected))
+
+
+OPENS = ("writer", "reader", "swmr_reader")
+
+
+# ------------------------------------------------------------------------------ keys of a failed publish
+
+
+def test_a_failed_publish_forgets_the_keys_it_would_have_published(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The key of a commit whose publish failed names an episode that never was: a retry must
+    commit it, and the slot's row in the file must not come back after a reopen as the key of
+    the episode that takes the slot next."""
+    from h5replay.storage._journal import Journal
+
+    path = tmp_path / "rb.h5"
+    rb = ReplayBuffer.create(BoxSpace(-1, 1, (3,)), 64, path, idempotency_window=4)
+    key = b"k" * 16
+    first = rb.open_segment_writer()
+    first.extend(np.zeros((2, 3), np.float32))
+    rb.commit_segment(first)
+    real_publish = Journal.publish
+
+    def fail_after_writing(self: Journal, state: object, fsync: bool = False) -> None:
+        self.write_records()  # the episode record and the key row reach the file, the state row not
+        raise StorageError("injected: the state row could not be written")
+
+    monkeypatch.setattr(Journal, "publish", fail_after_writing)
+    keyed = rb.open_segment_writer()
+    keyed.extend(np.zeros((3, 3), np.float32))
+    with pytest.raises(StorageError, match="injected"):
+        rb.commit_segment(keyed, idempotency_key=key)
+    monkeypatch.setattr(Journal, "publish", real_publish)
+    assert rb.receipt_for(key) is None
+    keyless = rb.open_segment_writer()  # takes the failed episode's id and key slot
+    keyless.extend(np.zeros((4, 3), np.float32))
+    assert rb.commit_segment(keyless) == (1, 2, 4)
+    rb.close()
+    with ReplayBuffer.load_from(path, read_only=False) as again:
+        assert again.receipt_for(key) is None
+        retry = again.open_segment_writer()
+        retry.extend(np.zeros((3, 3), np.float32))
+        assert again.commit_segment(retry, idempotency_key=key) == (2, 6, 3)
+
+
+# ------------------------------------------------------------------------------ the episode table
+
+
+def test_the_episode_table_finds_the_episode_of_every_row_across_the_ring() -> None:
+    from h5replay.records import NO_EPISODE
+    from h5replay.storage._journal import EpisodeTable
+
+    table = EpisodeTable(4)
+    for episode_id, start, length in [(5, 30, 2), (6, 33, 3), (7, 36, 1), (8, 38, 2)]:  # slots 1, 2, 3, 0
+        table.put(episode_id, start, length)
+    table.set_range(5, 9)
+    found = table.find(np.arange(28, 42, dtype=np.uint64))
+    expected = [NO_EPISODE] * 2 + [5, 5, NO_EPISODE, 6, 6, 6, 7, NO_EPISODE, 8, 8] + [NO_EPISODE] * 2
+    assert found.dtype == np.uint64 and found.tolist() == expected
+
+
+# ------------------------------------------------------------------------------ export
+
+
+def test_export_keeps_settings_rows_outside_episodes_and_survives_leftovers(tmp_path: Path) -> None:
+    from h5replay.sampling import Fifo, RateLimit
+    from h5replay.storage.export import compact_file, export_file
+
+    path = tmp_path / "rb.h5"
+    rb = ReplayBuffer.create(BoxSpace(-1, 1, (3,)), 64, path, sampler=Fifo(), max_times_sampled=2,
+                             rate_limit=RateLimit(1, 1.0, 6.0))
+    rb.extend(np.full((3, 3), 0.1, np.float32))
+    rb.end_episode(record=False)  # rows of no episode
+    for n in (2, 2):  # 7 rows inserted, none sampled: as far ahead as the rate limit lets inserts go
+        rb.extend(np.full((n, 3), n / 10, np.float32))
+        rb.end_episode()
+    rb.close()
+    (tmp_path / "out.h5.partial").write_bytes(b"left by a crashed export")
+    (tmp_path / "rb.h5.compact").write_bytes(b"left by a crashed compact")
+    export_file(path, tmp_path / "out.h5")  # copying is no insert: the rate limit lets every row in
+    compact_file(path)
+    for copy_path in (tmp_path / "out.h5", path):
+        with ReplayBuffer.load_from(copy_path) as copy:
+            assert copy.sampling.max_times_sampled == 2 and isinstance(copy.sampling.sampler, Fifo)
+            assert copy.get_segments() == [(3, 2), (5, 2)] and len(copy) == 7
+            assert copy.info()["inserted"] == 7
+    assert not (tmp_path / "out.h5.partial").exists() and not (tmp_path / "rb.h5.compact").exists()
