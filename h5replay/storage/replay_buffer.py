@@ -503,6 +503,7 @@ class ReplayBuffer:
                 aborted, or is longer than the capacity (it is aborted); or the key is already
                 the key of an episode of another length (the writer is left as it was).
             ConfigError: the key is not 16 bytes.
+            LimitExceededError: the file's row or episode ids would reach 2**62 (the writer is left open).
             StorageError: HDF5 failed; nothing of the segment is visible.
         """
         self._require_writable("commit a segment")
@@ -540,6 +541,7 @@ class ReplayBuffer:
                 not add up, one is < 1, or they exceed the capacity; or a key is one an episode
                 already has (look keys up with `receipt_for` first). The writer is left open.
             ConfigError: a key is not 16 bytes, or two are the same.
+            LimitExceededError: the file's row or episode ids would reach 2**62 (the writer is left open).
             StorageError: HDF5 failed; nothing of the episodes is visible.
         """
         self._require_writable("commit episodes")
