@@ -150,8 +150,8 @@ def test_the_writer_lock_follows_the_file(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------ a file cut short
 
 
-def _committed(path: Path, episodes: int, staged: int = 0) -> ReplayBuffer:
-    rb = ReplayBuffer.create(SPACE, 5000, path, multiprocessing=True, chunks=True, segment_buffer_bytes=4096)
+def _committed(path: Path, episodes: int, staged: int = 0, capacity: int | None = 5000) -> ReplayBuffer:
+    rb = ReplayBuffer.create(SPACE, capacity, path, multiprocessing=True, chunks=True, segment_buffer_bytes=4096)
     for e in range(episodes):
         writer = rb.open_segment_writer()
         writer.extend(np.full((50, 64), e / 100, np.float32))
@@ -162,9 +162,10 @@ def _committed(path: Path, episodes: int, staged: int = 0) -> ReplayBuffer:
     return rb
 
 
-def test_a_file_cut_short_in_its_published_rows_is_refused_as_found(tmp_path: Path) -> None:
+@pytest.mark.parametrize("capacity", [5000, 1500, None])  # 2000 rows: 1500 is a ring that wrapped
+def test_a_file_cut_short_in_its_published_rows_is_refused_as_found(tmp_path: Path, capacity: int | None) -> None:
     path = tmp_path / "cut.h5"
-    _committed(path, 40).close()
+    _committed(path, 40, capacity=capacity).close()
     length = os.path.getsize(path) - 65536
     os.truncate(path, length)
     with pytest.raises(StorageError, match="65536 bytes shorter .* rows it published lie in the missing part"):
@@ -172,11 +173,13 @@ def test_a_file_cut_short_in_its_published_rows_is_refused_as_found(tmp_path: Pa
     assert os.path.getsize(path) == length and missing_bytes(str(path), length) == 65536
 
 
-def test_a_file_cut_short_only_in_unpublished_rows_reopens_at_its_last_publish(tmp_path: Path) -> None:
+@pytest.mark.parametrize("capacity", [5000, None])
+def test_a_file_cut_short_only_in_unpublished_rows_reopens_at_its_last_publish(tmp_path: Path,
+                                                                              capacity: int | None) -> None:
     path = tmp_path / "staged.h5"
-    _committed(path, 10, staged=500).close()
+    _committed(path, 10, staged=500, capacity=capacity).close()
     os.truncate(path, os.path.getsize(path) - 4096)  # the last staging block, never published
-    with ReplayBuffer.load_from(path, read_only=False) as rb:
+    with ReplayBuffer.load_from(path, read_only=False, multiprocessing=True) as rb:
         assert rb.num_episodes == 10 and len(rb) == 500
         expected = np.repeat(np.arange(10, dtype=np.float32) / np.float32(100), 50)
         np.testing.assert_array_equal(rb.get_at(slice(None)), np.repeat(expected[:, None], 64, axis=1))
@@ -322,3 +325,31 @@ def test_export_keeps_settings_rows_outside_episodes_and_survives_leftovers(tmp_
             assert copy.get_segments() == [(3, 2), (5, 2)] and len(copy) == 7
             assert copy.info()["inserted"] == 7
     assert not (tmp_path / "out.h5.partial").exists() and not (tmp_path / "rb.h5.compact").exists()
+
+
+def test_a_plain_h5py_file_cut_short_in_its_rows_is_refused_as_found(tmp_path: Path) -> None:
+    """Without a journal every row counts as published."""
+    path = tmp_path / "plain.h5"
+    with h5py.File(path, "w", libver="latest") as f:
+        f.create_dataset("x", data=np.arange(100_000, dtype=np.float64), chunks=(4096,))
+    length = os.path.getsize(path) - 65536
+    os.truncate(path, length)
+    with pytest.raises(StorageError, match="65536 bytes shorter"):
+        ReplayBuffer.load_from(path, read_only=False)
+    assert os.path.getsize(path) == length
+
+
+def test_rows_that_reuse_a_removed_rows_slot_start_unsampled_after_a_reopen(tmp_path: Path) -> None:
+    from h5replay.sampling import Fifo
+
+    path = tmp_path / "queue.h5"
+    rb = ReplayBuffer.create(BoxSpace(-1, 1, (3,)), 4, path, sampler=Fifo(), max_times_sampled=1)
+    rb.extend(np.zeros((4, 3), np.float32))
+    rb.end_episode()
+    assert rb.sample(4).shape == (4, 3)  # every row taken: sampled once, removed
+    rb.extend(np.ones((4, 3), np.float32))  # the same 4 slots, new rows
+    rb.end_episode()
+    rb.close()
+    with ReplayBuffer.load_from(path, read_only=False) as again:
+        assert again.info()["sampleable"] == 4
+        np.testing.assert_array_equal(again.sample(4), np.ones((4, 3), np.float32))
