@@ -297,6 +297,72 @@ def test_the_episode_table_finds_the_episode_of_every_row_across_the_ring() -> N
     found = table.find(np.arange(28, 42, dtype=np.uint64))
     expected = [NO_EPISODE] * 2 + [5, 5, NO_EPISODE, 6, 6, 6, 7, NO_EPISODE, 8, 8] + [NO_EPISODE] * 2
     assert found.dtype == np.uint64 and found.tolist() == expected
+    assert [a.tolist() for a in table.ordered()] == [[5, 6, 7, 8], [30, 33, 36, 38], [2, 3, 1, 2]]
+    table.set_range(6, 8)  # one piece
+    assert [a.tolist() for a in table.ordered()] == [[6, 7], [33, 36], [3, 1]]
+    table.set_range(8, 8)
+    assert [a.tolist() for a in table.ordered()] == [[], [], []]
+
+
+def test_the_key_table_holds_one_key_a_slot(tmp_path: Path) -> None:
+    """Keys of episodes the window has left are dropped from memory too: the writer's key map
+    never grows past the window, however many episodes it commits."""
+    rb = ReplayBuffer.create(BoxSpace(-1, 1, (3,)), 64, tmp_path / "rb.h5", idempotency_window=4)
+    for e in range(20):
+        w = rb.open_segment_writer()
+        w.extend(np.zeros((1, 3), np.float32))
+        rb.commit_segment(w, idempotency_key=bytes([e + 1]) * 16 if e % 5 else None)
+        assert len(rb._keys) <= 4
+    assert len(rb._keys) == 4 and [rb.receipt_for(bytes([e + 1]) * 16) for e in (14, 15, 16, 19)] == [
+        None, None, (16, 16, 1), (19, 19, 1)]
+    rb.close()
+
+
+# ------------------------------------------------------------------------------ a format 1 file
+
+
+def _format_1_file(path: Path) -> None:
+    """A file as h5replay format 1 wrote it: a state row of 8 values (mark, begin, end,
+    ep_begin, ep_end, open_start, seq, 0), no replay id, no idempotency key table."""
+    rb = ReplayBuffer.create(BoxSpace(-1, 1, (3,)), 16, path)
+    for n in (5, 4):
+        rb.extend(np.full((n, 3), n / 10, np.float32))
+        rb.end_episode()
+    rb.extend(np.zeros((2, 3), np.float32))  # an open episode
+    rb.close()
+    with h5py.File(path, "r+") as f:
+        group = f["_h5replay/replay"]
+        del group["journal"], group["commit_keys"]
+        group.create_dataset("state", data=np.array([0x5245504C, 0, 11, 0, 2, 9, 7, 0], np.int64), maxshape=(8,),
+                             chunks=(8,))
+        f.attrs["h5replay_format_version"] = 1
+        del f.attrs["h5replay_replay_id"]
+
+
+@pytest.mark.parametrize("how", OPENS)
+def test_a_format_1_file_is_read_as_it_is_and_upgraded_by_a_writer(tmp_path: Path, how: str) -> None:
+    path = tmp_path / "v1.h5"
+    _format_1_file(path)
+    with ReplayBuffer.load_from(path, read_only=how != "writer", multiprocessing=how == "swmr_reader") as rb:
+        assert rb.get_segments() == [(0, 5), (5, 4)] and len(rb) == 11
+        assert (rb.view.seq, rb.view.open_start, rb.view.ep_end) == (7, 9, 2)
+        if how == "writer":
+            rb.end_episode()
+            assert rb.replay_id != "" and rb.get_segments()[-1] == (9, 2)
+    with h5py.File(path, "r") as f:
+        upgraded = how == "writer"
+        assert ("journal" in f["_h5replay/replay"]) == upgraded and ("state" in f["_h5replay/replay"]) != upgraded
+        assert int(f.attrs["h5replay_format_version"]) == (2 if upgraded else 1)
+
+
+def test_a_format_1_file_whose_state_row_is_zero_filled_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "v1.h5"
+    _format_1_file(path)
+    with h5py.File(path, "r+") as f:
+        f["_h5replay/replay/state"][...] = 0
+    for how in OPENS:
+        with pytest.raises(StorageError, match="damaged replay state row"):
+            ReplayBuffer.load_from(path, read_only=how != "writer", multiprocessing=how == "swmr_reader")
 
 
 # ------------------------------------------------------------------------------ export
