@@ -339,3 +339,30 @@ def test_export_of_a_file_cut_short_keeps_the_longest_readable_run_of_whole_epis
         values = copy.get_at(slice(None))
         expected = np.repeat(np.arange(first, first + len(episodes), dtype=np.float32) / np.float32(100), 50)
         np.testing.assert_array_equal(values[:, 0], expected)
+
+
+@pytest.mark.parametrize(("cut", "kept"), [(64 * 1024, (11, 24)), (200 * 1024, (30, 39))])
+def test_export_of_a_wrapped_ring_cut_short_keeps_its_longest_readable_run(
+        tmp_path: Path, cut: int, kept: tuple[int, int]) -> None:
+    """2000 rows in a ring of 1500: the file's last bytes hold the first pass's newest slots,
+    rows of the middle of what is held. With 64 KiB missing, rows [1250, 1500) are lost: the run
+    before them (727 rows, from episode 10's tail) is longer than the one after (500); with
+    200 KiB missing, [700, 1500) are lost and the newest run wins."""
+    from h5replay.storage.export import export_file
+
+    path = tmp_path / "cut.h5"
+    rb = ReplayBuffer.create(BoxSpace(-1, 1, (64,)), 1500, path, multiprocessing=True, chunks=True)
+    for e in range(40):
+        writer = rb.open_segment_writer()
+        writer.extend(np.full((50, 64), e / 100, np.float32))
+        rb.commit_segment(writer)
+    rb.close()
+    os.truncate(path, os.path.getsize(path) - cut)
+    export_file(path, tmp_path / "copy.h5")
+    with ReplayBuffer.load_from(tmp_path / "copy.h5") as copy:
+        episodes = copy.episodes()
+        assert (episodes[0].episode_id, episodes[-1].episode_id) == kept
+        assert all(e.first_row_id == 50 * e.episode_id and e.length == 50 for e in episodes)
+        rows = copy.get_rows(np.arange(50 * kept[0], 50 * kept[1] + 50))
+        expected = np.repeat(np.arange(kept[0], kept[1] + 1, dtype=np.float32) / np.float32(100), 50)
+        np.testing.assert_array_equal(rows[:, 0], expected)

@@ -215,9 +215,9 @@ def test_a_reader_follows_the_writer_reading_only_what_changed(tmp_path: Path, c
 # ------------------------------------------------------------------------------ the priority log
 
 
-@pytest.mark.parametrize("updates", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize(("updates", "per_update"), [(1, 3), (2, 3), (3, 3), (5, 3), (8, 3), (2, 4)])
 def test_every_priority_comes_back_from_the_log_ring_after_a_reopen(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, updates: int) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, updates: int, per_update: int) -> None:
     """A ring of 8 log entries: updates wrap around it, with checkpoints between; a reopened
     writer and a reader each rebuild exactly the priorities the writer had, 0 included."""
     from h5replay.storage import _sampling_file
@@ -228,13 +228,14 @@ def test_every_priority_comes_back_from_the_log_ring_after_a_reopen(
     w = rb.open_segment_writer()
     w.extend(np.zeros((12, 3), np.float32), priorities=np.linspace(1.0, 2.1, 12))
     rb.commit_segment(w)
-    for k in range(updates):  # 3 log entries a publish (rows 3k.. to k / 4, 0 first): replays cross the ring's end
-        rb.update_priorities(np.arange(3 * k, 3 * k + 3) % 12, np.array([k / 4, k / 4 + 0.1, 0.0]))
+    for k in range(updates):  # 3 log entries a publish: replays cross the ring's end; 2 x 4: the whole ring
+        values = np.array([k / 4, k / 4 + 0.1, 0.0, 3.0])[:per_update]
+        rb.update_priorities(np.arange(per_update * k, per_update * k + per_update) % 12, values)
         rb.flush()
     expected = rb.priorities(np.arange(12)).tolist()
     published = rb.published
     rb.close()
-    assert published.plog == 3 * updates
+    assert published.plog == per_update * updates
     for how in OPENS:
         with ReplayBuffer.load_from(path, read_only=how != "writer", multiprocessing=how == "swmr_reader") as again:
             assert again.priorities(np.arange(12)).tolist() == expected, how
@@ -388,6 +389,7 @@ def test_export_keeps_settings_rows_outside_episodes_and_survives_leftovers(tmp_
     for copy_path in (tmp_path / "out.h5", path):
         with ReplayBuffer.load_from(copy_path) as copy:
             assert copy.sampling.max_times_sampled == 2 and isinstance(copy.sampling.sampler, Fifo)
+            assert copy.sampling.rate_limit == RateLimit(1, 1.0, 6.0)
             assert copy.get_segments() == [(3, 2), (5, 2)] and len(copy) == 7
             assert copy.info()["inserted"] == 7
     assert not (tmp_path / "out.h5.partial").exists() and not (tmp_path / "rb.h5.compact").exists()
@@ -419,3 +421,19 @@ def test_rows_that_reuse_a_removed_rows_slot_start_unsampled_after_a_reopen(tmp_
     with ReplayBuffer.load_from(path, read_only=False) as again:
         assert again.info()["sampleable"] == 4
         np.testing.assert_array_equal(again.sample(4), np.ones((4, 3), np.float32))
+
+
+def test_export_keeps_priorities(tmp_path: Path) -> None:
+    from h5replay.storage.export import export_file
+
+    path = tmp_path / "rb.h5"
+    rb = ReplayBuffer.create(BoxSpace(-1, 1, (3,)), 16, path, sampler=Prioritized(0.5, 2.0))
+    w = rb.open_segment_writer()
+    w.extend(np.zeros((6, 3), np.float32), priorities=np.arange(6.0))
+    rb.commit_segment(w)
+    rb.update_priorities(np.array([1]), np.array([9.0]))
+    rb.close()
+    export_file(path, tmp_path / "copy.h5")
+    with ReplayBuffer.load_from(tmp_path / "copy.h5") as copy:
+        assert copy.priorities(np.arange(6)).tolist() == [0.0, 9.0, 2.0, 3.0, 4.0, 5.0]
+        assert copy.sampling.sampler == Prioritized(0.5, 2.0)
