@@ -38,11 +38,19 @@ __all__ = [
     "named_leaves",
     "flatten_value",
     "unflatten_value",
+    "MAX_ROW_BYTES",
+    "MAX_DEPTH",
 ]
 
 #: Where a space that is a single leaf keeps its values (the HDF5 dataset and the wire array name).
 DEFAULT_KEY = "data"
 
+#: The most bytes one row of one leaf may take (1 GiB), and how deeply dict spaces may nest.
+#: A description read from a file or a peer is checked against them before anything is
+#: allocated for it: a crafted (10**6, 10**6) Box would otherwise ask for a TiB for its bounds.
+MAX_ROW_BYTES = 1 << 30
+MAX_DEPTH = 32
+_MAX_DIMS = 31  # a leaf's dataset adds the row axis: HDF5 allows 32 dimensions in all
 _UTF8_MAX_BYTES_PER_CHAR = 4
 _SAMPLE_ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 éüß中文🙂"
 
@@ -60,7 +68,18 @@ def _shape_tuple(shape: Any, what: str) -> tuple[int, ...]:
         raise ConfigError(f"{what} must be a tuple of ints, got {shape!r}") from exc
     if any(d < 0 for d in out):
         raise ConfigError(f"{what} must not have negative dimensions, got {out}")
+    if len(out) > _MAX_DIMS:
+        raise ConfigError(f"{what} has {len(out)} dimensions; a row may have at most {_MAX_DIMS}")
     return out
+
+
+def _check_row_bytes(shape: tuple[int, ...], itemsize: int, what: str) -> None:
+    """Refuse a leaf whose row would take more than MAX_ROW_BYTES (Python ints: no overflow)."""
+    size = itemsize
+    for d in shape:
+        size *= d
+    if size > MAX_ROW_BYTES:
+        raise ConfigError(f"{what} would take {size} bytes a row, over the limit of {MAX_ROW_BYTES} (1 GiB)")
 
 
 def _bound_array(bound: Any, what: str) -> np.ndarray:
@@ -99,11 +118,13 @@ def _bound_to_check(bound: np.ndarray, unbounded: Any) -> Any:
     return flat[0].item() if bool(np.all(flat == flat[0])) else bound
 
 
-def _bound_from_json(obj: Any) -> Any:
+def _bound_from_json(obj: Any, depth: int = 0) -> Any:
     if isinstance(obj, str):
         return float(obj)
     if isinstance(obj, list):
-        return [_bound_from_json(x) for x in obj]
+        if depth >= _MAX_DIMS:
+            raise ConfigError(f"a BoxSpace bound is nested more than {_MAX_DIMS} lists deep")
+        return [_bound_from_json(x, depth + 1) for x in obj]
     return obj
 
 
@@ -229,6 +250,7 @@ class BoxSpace(LeafSpace):
                     f"BoxSpace low {low_arr.shape} and high {high_arr.shape} do not broadcast together"
                 ) from exc
         self.shape = _shape_tuple(shape, "BoxSpace shape")
+        _check_row_bytes(self.shape, self.dtype.itemsize, f"BoxSpace of shape {self.shape} {self.dtype}")
         try:
             low_arr = np.broadcast_to(low_arr, self.shape)
             high_arr = np.broadcast_to(high_arr, self.shape)
@@ -379,6 +401,7 @@ class BinarySpace(LeafSpace):
 
     def __init__(self, shape: Any = ()) -> None:
         self.shape = _shape_tuple(shape, "BinarySpace shape")
+        _check_row_bytes(self.shape, 1, f"BinarySpace of shape {self.shape}")
         self.dtype = np.dtype(bool)
 
     @property
@@ -429,6 +452,7 @@ class TextSpace(LeafSpace):
             raise ConfigError(f"TextSpace max_length must be an int >= 1, got {max_length!r}")
         if isinstance(min_length, bool) or not isinstance(min_length, (int, np.integer)) or not 0 <= min_length <= max_length:
             raise ConfigError(f"TextSpace min_length must be an int in [0, {max_length}], got {min_length!r}")
+        _check_row_bytes((int(max_length),), _UTF8_MAX_BYTES_PER_CHAR, f"TextSpace of max_length {max_length}")
         self.max_length, self.min_length = int(max_length), int(min_length)
         self.shape = ()
         self.dtype = np.dtype(object)
@@ -666,11 +690,15 @@ def _put_exact_row(space: Space, leaves: Sequence[tuple[str, LeafSpace]]) -> Cal
 
 
 def space_from_json(obj: Any) -> Space:
-    """Rebuild a space from `Space.to_json()` output.
+    """Rebuild a space from `Space.to_json()` output (dict spaces nested at most MAX_DEPTH deep).
 
     Raises:
         ConfigError: `obj` is not a space description this version understands.
     """
+    return _space_from_json(obj, 0)
+
+
+def _space_from_json(obj: Any, depth: int) -> Space:
     if not isinstance(obj, Mapping) or "type" not in obj:
         raise ConfigError(f"a space description must be a mapping with a 'type', got {obj!r:.200}")
     kind = obj["type"]
@@ -687,7 +715,9 @@ def space_from_json(obj: Any) -> Space:
             spaces = obj["spaces"]
             if not isinstance(spaces, Mapping):
                 raise ConfigError("a dict space's 'spaces' must be a mapping")
-            return DictSpace({k: space_from_json(v) for k, v in spaces.items()})
+            if depth >= MAX_DEPTH:
+                raise ConfigError(f"dict spaces are nested more than {MAX_DEPTH} deep")
+            return DictSpace({k: _space_from_json(v, depth + 1) for k, v in spaces.items()})
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, ConfigError):
             raise

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import h5py
+import numpy as np
 
 from h5replay.errors import ConfigError, FormatVersionError, StorageError
 from h5replay.spaces import LeafSpace, Space, TextSpace, space_from_json
@@ -47,7 +48,7 @@ __all__ = [
     "FORMAT_VERSION", "ATTR_FORMAT", "ATTR_SPACE", "ATTR_CAPACITY", "ATTR_REPLAY_ID", "INTERNAL_GROUP",
     "STAGING_GROUP", "h5_errors", "h5_dtype", "libver", "read_header", "create_file", "open_file", "Prepare",
     "for_writing",
-    "Verify", "opening", "recover", "DEFAULT_OPEN_TIMEOUT", "METADATA_READ_ATTEMPTS",
+    "Verify", "opening", "recover", "DEFAULT_OPEN_TIMEOUT", "METADATA_READ_ATTEMPTS", "MAX_ID", "check_dataset", "shown",
 ]
 
 log = logging.getLogger("h5replay.storage")
@@ -61,6 +62,10 @@ ATTR_SPACE = "h5replay_space"
 ATTR_CAPACITY = "h5replay_capacity"
 ATTR_REPLAY_ID = "h5replay_replay_id"
 INTERNAL_GROUP = "_h5replay"
+#: Every id, count and capacity a file records stays below this (2**62): an id plus a capacity,
+#: or plus the rows of any commit, then never overflows int64. A file that records more is
+#: refused when opened; a commit that would pass it is refused before anything is written.
+MAX_ID = 1 << 62
 STAGING_GROUP = f"{INTERNAL_GROUP}/staging"
 _SWMR_WRITE_FLAG = 0x04  # superblock status flag: open for SWMR writing
 # HDF5 format bounds: v110 structures are what SWMR needs; capping at v114 keeps files readable by
@@ -151,24 +156,77 @@ def h5_dtype(leaf: LeafSpace) -> Any:
 
 
 def read_header(group: h5py.Group) -> tuple[Space | None, int | None]:
-    """(space, capacity) from h5replay's attributes, or (None, None) for a raw file."""
+    """(space, capacity) from h5replay's attributes, or (None, None) for a raw file.
+
+    Raises:
+        FormatVersionError: a format version this code does not read (or not a number).
+        StorageError: the space or capacity attribute is not one h5replay writes (a damaged or
+            crafted file); nothing is allocated for it first.
+    """
     attrs = group.attrs
     if ATTR_SPACE not in attrs:
         return None, None
-    version = int(attrs.get(ATTR_FORMAT, 0))
+    where = repr(group.file.filename)
+    raw_version = attrs.get(ATTR_FORMAT, 0)
+    version = _integer(raw_version)
     if version not in _READABLE_VERSIONS:
         raise FormatVersionError(
-            f"{group.file.filename!r} has h5replay format version {version}; this h5replay reads versions "
+            f"{where} has h5replay format version {shown(raw_version)}; this h5replay reads versions "
             f"{_READABLE_VERSIONS}. Upgrade h5replay, or export the file with the version that wrote it."
         )
     raw = attrs[ATTR_SPACE]
-    text = raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
     try:
+        text = raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
         space = space_from_json(json.loads(text))
-    except (ValueError, TypeError) as exc:
-        raise StorageError(f"{group.file.filename!r} has an unreadable space description: {exc}") from exc
-    capacity = int(attrs.get(ATTR_CAPACITY, -1))
+    except (ValueError, TypeError, RecursionError) as exc:  # RecursionError: JSON nested too deep to parse
+        problem = "JSON nested too deep to read" if isinstance(exc, RecursionError) else str(exc)
+        raise StorageError(f"{where} has an unreadable space description (attribute {ATTR_SPACE!r}): {problem}") from exc
+    raw_capacity = attrs.get(ATTR_CAPACITY, -1)
+    capacity = _integer(raw_capacity)
+    if capacity is None or not (capacity == -1 or 1 <= capacity <= MAX_ID):
+        raise StorageError(f"{where} has attribute {ATTR_CAPACITY!r} = {shown(raw_capacity)}: a capacity is an integer "
+                           f"from 1 to 2**62, or -1 for an unbounded buffer")
     return space, (None if capacity < 0 else capacity)
+
+
+def shown(value: Any) -> str:
+    """An attribute's value for a message: numpy scalars as plain numbers, at most 80 characters."""
+    return f"{value.item() if isinstance(value, np.generic) else value!r:.80}"
+
+
+def _integer(value: Any) -> int | None:
+    """`value` (an attribute) as an int, or None when it is not an integer scalar (a string,
+    a float, NaN, an array, a bool)."""
+    if isinstance(value, np.ndarray) and value.shape == ():
+        value = value[()]
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        return None
+    return int(value)
+
+
+def check_dataset(ds: Any, where: str, dtype: Any, shape: tuple[int | None, ...],
+                  maxshape: tuple[int | None, ...] | None = None) -> h5py.Dataset:
+    """`ds`, one of h5replay's own datasets, when it has the dtype and shape h5replay gives it
+    (`shape`: None for an axis of any length; `maxshape`: exact, None to leave it unchecked).
+    Checked before anything is read from it, so a damaged or crafted file cannot make a reader
+    allocate for a table of 2**40 rows or read floats as ids.
+
+    Raises:
+        StorageError: `ds` is not a dataset, or of another dtype or shape (names what it is and
+            what was expected).
+    """
+    expected = f"{np.dtype(dtype)} of shape {tuple('n' if n is None else n for n in shape)}"
+    if maxshape is not None:
+        expected += f" (at most {tuple('unlimited' if n is None else n for n in maxshape)})"
+    if not isinstance(ds, h5py.Dataset):
+        raise StorageError(f"{where} holds {type(ds).__name__} where h5replay keeps a dataset of {expected}: the file "
+                           "is damaged or was not written by h5replay")
+    if (ds.dtype != np.dtype(dtype) or len(ds.shape) != len(shape)
+            or any(want is not None and have != want for have, want in zip(ds.shape, shape))
+            or (maxshape is not None and tuple(ds.maxshape) != tuple(maxshape))):
+        raise StorageError(f"{where}: dataset {ds.name!r} is {ds.dtype} of shape {ds.shape} (at most {ds.maxshape}), "
+                           f"not {expected}: the file is damaged or was not written by h5replay")
+    return ds
 
 
 def write_header(f: h5py.File, space: Space, capacity: int | None) -> None:

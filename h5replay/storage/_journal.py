@@ -12,6 +12,8 @@ Ids: a row's id is its position in the sequence of all rows ever committed to th
 episode's id its position among all episodes; both are global, never reused, and survive
 wrap-around, `clear()` (which moves `begin` to `end`, and bumps the generation) and restarts.
 A row of id `i` lives at physical row `i % capacity`, or `i - origin` for an unbounded buffer.
+Every id and counter of the state stays below `MAX_ID` (2**62), so id arithmetic never
+overflows int64: a file whose state passes it is refused, and so is a commit that would.
 
 Publish order (`publish`): flush the rows and episode records (fsync them under `fsync=True`),
 then write the state row, then flush it (and fsync). The published state therefore never names a
@@ -40,7 +42,9 @@ from h5replay.spaces import named_leaves
 from h5replay.storage._h5file import (
     ATTR_REPLAY_ID,
     INTERNAL_GROUP,
+    MAX_ID,
     Prepare,
+    check_dataset,
     data_end,
     h5_errors,
     published_beyond,
@@ -63,6 +67,7 @@ REPLAY_GROUP = f"{INTERNAL_GROUP}/replay"
 _JOURNAL = "journal"
 _EPISODES = "episodes"
 _LEGACY_STATE = "state"  # format 1: mark, begin, end, ep_begin, ep_end, open_start, seq, reserved
+_LEGACY_ROW = 8
 _MARK = 0x5245504C  # "REPL": tells a state row from zero fill
 _LAYOUT = 2
 _ROW = 16
@@ -152,6 +157,13 @@ class State:
         return state
 
     def check(self, where: str, capacity: int | None) -> None:
+        """Raises:
+            StorageError: the values are impossible, or an id or counter is not below MAX_ID.
+        """
+        past = [f"{name}={getattr(self, name)}" for name in _FIELDS if getattr(self, name) >= MAX_ID]
+        if past:
+            raise StorageError(f"{where} has a replay state with ids or counters past 2**62, the most a file records "
+                               f"({', '.join(past)}): the file is damaged or was not written by h5replay")
         ok = (
             0 <= self.origin <= self.begin <= self.end and self.origin <= self.open_start <= self.end
             and 0 <= self.ep_origin <= self.ep_begin <= self.ep_end
@@ -280,6 +292,21 @@ class EpisodeTable:
         return out
 
 
+def _datasets(group: h5py.Group, where: str, capacity: int | None) -> tuple[h5py.Dataset, h5py.Dataset]:
+    """The state row's dataset and the episode table of a replay group, checked: (16,) int64
+    (format 1: (8,)), and (n, 2) int64 of at most `capacity` rows.
+
+    Raises:
+        StorageError: either is missing, or of another dtype or shape.
+    """
+    if _JOURNAL in group:
+        state = check_dataset(group[_JOURNAL], where, np.int64, (_ROW,))
+    else:
+        state = check_dataset(group.get(_LEGACY_STATE), where, np.int64, (_LEGACY_ROW,))
+    episodes = check_dataset(group.get(_EPISODES), where, np.int64, (None, 2), (capacity, 2))
+    return state, episodes
+
+
 def _pieces(first: int, count: int, capacity: int | None) -> list[tuple[int, int]]:
     """The physical [first, stop) ranges of `count` slots from `first`, wrapped at `capacity`."""
     if count <= 0:
@@ -330,14 +357,13 @@ class Journal:
         self.replay_id = replay_id(storage.file)
         with h5_errors("opening the replay journal"):
             group = storage.file[REPLAY_GROUP]
-            self._state_ds: h5py.Dataset = group[_JOURNAL] if _JOURNAL in group else group[_LEGACY_STATE]
-            self._episodes_ds: h5py.Dataset = group[_EPISODES]
+            self._state_ds, self._episodes_ds = _datasets(group, self._where, self.capacity)
             # Slots of the episode table, kept here: this writer alone resizes it, and h5py's
             # Dataset.shape costs ~15 us a call (once per commit, in `record`).
             self._episode_slots = int(self._episodes_ds.shape[0])
-        self._legacy = self._state_ds.name.endswith(_LEGACY_STATE)
+        self._legacy = self._state_ds.shape[0] == _LEGACY_ROW
         self._reader = storage.multiprocessing and not storage.is_mutable
-        self.sampling: SamplingFile | None = SamplingFile(group, self._reader)
+        self.sampling: SamplingFile | None = SamplingFile(group, self._reader, self.capacity)
         self.keys = None if self._reader or not storage.is_mutable else KeyFile.of(group)
         self._row = np.empty(self._state_ds.shape[0], dtype=np.int64)  # reused for every state read
         # A reader reads the state row (checked by its CRC) through a memory map of its one chunk,
@@ -412,7 +438,7 @@ class Journal:
         if space is None or group is None:
             verify_all_within(f, length)
             return
-        state_ds = group[_JOURNAL] if _JOURNAL in group else group[_LEGACY_STATE]
+        state_ds, episodes = _datasets(group, repr(f.filename), capacity)
         end = data_end(state_ds, 0, state_ds.shape[0])
         if end > length:
             raise published_beyond(f.filename, length, end)
@@ -426,7 +452,6 @@ class Journal:
                                    state.end - state.begin, capacity):
             for path, _ in named_leaves(space):
                 end = max(end, data_end(f[path], first, stop))
-        episodes = group[_EPISODES]
         for first, stop in _pieces(state.ep_begin - (state.ep_origin if capacity is None else 0),
                                    state.ep_end - state.ep_begin, capacity):
             end = max(end, data_end(episodes, first, min(stop, episodes.shape[0])))
@@ -530,7 +555,16 @@ class Journal:
                                    read_slice(self._episodes_ds, 0, n - head)])
 
     def load(self, table: EpisodeTable, state: State) -> None:
-        """Fill `table` with every episode `state` holds (a full reload)."""
+        """Fill `table` with every episode `state` holds (a full reload).
+
+        Raises:
+            StorageError: an episode record is impossible, or (a writer's or plain open of an
+                unbounded buffer) the state names rows past the end of the datasets.
+        """
+        if self.capacity is None and not self._reader and state.end - state.origin > len(self.storage):
+            # (An SWMR reader may see the datasets' length from before the state's growth.)
+            raise StorageError(f"{self._where} publishes rows up to id {state.end}, but its datasets hold "
+                               f"{len(self.storage)} rows from id {state.origin}: its replay state is damaged")
         table.origin = state.ep_origin
         records = self.read_records(table, state.ep_begin, state.ep_end)
         self._check_records(records, state, state.ep_begin, None)
@@ -553,8 +587,9 @@ class Journal:
         table.set_range(new.ep_begin, new.ep_end)
 
     def _check_records(self, records: np.ndarray, state: State, first_id: int, previous_end: int | None) -> None:
-        """Records of episodes first_id, first_id + 1, ... must lie inside the rows held, in order,
-        after `previous_end` (the end of the record before them): else the file is damaged.
+        """Records of episodes first_id, first_id + 1, ... must lie inside the rows held (each
+        with a row at or after `begin`; only the first may have lost its head to the ring), in
+        order, after `previous_end` (the end of the record before them): else the file is damaged.
 
         A reader may also have read them after the writer reused their slots (the table is a
         ring of `capacity` slots, and a reader can be descheduled while the writer commits that
@@ -564,7 +599,7 @@ class Journal:
         if not records.shape[0]:
             return
         s, n = records[:, 0], records[:, 1]
-        bad = (n < 1) | (s + n > state.end)
+        bad = (n < 1) | (s < state.origin) | (s + n > state.end) | (s + n <= state.begin)  # each keeps a row
         bad[1:] |= s[1:] < s[:-1] + n[:-1]
         if previous_end is not None:
             bad[0] |= s[0] < previous_end

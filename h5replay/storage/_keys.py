@@ -18,26 +18,36 @@ counts only once that publish is in the file: a row whose episode id is not in
 the window. Rows of episodes that were never published are blanked before their slot is used by
 an episode without a key.
 
+A damaged row (its CRC disagrees, or it names an episode of another slot: a torn or misplaced
+write, a bad disk) is dropped with a warning, as if its key were forgotten: a retry of that
+episode commits it again rather than being answered with a receipt the row may have wrong.
+
 Only the writer reads the table; readers never open it. Files made before it get it (empty) at
 their first writable open.
 """
 
 from __future__ import annotations
 
+import logging
 import zlib
 
 import h5py
 import numpy as np
 
-from h5replay.errors import ConfigError, SegmentStateError
+from h5replay.errors import ConfigError, SegmentStateError, StorageError
 from h5replay.records import Receipt
-from h5replay.storage._h5file import h5_errors
+from h5replay.storage._h5file import check_dataset, h5_errors
 from h5replay.storage._rowio import read_slice, write_slots
 
-__all__ = ["KEY_BYTES", "DEFAULT_KEY_WINDOW", "KeyFile", "KeyTable", "check_key"]
+__all__ = ["KEY_BYTES", "DEFAULT_KEY_WINDOW", "MAX_KEY_WINDOW", "KeyFile", "KeyTable", "check_key"]
+
+log = logging.getLogger("h5replay.storage")
 
 KEY_BYTES = 16
 DEFAULT_KEY_WINDOW = 65_536  # 3 MiB of file at most; an episode retried later than this is rare
+#: The largest window (4M episodes): the writer reads the whole table into memory when it opens
+#: the file, 192 MiB of file and about a GiB of memory at this size.
+MAX_KEY_WINDOW = 1 << 22
 _TABLE = "commit_keys"
 _COLUMNS = 6
 _CHUNK_ROWS = 4096
@@ -70,8 +80,18 @@ class KeyFile:
     """The key table of one writable buffer file: create, read all, write one row."""
 
     def __init__(self, ds: h5py.Dataset) -> None:
+        """Raises:
+            StorageError: `ds` is not a key table h5replay makes ((n, 6) int64 of at most a
+                window of 1 to MAX_KEY_WINDOW rows).
+        """
+        where = repr(ds.file.filename)
+        check_dataset(ds, where, np.int64, (None, _COLUMNS))
+        window = ds.maxshape[0]
+        if window is None or not 1 <= window <= MAX_KEY_WINDOW:
+            raise StorageError(f"{where}: the idempotency key table {ds.name!r} has a window of {window} rows (its "
+                               f"maxshape), not 1 to {MAX_KEY_WINDOW}: the file is damaged or was not written by h5replay")
         self._ds = ds
-        self.window = int(ds.maxshape[0])
+        self.window = int(window)
         self._rows = int(ds.shape[0])  # kept here: h5py's `shape` costs ~25 us a call
         self._pending: dict[int, np.ndarray] = {}  # slot -> row, written by `write_pending`
 
@@ -80,8 +100,9 @@ class KeyFile:
         """Raises:
             ConfigError: `window` is not an int >= 1.
         """
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ConfigError(f"the idempotency key window must be an int >= 1 (episodes), got {window!r}")
+        if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= MAX_KEY_WINDOW:
+            raise ConfigError(f"the idempotency key window must be an int from 1 to {MAX_KEY_WINDOW} (episodes), "
+                              f"got {window!r}")
         return window
 
     @staticmethod
@@ -98,6 +119,10 @@ class KeyFile:
         with h5_errors("opening the idempotency key table"):
             ds = group.get(_TABLE)
         return None if ds is None else cls(ds)
+
+    @property
+    def filename(self) -> str:
+        return str(self._ds.file.filename)
 
     def read(self) -> np.ndarray:
         with h5_errors("reading the idempotency key table"):
@@ -138,17 +163,24 @@ class KeyTable:
         if self.file is None:
             return
         rows = self.file.read()
+        damaged = []
         for slot, row in enumerate(rows):
             if not row.any():
                 continue
             episode_id = int(row[2])
-            if (int(row[5]) != zlib.crc32(row[:5].tobytes()) or episode_id % self.window != slot
-                    or not ep_end - self.window <= episode_id < ep_end):
+            if int(row[5]) != zlib.crc32(row[:5].tobytes()) or episode_id % self.window != slot:
+                damaged.append(slot)
                 self._stale.add(slot)
+                continue
+            if not ep_end - self.window <= episode_id < ep_end:
+                self._stale.add(slot)  # an episode never published, or one the window has left
                 continue
             key = row[:2].astype("<i8").tobytes()
             self._receipts[key] = Receipt(episode_id, int(row[3]), int(row[4]))
             self._slots[slot] = key
+        if damaged:
+            log.warning("%s: %d damaged idempotency key rows (slots %s) were dropped: a retry of their episodes "
+                        "commits them again", self.file.filename, len(damaged), damaged[:8])
 
     def held(self, ep_end: int) -> list[tuple[bytes, Receipt]]:
         """(key, receipt) of every episode below `ep_end` in the window that has a key."""

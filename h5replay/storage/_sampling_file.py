@@ -26,11 +26,19 @@ before the ring would overwrite an entry at or after the published `pckpt`; so a
 re-reads the state after reading entries [a, b) and finds `pckpt <= a` read them intact, and
 `priorities` never holds a value that no publish counts (a crash, or a reader's full load, would
 take it for published).
+
+Damage (a bad disk, a crafted file) is never applied to the sum tree: the settings and datasets
+are checked when the file opens (StorageError naming what is wrong); a log entry or a stored
+priority that is not a finite number >= 0 (NaN marks "none recorded" in `priorities`) is
+dropped with a warning, and the row keeps the priority it had (or the default): priorities are
+weights, and one damaged weight is no reason to refuse the rows.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 import zlib
 from collections.abc import Mapping
 from typing import Any
@@ -38,7 +46,7 @@ from typing import Any
 import h5py
 import numpy as np
 
-from h5replay.errors import ConfigError
+from h5replay.errors import ConfigError, StorageError
 from h5replay.sampling import (
     RateLimit,
     SamplingConfig,
@@ -47,12 +55,15 @@ from h5replay.sampling import (
     sampler_from_json,
     sampler_to_json,
 )
-from h5replay.storage._h5file import h5_errors
+from h5replay.storage._h5file import check_dataset, h5_errors, shown
 from h5replay.storage._rowio import read_slice, write_points, write_rows
 
-__all__ = ["SamplingFile", "LOG_ENTRIES", "read_config"]
+__all__ = ["SamplingFile", "LOG_ENTRIES", "read_config", "memory_problem"]
+
+log = logging.getLogger("h5replay.storage")
 
 LOG_ENTRIES = 1 << 20  # 16 MiB of log: a checkpoint once per half a million updated priorities
+_MAX_LOG_ENTRIES = 1 << 24  # a log ring this long or shorter (a file keeps the size it was made with)
 _PRIORITIES = "priorities"
 _LOG = "priority_log"
 _TIMES = "times_sampled"
@@ -73,26 +84,67 @@ def read_config(attrs: Mapping[str, Any]) -> SamplingConfig:
     """The sampling settings a replay group records (a file made before them: uniform, no limit).
 
     Raises:
-        ConfigError: settings this version does not know.
+        ConfigError: settings this version does not know, or attributes of the wrong type.
     """
     if _ATTR_SAMPLER not in attrs:
         return SamplingConfig()
     rate = attrs.get(_ATTR_RATE_LIMIT)
-    return SamplingConfig(
-        sampler=sampler_from_json(str(attrs[_ATTR_SAMPLER])),
-        rate_limit=rate_limit_from_json(str(rate)) if rate is not None else RateLimit(),
-        max_times_sampled=int(attrs.get(_ATTR_MAX_TIMES, 0)),
-    )
+    max_times = attrs.get(_ATTR_MAX_TIMES, 0)
+    if isinstance(max_times, np.ndarray) and max_times.shape == ():
+        max_times = max_times[()]
+    if isinstance(max_times, (bool, np.bool_)) or not isinstance(max_times, (int, np.integer)):
+        raise ConfigError(f"attribute {_ATTR_MAX_TIMES!r} is {shown(max_times)}, not an integer")
+    try:
+        return SamplingConfig(
+            sampler=sampler_from_json(_text(attrs[_ATTR_SAMPLER], _ATTR_SAMPLER)),
+            rate_limit=rate_limit_from_json(_text(rate, _ATTR_RATE_LIMIT)) if rate is not None else RateLimit(),
+            max_times_sampled=int(max_times),
+        )
+    except RecursionError:  # JSON nested too deep to parse
+        raise ConfigError("a sampling attribute holds JSON nested too deep to read") from None
+
+
+def memory_problem(config: SamplingConfig, capacity: int | None) -> str | None:
+    """Why a buffer of `capacity` rows with these settings cannot be opened here: its sampler's
+    arrays (a sum tree of about 16 bytes a row, 8 more for priorities, 4 for sample counts)
+    would need more memory than the machine has (None: they fit, or nothing is allocated).
+    Checked before they are allocated: a crafted capacity of 2**40 would ask for TiBs."""
+    if capacity is None or not (config.prioritized or config.removes):
+        return None
+    per_row = 16 + (8 if config.prioritized else 0) + (4 if config.removes else 0)
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not a POSIX system that says
+        return None
+    if capacity * per_row <= memory:
+        return None
+    return (f"a capacity of {capacity} rows with this sampler needs {capacity * per_row / 2**30:.1f} GiB of memory "
+            f"({per_row} bytes a row), more than this machine's {memory / 2**30:.1f} GiB")
+
+
+def _text(value: Any, name: str) -> str:
+    """A JSON attribute's text, refused unless it is a string holding a JSON object (a number or
+    list would reach the settings' constructors as something else)."""
+    if isinstance(value, bytes):
+        value = value.decode("utf-8", errors="replace")
+    if not isinstance(value, str) or not value.lstrip().startswith("{"):
+        raise ConfigError(f"attribute {name!r} is {shown(value)}, not a JSON object")
+    return value
 
 
 class SamplingFile:
     """The sampling datasets of one open buffer file."""
 
-    def __init__(self, group: h5py.Group, reader: bool) -> None:
+    def __init__(self, group: h5py.Group, reader: bool, capacity: int | None) -> None:
         """Raises:
-            ConfigError: the settings are unknown, or a dataset they need is missing.
+            StorageError: the settings are unknown or damaged, or a dataset they need is missing
+                or not of the dtype and shape h5replay makes (for `capacity` rows).
         """
-        self.config = read_config(group.attrs)
+        where = self._where = repr(group.file.filename)
+        try:
+            self.config = read_config(group.attrs)
+        except ConfigError as exc:
+            raise StorageError(f"{where} has sampling settings this h5replay cannot use ({group.name}): {exc}") from exc
         self._reader = reader
         with h5_errors("opening the sampling datasets"):
             self._priorities: h5py.Dataset | None = group.get(_PRIORITIES)
@@ -100,16 +152,38 @@ class SamplingFile:
             self._times: h5py.Dataset | None = group.get(_TIMES)
             self._max: h5py.Dataset | None = group.get(_MAX)
         self._max_entries: list[tuple[int, float]] | None = None  # the writer's copy of them (read once)
+        if self.config.prioritized and (self._priorities is None or self._log is None):
+            raise StorageError(f"{where} records a prioritized sampler but has no priority datasets")
+        if self.config.removes and self._times is None:
+            raise StorageError(f"{where} records max_times_sampled but has no times_sampled dataset")
+        problem = memory_problem(self.config, capacity)
+        if problem is not None:
+            raise StorageError(f"{where} cannot be opened here: {problem}")
+        # One value per physical row: `capacity` of them, or any number of an unbounded buffer's.
+        if self._priorities is not None:
+            check_dataset(self._priorities, where, np.float64, (capacity,), (capacity,))
+        if self._times is not None:
+            check_dataset(self._times, where, np.uint32, (capacity,), (capacity,))
+        if self._max is not None:
+            check_dataset(self._max, where, np.int64, (2, 3), (2, 3))
+        if self._log is not None:
+            check_dataset(self._log, where, np.int64, (None, 2))
+            if not 1 <= self._log.shape[0] <= _MAX_LOG_ENTRIES or self._log.maxshape != self._log.shape:
+                raise StorageError(f"{where}: the priority log {self._log.name!r} has shape {self._log.shape} (at most "
+                                   f"{self._log.maxshape}), not a fixed ring of 1 to {_MAX_LOG_ENTRIES} entries")
         #: Entries in the priority log ring.
         self.log_entries = int(self._log.shape[0]) if self._log is not None else LOG_ENTRIES
-        if self.config.prioritized and (self._priorities is None or self._log is None):
-            raise ConfigError(f"{group.file.filename!r} records a prioritized sampler but has no priority datasets")
-        if self.config.removes and self._times is None:
-            raise ConfigError(f"{group.file.filename!r} records max_times_sampled but has no times_sampled dataset")
 
     @staticmethod
     def create_tables(group: h5py.Group, config: SamplingConfig, capacity: int | None) -> None:
-        """Record `config` in a new file's replay group, with the datasets it needs."""
+        """Record `config` in a new file's replay group, with the datasets it needs.
+
+        Raises:
+            ConfigError: this machine has too little memory for the sampler over `capacity` rows.
+        """
+        problem = memory_problem(config, capacity)
+        if problem is not None:
+            raise ConfigError(problem)
         group.attrs[_ATTR_SAMPLER] = sampler_to_json(config.sampler)
         group.attrs[_ATTR_RATE_LIMIT] = rate_limit_to_json(config.rate_limit)
         group.attrs[_ATTR_MAX_TIMES] = config.max_times_sampled
@@ -126,8 +200,15 @@ class SamplingFile:
     @staticmethod
     def upgrade(group: h5py.Group) -> None:
         """The writable-open hook for a file made before the running maximum was kept: a
-        prioritized buffer's group gets its `priority_max` (before SWMR starts)."""
-        if _MAX not in group and read_config(group.attrs).prioritized:
+        prioritized buffer's group gets its `priority_max` (before SWMR starts). Settings that
+        cannot be read change nothing here: the open refuses the file (see `__init__`)."""
+        if _MAX in group:
+            return
+        try:
+            prioritized = read_config(group.attrs).prioritized
+        except ConfigError:
+            return
+        if prioritized:
             _create_max(group)
 
     # ------------------------------------------------------------------ per-row arrays
@@ -157,7 +238,15 @@ class SamplingFile:
                 ds[first:stop] = values
 
     def read_priorities(self, first: int, stop: int) -> np.ndarray:
-        return self._read(self._priorities, first, stop, np.nan)
+        """priorities[first:stop]: NaN where none is recorded, or where the value is damaged."""
+        values = self._read(self._priorities, first, stop, np.nan)
+        damaged = np.isinf(values) | (values < 0)
+        if damaged.any():
+            at = np.flatnonzero(damaged)
+            log.warning("%s: %d damaged priorities (not finite and >= 0) in rows %s...: those rows take the default "
+                        "priority", self._where, at.size, (at[:4] + first).tolist())
+            values[damaged] = np.nan
+        return values
 
     def write_priorities(self, first: int, values: np.ndarray) -> None:
         self._write(self._priorities, first, np.asarray(values, dtype=np.float64))
@@ -191,10 +280,20 @@ class SamplingFile:
                     self._log[at : at + part.shape[0]] = part
 
     def read_log(self, first: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
-        """(row ids, priorities) of updates [first, stop) (stop - first <= log_entries)."""
+        """(row ids, priorities) of updates [first, stop). A damaged entry (a priority not finite
+        and >= 0, or a negative row id) comes back with row id -1, which no buffer holds: it is
+        never applied.
+
+        Raises:
+            StorageError: more than `log_entries` updates asked for (the state that names them
+                is damaged: the ring cannot hold them).
+        """
         n = stop - first
         if self._log is None or n <= 0:
             return np.zeros(0, np.int64), np.zeros(0, np.float64)
+        if n > self.log_entries:
+            raise StorageError(f"{self._where} names {n} priority updates to replay ([{first}, {stop})), more than its "
+                               f"priority log holds ({self.log_entries}): its replay state is damaged")
         at = first % self.log_entries
         head = min(n, self.log_entries - at)
         with h5_errors("reading the priority log"):
@@ -204,7 +303,14 @@ class SamplingFile:
             if head < n:
                 parts.append(read_slice(self._log, 0, n - head))
         entries = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        return entries[:, 0].copy(), entries[:, 1].copy().view(np.float64)
+        ids, values = entries[:, 0].copy(), entries[:, 1].copy().view(np.float64)
+        damaged = ~np.isfinite(values) | (values < 0) | (ids < 0)
+        if damaged.any():
+            where = np.flatnonzero(damaged)
+            log.warning("%s: %d damaged priority log entries (updates %s...) were dropped", self._where, where.size,
+                        (where[:4] + first).tolist())
+            ids[damaged] = -1
+        return ids, values
 
     # ------------------------------------------------------------------ the running maximum
 

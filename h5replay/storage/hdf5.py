@@ -187,17 +187,18 @@ class HDF5Storage:
         return self.is_mutable and "rdcc_nbytes" not in self._h5py_kwargs
 
     def _check_dataset(self, path: str, leaf: LeafSpace, ds: h5py.Dataset) -> None:
+        where = f"{self.filename!r}: dataset '{path}'"
         if ds.shape[1:] != leaf.shape:
-            raise SpaceMismatchError(f"dataset '{path}' has rows of shape {ds.shape[1:]} but the space expects {leaf.shape}")
+            raise SpaceMismatchError(f"{where} has rows of shape {ds.shape[1:]} but the space expects {leaf.shape}")
         if isinstance(leaf, TextSpace):
             if ds.dtype.kind not in "SO":
-                raise SpaceMismatchError(f"dataset '{path}' has dtype {ds.dtype} but text needs strings")
+                raise SpaceMismatchError(f"{where} has dtype {ds.dtype} but text needs strings")
             if ds.dtype.kind == "S" and ds.dtype.itemsize < leaf.max_length:
-                raise SpaceMismatchError(f"dataset '{path}' holds {ds.dtype.itemsize} bytes, less than max_length {leaf.max_length}")
+                raise SpaceMismatchError(f"{where} holds {ds.dtype.itemsize} bytes, less than max_length {leaf.max_length}")
         elif ds.dtype != leaf.storage_dtype:
-            raise SpaceMismatchError(f"dataset '{path}' has dtype {ds.dtype} but the space expects {leaf.storage_dtype}")
+            raise SpaceMismatchError(f"{where} has dtype {ds.dtype} but the space expects {leaf.storage_dtype}")
         if self.capacity is not None and ds.maxshape[0] != self.capacity and ds.shape[0] != self.capacity:
-            raise SpaceMismatchError(f"dataset '{path}' holds {ds.shape[0]} rows but the capacity is {self.capacity}")
+            raise SpaceMismatchError(f"{where} holds {ds.shape[0]} rows but the capacity is {self.capacity}")
 
     def _read_length(self) -> int:
         if self.capacity is not None:

@@ -103,16 +103,18 @@ def status_flags(path: str | os.PathLike[str]) -> int:
 
 def superblock_end(path: str | os.PathLike[str]) -> tuple[int, int]:
     """(end of file the superblock records, actual length of the file) for a v2/v3 superblock;
-    (-1, length) for older superblocks, which record no checked end."""
+    (-1, length) for older superblocks, which record no checked end.
+
+    The recorded end is the file's whole length, a user block before the superblock included
+    (HDF5 compares it with the file's size as it is, not with the size past the base address)."""
     with open(path, "rb") as f:
         _, body, stored = _read_superblock(f)
         size = os.fstat(f.fileno()).st_size
     if stored < 0:
         return -1, size
     size_of_offsets = body[9]
-    base = int.from_bytes(body[12 : 12 + size_of_offsets], "little")
-    end_field = 12 + 2 * size_of_offsets
-    return base + int.from_bytes(body[end_field : end_field + size_of_offsets], "little"), size
+    end_field = 12 + 2 * size_of_offsets  # after the base address and the superblock extension's
+    return int.from_bytes(body[end_field : end_field + size_of_offsets], "little"), size
 
 
 def clear_status_flags(path: str | os.PathLike[str]) -> int:

@@ -33,6 +33,7 @@ from h5replay.errors import (
     ClosedError,
     ConfigError,
     EvictedError,
+    LimitExceededError,
     NotEnoughDataError,
     RateLimitedError,
     ReadOnlyError,
@@ -172,8 +173,9 @@ class ReplayBuffer:
             raise ConfigError(f"min_size_to_sample={config.rate_limit.min_size_to_sample} is more than the capacity "
                               f"{capacity}: the buffer could never hold enough rows to sample")
         first_row, first_episode = int(first_row_id), int(first_episode_id)
-        if first_row < 0 or first_episode < 0:
-            raise ConfigError(f"first ids must be >= 0, got row {first_row_id!r} and episode {first_episode_id!r}")
+        if not (0 <= first_row < _h5file.MAX_ID and 0 <= first_episode < _h5file.MAX_ID):
+            raise ConfigError(f"first ids must be >= 0 and below 2**62, got row {first_row_id!r} and episode "
+                              f"{first_episode_id!r}")
         initial = State(
             begin=first_row, end=first_row, open_start=first_row, ep_begin=first_episode, ep_end=first_episode,
             origin=first_row if capacity is None else 0, ep_origin=first_episode if capacity is None else 0,
@@ -411,6 +413,7 @@ class ReplayBuffer:
     def _write_tail(self, encoded: dict[str, np.ndarray], n: int, priorities: np.ndarray | None) -> None:
         if n == 0:
             return
+        self._check_ids(n, 1)  # the open episode these rows join becomes one episode
         self._check_insert(n)
         before = self._state
         self._evict(self._state.end + n)
@@ -509,6 +512,7 @@ class ReplayBuffer:
                 the key of an episode of another length (the writer is left as it was).
             ConfigError: the key is not 16 bytes, or a priority is beyond the sampler's
                 `priority_limit` (the writer is left open).
+            LimitExceededError: the file's row or episode ids would reach 2**62 (the writer is left open).
             StorageError: HDF5 failed; nothing of the segment is visible.
         """
         self._require_writable("commit a segment")
@@ -547,6 +551,7 @@ class ReplayBuffer:
                 already has (look keys up with `receipt_for` first). The writer is left open.
             ConfigError: a key is not 16 bytes, or two are the same, or a priority is beyond
                 the sampler's `priority_limit`.
+            LimitExceededError: the file's row or episode ids would reach 2**62 (the writer is left open).
             StorageError: HDF5 failed; nothing of the episodes is visible.
         """
         self._require_writable("commit episodes")
@@ -581,6 +586,7 @@ class ReplayBuffer:
         priorities = writer.priorities
         if priorities is not None:  # a writer opened on the storage itself has not checked them against the sampler
             check_priorities(priorities, n, missing_ok=True, sampler=self.sampling.sampler)
+        self._check_ids(n, len(lengths) + 1)  # + 1: an open episode is ended first
         self._check_insert(n)
         if self._state.open_start < self._state.end:
             self.end_episode()
@@ -822,6 +828,19 @@ class ReplayBuffer:
         head = self._sampling.first_held(self._state)
         if head > self._state.begin:
             self._move_begin(head)
+
+    def _check_ids(self, rows: int, episodes: int) -> None:
+        """Refuse, before anything is written, rows or episodes whose ids would reach MAX_ID
+        (2**62): the file could not record them (see `_journal`).
+
+        Raises:
+            LimitExceededError: this file has no ids left for them.
+        """
+        s = self._state
+        if max(s.end, s.inserted) + rows >= _h5file.MAX_ID or s.ep_end + episodes >= _h5file.MAX_ID:
+            raise LimitExceededError(
+                f"{self.storage.filename!r} cannot take {rows} more rows: its row or episode ids would reach 2**62, the "
+                f"most a file records (next row id {s.end}, next episode id {s.ep_end})")
 
     def _check_insert(self, rows: int) -> None:
         if self._limit_inserts and self._sampling.config.rate_limit.samples_per_insert is not None:
