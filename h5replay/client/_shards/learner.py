@@ -357,11 +357,10 @@ class ShardedLearner(_Router):
     def _draw(self, size: int, seed: int | None, with_info: bool, call: Callable[[Any, int, int | None], Any],
               what: str, kind: Any) -> Any:
         rng = self._rng if seed is None else np.random.default_rng(seed)
+        empty: set[int] = set()  # shards that had nothing to draw in this call
         with self._lock:
             if self._kept.count(kind) or any(s.client is not None and s.client._consuming for s in self.shards):
                 return self._draw_consuming(size, rng, seed, with_info, call, what, kind)
-        empty: set[int] = set()  # shards that had nothing to draw in this call
-        with self._lock:
             for _ in range(2 * len(self.shards) + 2):  # each retry leaves a shard out, or learns its length
                 live = [i for i in self._live() if i not in empty]
                 unknown = [i for i in live if self._lengths[i] < 0]
