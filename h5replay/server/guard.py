@@ -233,6 +233,17 @@ class ConnectionGuard:
             conn = self._connections.setdefault(fd, _Connection(fd, None))
         conn.consumed += nbytes + frames * FRAME_OVERHEAD
 
+    def room_for(self, fd: int, nbytes: int) -> bool:
+        """Whether a reply of `nbytes` may be queued for the connection `fd` within its budget of
+        unread replies, as last measured (plus what was handed over since). A server asks before
+        it sends, so a client that never reads is cut at its budget, not a few replies past it
+        (the guard's own check comes every `interval`, while replies may be made faster)."""
+        conn = self._connections.get(fd)
+        if conn is None or conn.unguarded:
+            return True
+        queued = conn.queued_out + max(0, conn.sent - conn.sent_seen)
+        return queued == 0 or queued + nbytes <= self.budgets.out_per_client
+
     def sent(self, fd: int, nbytes: int) -> None:
         """The server handed `nbytes` of a reply to libzmq for the connection `fd`."""
         conn = self._connections.get(fd)

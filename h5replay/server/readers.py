@@ -285,9 +285,14 @@ def reader_main(
             counters[2 * index] += 1
             out = P.encode(reply)
             if guard is not None:  # a learner not reading its replies is not answered (the guard cuts it)
+                size = sum(len(f) for f in out)
+                if not guard.room_for(fd, size):
+                    guard.disconnect(fd, f"its unread replies would pass the budget of {guard.budgets.out_per_client} "
+                                         "bytes")
+                    continue
                 with contextlib.suppress(zmq.Again):
                     sock.send_multipart([*route, *out], flags=zmq.NOBLOCK, copy=False)
-                    guard.sent(fd, sum(len(f) for f in out))
+                    guard.sent(fd, size)
             else:
                 _send_to_front(sock, [*route, *out])
     finally:
@@ -373,9 +378,14 @@ def front_main(config: ServerConfig, behind: tuple[str, bytes], ready: Any, stop
                     if reader not in ring:
                         ring.append(reader)
                     continue
+                fd, size = fds.get(frames[1].bytes, -1), sum(len(f) for f in frames[2:])
+                if not guard.room_for(fd, size):  # a learner not reading its replies is cut at its budget
+                    guard.disconnect(fd, f"its unread replies would pass the budget of {guard.budgets.out_per_client} "
+                                         "bytes")
+                    continue
                 with contextlib.suppress(zmq.Again):  # a learner not reading its replies is not answered
                     front.send_multipart(frames[1:], flags=zmq.NOBLOCK, copy=False)
-                    guard.sent(fds.get(frames[1].bytes, -1), sum(len(f) for f in frames[2:]))
+                    guard.sent(fd, size)
             for _ in range(256 if front in events else 0):
                 try:
                     frames = front.recv_multipart(zmq.NOBLOCK, copy=False)

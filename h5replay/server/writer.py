@@ -458,10 +458,14 @@ class Server:
 
     def _send(self, sock: zmq.Socket[Any], service: Service, identity: bytes, reply: P.Reply) -> bool:
         frames = P.encode(reply)
+        guard, fd, size = self._guard, self._fds.get(identity, -1), sum(len(f) for f in frames)
+        if guard is not None and not guard.room_for(fd, size):  # a client that never reads: cut at its budget
+            guard.disconnect(fd, f"its unread replies would pass the budget of {guard.budgets.out_per_client} bytes")
+            return True
         try:
             sock.send_multipart([identity, *frames], flags=zmq.NOBLOCK, copy=False)
-            if self._guard is not None:
-                self._guard.sent(self._fds.get(identity, -1), sum(len(f) for f in frames))
+            if guard is not None:
+                guard.sent(fd, size)
         except zmq.Again:
             return True  # the client is not reading; it stays known, the reply is lost to it
         except zmq.ZMQError as exc:

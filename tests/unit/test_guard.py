@@ -83,3 +83,20 @@ def test_a_connection_whose_close_event_was_lost_stops_counting():
         guard._check(0.02)
         assert guard.live() == set()
         client.close()
+
+
+def test_a_reply_that_would_pass_the_budget_of_unread_replies_finds_no_room():
+    """The server asks before it sends: a client that never reads is cut at its budget, not a
+    few replies past it (the guard's own check comes only every `interval`)."""
+    from h5replay.server.guard import _Connection
+
+    guard = ConnectionGuard(Budgets(BIG, 100, BIG, BIG), name="test")
+    guard._connections[7] = _Connection(7, ("127.0.0.1", 1))
+    assert guard.room_for(7, 250), "a first reply always fits (a reply bigger than the budget is a budget mistake)"
+    guard.sent(7, 60)  # handed over since the guard last measured
+    assert guard.room_for(7, 40) and not guard.room_for(7, 41)
+    guard._connections[7].queued_out, guard._connections[7].sent_seen = 60, 60  # the guard measured it unread
+    assert not guard.room_for(7, 41)
+    guard._connections[7].queued_out = 0  # read meanwhile
+    assert guard.room_for(7, 100)
+    assert guard.room_for(-1, 10**9) and guard.room_for(8, 10**9)  # unknown connections: the guard cuts them itself
