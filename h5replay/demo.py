@@ -125,7 +125,7 @@ def _run_demo(num_actors: int, episodes_per_actor: int, workdir: str) -> int:
     from h5replay.config import ServerConfig
     from h5replay.server import ServerProcess
     from h5replay.storage.inspect import describe_file, format_description
-    from h5replay.storage.replay_buffer import ReplayBuffer
+    from h5replay.storage.replay.buffer import ReplayBuffer
 
     path = os.path.join(workdir, "demo.h5")
     if os.path.exists(path):

@@ -74,7 +74,7 @@ reply              server       answers any request                  on error: c
 ``idempotency_key`` (16 bytes, msgpack bin; left out of the fields when there is none, so messages
 without it are those of earlier version 3 clients, which may leave out ``timeout`` too: 0): made by the client once per episode and sent
 again with every retry of that commit or push. A server that already committed an episode with
-that key (one of its last `idempotency_window` episodes, see h5replay/storage/_keys.py) answers
+that key (one of its last `idempotency_window` episodes, see h5replay/storage/replay/keys.py) answers
 with that episode's receipt and commits nothing; a key whose episode has another length is
 refused (``unknown_segment``).
 

@@ -17,8 +17,8 @@ import numpy as np
 from h5replay.errors import ClosedError, ConfigError, ReadOnlyError
 from h5replay.spaces import Schema, Space
 from h5replay.storage._indices import normalize_index
-from h5replay.storage._journal import EpisodeTable, State
-from h5replay.storage.replay_buffer import ReplayBuffer
+from h5replay.storage.replay.buffer import ReplayBuffer
+from h5replay.storage.replay.journal import EpisodeTable, State
 from h5replay.storage.segment import SegmentWriter
 
 _SPARE = 2

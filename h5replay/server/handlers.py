@@ -31,7 +31,7 @@ from h5replay.errors import (
     StorageError,
 )
 from h5replay.server.waiting import Side, WaitingRoom
-from h5replay.storage.replay_buffer import ReplayBuffer
+from h5replay.storage.replay.buffer import ReplayBuffer
 from h5replay.storage.segment import SegmentWriter
 
 __all__ = ["Session", "Service", "read_reply", "reply_rows", "Stats"]

@@ -51,7 +51,7 @@ from h5replay.server.auth import RefusalLog, RoleAuthenticator, server_keys
 from h5replay.server.guard import MONITOR_EVENTS, Budgets, ConnectionGuard, max_connections
 from h5replay.server.handlers import read_reply, reply_rows
 from h5replay.server.sockets import Started, bound_endpoint, configure_router
-from h5replay.storage.replay_buffer import ReplayBuffer
+from h5replay.storage.replay.buffer import ReplayBuffer
 
 __all__ = ["ReaderPool", "FileIdentity", "front_endpoint", "reader_token"]
 

@@ -46,7 +46,7 @@ from h5replay.server.handlers import Service
 from h5replay.server.metrics import Metrics
 from h5replay.server.readers import FileIdentity, ReaderPool
 from h5replay.server.sockets import Started, bound_endpoint, configure_router
-from h5replay.storage.replay_buffer import ReplayBuffer
+from h5replay.storage.replay.buffer import ReplayBuffer
 
 __all__ = ["Server", "ServerProcess", "Started"]
 

@@ -23,7 +23,7 @@ from h5replay.storage.indexing import (
     write_rows,
     write_sorted_unique_rows,
 )
-from h5replay.storage.replay_buffer import CommitInfo, ReplayBuffer
+from h5replay.storage.replay.buffer import CommitInfo, ReplayBuffer
 from h5replay.storage.segment import SegmentWriter
 
 __all__ = [

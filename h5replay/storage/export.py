@@ -19,7 +19,7 @@ import numpy as np
 from h5replay.errors import ConfigError, StorageError
 from h5replay.records import Receipt
 from h5replay.storage import _h5file
-from h5replay.storage.replay_buffer import ReplayBuffer
+from h5replay.storage.replay.buffer import ReplayBuffer
 
 __all__ = ["export_buffer", "export_file", "compact_file"]
 

@@ -4,7 +4,7 @@ The class of the design document, and nothing else: `get` / `set` of rows, lengt
 segment writers, flushing. Opening and creating the file is `_h5file.py`'s job, index forms are
 `_indices.py`'s, the row I/O engine is `_rowio.py` (and `fastread.py`, the memory-mapped path),
 raw-file inference is `_rawfile.py`'s. It never decides where rows go: ring arithmetic and
-episodes belong to `replay_buffer.py` and its journal.
+episodes belong to `replay/` (the buffer and its journal).
 
 Layout of a file::
 
@@ -44,14 +44,14 @@ from h5replay.storage.recovery import WriterLock
 from h5replay.storage.segment import SegmentWriter, Staging
 
 if TYPE_CHECKING:
-    from h5replay.storage.replay_buffer import ReplayBuffer
+    from h5replay.storage.replay.buffer import ReplayBuffer
 
 __all__ = ["HDF5Storage", "FORMAT_VERSION"]
 
 FORMAT_VERSION = _h5file.FORMAT_VERSION
 log = logging.getLogger("h5replay.storage")
 
-#: Set by replay_buffer.py, which builds on this module: how a raw file becomes a ReplayBuffer.
+#: Set by replay/buffer.py, which builds on this module: how a raw file becomes a ReplayBuffer.
 #: (A registration, not an import, so the two modules do not import each other.)
 raw_replay_buffer_factory: Callable[[str], ReplayBuffer] | None = None
 

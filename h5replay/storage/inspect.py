@@ -11,9 +11,9 @@ import h5py
 from h5replay.errors import ConfigError, StorageError
 from h5replay.spaces import BinarySpace, BoxSpace, DictSpace, Space, TextSpace
 from h5replay.storage._h5file import DEFAULT_OPEN_TIMEOUT, opening
-from h5replay.storage._journal import REPLAY_GROUP
 from h5replay.storage.hdf5 import HDF5Storage
-from h5replay.storage.replay_buffer import ReplayBuffer
+from h5replay.storage.replay.buffer import ReplayBuffer
+from h5replay.storage.replay.journal import REPLAY_GROUP
 
 __all__ = ["describe_file", "format_description", "space_tree"]
 

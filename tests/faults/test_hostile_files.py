@@ -30,7 +30,7 @@ from h5replay.sampling import Prioritized
 from h5replay.spaces import BoxSpace
 from h5replay.storage import ReplayBuffer
 from h5replay.storage._h5file import MAX_ID
-from h5replay.storage._journal import State
+from h5replay.storage.replay.journal import State
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -20,8 +20,9 @@ import pytest
 from service_helpers import SPAWN
 
 from h5replay.sampling import Prioritized
-from h5replay.storage import BoxSpace, ReplayBuffer, _sampling_file
-from h5replay.storage._draws import Sampling
+from h5replay.storage import BoxSpace, ReplayBuffer
+from h5replay.storage.replay import table_file as _sampling_file
+from h5replay.storage.replay.table import Sampling
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -255,7 +255,7 @@ def _counting_reader(path: str, ready: Any, go: Any, out: Any) -> None:
     """Counts the episode records this reader fetches from the file when it refreshes."""
     import h5py
 
-    from h5replay.storage import _journal
+    from h5replay.storage.replay import journal as _journal
 
     fetched = [0]
     real_getitem = h5py.Dataset.__getitem__

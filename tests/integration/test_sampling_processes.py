@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from h5replay.sampling import Fifo, Prioritized, RateLimit
-from h5replay.storage import BoxSpace, ReplayBuffer, _sampling_file
+from h5replay.storage import BoxSpace, ReplayBuffer
+from h5replay.storage.replay import table_file as _sampling_file
 
 SPACE = BoxSpace(0, 2**40, (), np.int64)
 CTX = mp.get_context("spawn")

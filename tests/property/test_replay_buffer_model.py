@@ -1,6 +1,6 @@
 """ReplayBuffer against a plain Python model (hypothesis state machines).
 
-The model follows the module docstring of replay_buffer.py: rows get global ids 0, 1, 2, ...
+The model follows the module docstring of storage/replay/buffer.py: rows get global ids 0, 1, 2, ...
 in the order they are added, never reused (`clear()` moves begin to end); the buffer holds ids
 [begin, end) with end - begin <= capacity; logical index 0 is `begin`. Episodes are (episode id,
 first row id, length), ids global too; one whose first row was overwritten leaves `episodes()`
@@ -43,7 +43,7 @@ SPACE = DictSpace(
 ALPHABET = "aZ éß中🙂"
 MAX_OPEN_WRITERS = 4
 SEEDS = st.integers(0, 2**32 - 1)
-EVICTION_FRACTION = 64  # replay_buffer.py releases capacity // 64 rows ahead of need
+EVICTION_FRACTION = 64  # storage/replay/buffer.py releases capacity // 64 rows ahead of need
 # 28 bytes a row as stored: 1 -> one-row staging blocks, 64 -> two rows, 256 -> nine rows.
 BUFFER_BYTES = st.sampled_from([1, 64, 256])
 

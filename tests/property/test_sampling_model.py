@@ -31,7 +31,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from h5replay.errors import ConfigError, NotEnoughDataError
 from h5replay.sampling import Fifo, Prioritized, Uniform
-from h5replay.storage import BoxSpace, ReplayBuffer, _sampling_file
+from h5replay.storage import BoxSpace, ReplayBuffer
+from h5replay.storage.replay import table_file as _sampling_file
 
 SPACE = BoxSpace(0, 2**40, (), np.int64)  # every row holds its own id
 PRIORITY = st.one_of(st.none(), st.floats(0.0, 50.0, allow_nan=False), st.sampled_from([0.0, 1e-9, 1e6]))

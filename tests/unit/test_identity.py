@@ -231,7 +231,7 @@ def test_case8_close_reports_a_failed_final_flush(tmp_path, monkeypatch):
 def test_case8_fsync_makes_rows_durable_before_the_state_names_them(tmp_path, monkeypatch):
     """Case 8: --fsync used to fsync once, after the state row was written: a power loss could
     leave a state pointing at rows that never reached the disk."""
-    from h5replay.storage import _journal
+    from h5replay.storage.replay import journal as _journal
 
     rb = ReplayBuffer.create(SCALAR, 100, tmp_path / "rb.h5")
     rb.extend(np.arange(10))

@@ -2,7 +2,7 @@
 the writer lock, the check of a file cut short, and an SWMR reader following the journal.
 
 These are what `make mutation` exercises first; each test pins a behaviour a mutant of
-storage/recovery.py or storage/_journal.py would change.
+storage/recovery.py or storage/replay/journal.py would change.
 """
 
 from __future__ import annotations
@@ -220,7 +220,7 @@ def test_every_priority_comes_back_from_the_log_ring_after_a_reopen(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, updates: int, per_update: int) -> None:
     """A ring of 8 log entries: updates wrap around it, with checkpoints between; a reopened
     writer and a reader each rebuild exactly the priorities the writer had, 0 included."""
-    from h5replay.storage import _sampling_file
+    from h5replay.storage.replay import table_file as _sampling_file
 
     monkeypatch.setattr(_sampling_file, "LOG_ENTRIES", 8)
     path = tmp_path / "rb.h5"
@@ -252,7 +252,7 @@ def test_a_failed_publish_forgets_the_keys_it_would_have_published(tmp_path: Pat
     """The key of a commit whose publish failed names an episode that never was: a retry must
     commit it, and the slot's row in the file must not come back after a reopen as the key of
     the episode that takes the slot next."""
-    from h5replay.storage._journal import Journal
+    from h5replay.storage.replay.journal import Journal
 
     path = tmp_path / "rb.h5"
     rb = ReplayBuffer.create(BoxSpace(-1, 1, (3,)), 64, path, idempotency_window=4)
@@ -289,7 +289,7 @@ def test_a_failed_publish_forgets_the_keys_it_would_have_published(tmp_path: Pat
 
 def test_the_episode_table_finds_the_episode_of_every_row_across_the_ring() -> None:
     from h5replay.records import NO_EPISODE
-    from h5replay.storage._journal import EpisodeTable
+    from h5replay.storage.replay.journal import EpisodeTable
 
     table = EpisodeTable(4)
     for episode_id, start, length in [(5, 30, 2), (6, 33, 3), (7, 36, 1), (8, 38, 2)]:  # slots 1, 2, 3, 0

@@ -5,7 +5,7 @@
 are removed; 0 for a slot not held), the raw priorities (writer) and how often each row was
 sampled (writer, with `max_times_sampled`). The writer keeps it exact as rows come and go, and
 holds the priority log entries of its updates until the next publish writes them; a reader
-rebuilds it from the file once and then follows the priority log (`_sampling_file.py`), reading
+rebuilds it from the file once and then follows the priority log (`table_file.py`), reading
 only what changed.
 
 Draws come back as row ids with the probability each was drawn with, computed from the same
@@ -24,11 +24,11 @@ import numpy as np
 
 from h5replay.errors import ConfigError, NotEnoughDataError
 from h5replay.sampling import Fifo, Prioritized, RateLimiter, SamplingConfig
-from h5replay.storage._sampling_file import LOG_ENTRIES, SamplingFile
-from h5replay.storage._sumtree import SumTree
+from h5replay.storage.replay.sumtree import SumTree
+from h5replay.storage.replay.table_file import LOG_ENTRIES, SamplingFile
 
 if TYPE_CHECKING:
-    from h5replay.storage._journal import State
+    from h5replay.storage.replay.journal import State
 
 __all__ = ["Sampling"]
 

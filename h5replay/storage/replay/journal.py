@@ -6,7 +6,7 @@ In the file, under `/_h5replay/replay/`:
     rest, so a reader never acts on a torn or zero-filled row.
   * `episodes`: one (first row id, length) record per episode, in ring slots (episode id modulo
     the capacity; an unbounded buffer grows the table instead).
-  * `commit_keys`: the idempotency keys of recent commits (`_keys.py`), for the writer only.
+  * `commit_keys`: the idempotency keys of recent commits (`keys.py`), for the writer only.
 
 Ids: a row's id is its position in the sequence of all rows ever committed to the file, an
 episode's id its position among all episodes; both are global, never reused, and survive
@@ -53,10 +53,10 @@ from h5replay.storage._h5file import (
     upgrade_header,
     verify_all_within,
 )
-from h5replay.storage._keys import DEFAULT_KEY_WINDOW, KeyFile
 from h5replay.storage._rowio import read_slice, write_rows, write_slots
-from h5replay.storage._sampling_file import SamplingFile
 from h5replay.storage.fastread import MappedChunk
+from h5replay.storage.replay.keys import DEFAULT_KEY_WINDOW, KeyFile
+from h5replay.storage.replay.table_file import SamplingFile
 
 if TYPE_CHECKING:
     from h5replay.storage.hdf5 import HDF5Storage
@@ -98,7 +98,7 @@ class State:
     `origin` / `ep_origin` (unbounded buffers) are the ids at physical row / table slot 0.
     `seq` counts publishes; `generation` counts `clear()`s.
     The rate limiter's counters: rows `inserted` and rows `sampled` since creation or `clear()`.
-    The priority log (`_sampling_file.py`): `plog` updates published, the first `pckpt` of them
+    The priority log (`table_file.py`): `plog` updates published, the first `pckpt` of them
     already in the priorities dataset.
     """
 

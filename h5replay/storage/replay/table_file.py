@@ -1,5 +1,5 @@
 """The sampling datasets of a replay buffer's file: its sampling settings, the priorities, the
-priority log, and how often each row was sampled. File I/O only; the logic is in `_draws.py`.
+priority log, and how often each row was sampled. File I/O only; the logic is in `table.py`.
 
 Under `/_h5replay/replay/` (made with the file, only those the settings need):
   * attributes `sampler`, `rate_limit` (JSON) and `max_times_sampled`: fixed at creation.

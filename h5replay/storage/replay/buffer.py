@@ -4,7 +4,7 @@ Every row committed to the file gets a global id (0, 1, 2, ...: its place among 
 committed); every episode too. The buffer holds row ids [begin, end); logical index 0 is `begin`,
 the oldest row held. Ids never move and are never reused: wrap-around drops the oldest ids,
 `clear()` moves `begin` to `end` (and bumps the generation), a restart continues where the last
-publish left. The journal (`_journal.py`) keeps the state and the episode records in the file.
+publish left. The journal (`journal.py`) keeps the state and the episode records in the file.
 
 Crash safety:
   * Only `_publish` changes what the file shows (rows flushed, then the state row, then flushed).
@@ -44,11 +44,11 @@ from h5replay.records import Episode, Receipt, SampleInfo
 from h5replay.sampling import RateLimit, Sampler, SamplingConfig, Uniform, check_priorities
 from h5replay.spaces import Schema, Space
 from h5replay.storage import _h5file, hdf5
-from h5replay.storage._draws import Sampling
 from h5replay.storage._indices import normalize_index
-from h5replay.storage._journal import REPLAY_GROUP, EpisodeTable, Journal, JournalStore, RecordsMoved, State
-from h5replay.storage._keys import DEFAULT_KEY_WINDOW, KeyFile, KeyTable, check_key
 from h5replay.storage.hdf5 import HDF5Storage
+from h5replay.storage.replay.journal import REPLAY_GROUP, EpisodeTable, Journal, JournalStore, RecordsMoved, State
+from h5replay.storage.replay.keys import DEFAULT_KEY_WINDOW, KeyFile, KeyTable, check_key
+from h5replay.storage.replay.table import Sampling
 from h5replay.storage.segment import SegmentWriter
 
 __all__ = ["ReplayBuffer", "CommitInfo"]
