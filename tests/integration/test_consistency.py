@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 
 from h5replay.errors import EvictedError, NotEnoughDataError, StorageError
-from h5replay.storage import BoxSpace, DictSpace, ReplayBuffer, _journal
+from h5replay.storage import BoxSpace, DictSpace, ReplayBuffer
+from h5replay.storage.replay import journal as _journal
 from h5replay.storage.segment import SegmentWriter
 
 SPACE = DictSpace({
