@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Union
 
@@ -27,7 +29,8 @@ from h5replay.errors import ConfigError
 
 __all__ = ["Uniform", "Prioritized", "Fifo", "Lifo", "Sampler", "RateLimit", "RateLimiter", "SamplingConfig",
            "sampler_from_json", "sampler_to_json", "rate_limit_from_json", "rate_limit_to_json", "check_priorities",
-           "rows_at_once", "MAX_WEIGHT"]
+           "rows_at_once", "MAX_WEIGHT", "Table", "DEFAULT_TABLE", "MAX_TABLES",
+           "check_table_name", "check_tables", "table_from_json"]
 
 #: The largest weight (priority ** exponent) a row may have. 2**63 rows at this weight (more than
 #: an int64 row id can name) still add up to 1e299, below float64's largest (1.8e308): the sum
@@ -276,22 +279,30 @@ class RateLimiter:
         return max(1, rows)
 
 
-@dataclass(frozen=True)
-class SamplingConfig:
-    """Everything a buffer's file records about sampling (fixed when the file is created)."""
+@dataclass(frozen=True, init=False)
+class Table:
+    """One way of sampling a buffer's rows: a sampler, its rate limit, and how often a row may be
+    sampled (`max_times_sampled`; None or 0: any number of times). A buffer has one or more,
+    by name, fixed when its file is created; they draw from the same rows (Reverb's tables over
+    one item store)."""
 
-    sampler: Sampler = Uniform()
-    rate_limit: RateLimit = RateLimit()
-    max_times_sampled: int = 0  # 0: a row may be sampled any number of times
+    sampler: Sampler
+    rate_limit: RateLimit
+    max_times_sampled: int
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.sampler, tuple(_KINDS.values())):
-            raise ConfigError(f"sampler must be Uniform(), Prioritized(...), Fifo() or Lifo(), got {self.sampler!r}")
-        if not isinstance(self.rate_limit, RateLimit):
-            raise ConfigError(f"rate_limit must be a RateLimit, got {self.rate_limit!r}")
-        m = self.max_times_sampled
+    def __init__(self, sampler: Sampler = Uniform(), rate_limit: RateLimit | None = None,
+                 max_times_sampled: int | None = None) -> None:
+        if not isinstance(sampler, tuple(_KINDS.values())):
+            raise ConfigError(f"sampler must be Uniform(), Prioritized(...), Fifo() or Lifo(), got {sampler!r}")
+        limit = RateLimit() if rate_limit is None else rate_limit
+        if not isinstance(limit, RateLimit):
+            raise ConfigError(f"rate_limit must be a RateLimit, got {rate_limit!r}")
+        m = 0 if max_times_sampled is None else max_times_sampled
         if isinstance(m, bool) or not isinstance(m, int) or not 0 <= m < 2**32 - 1:
             raise ConfigError(f"max_times_sampled must be an int >= 0 (0: no limit), got {m!r}")
+        object.__setattr__(self, "sampler", sampler)
+        object.__setattr__(self, "rate_limit", limit)
+        object.__setattr__(self, "max_times_sampled", m)
 
     @property
     def removes(self) -> bool:
@@ -326,6 +337,68 @@ class SamplingConfig:
             **asdict(self.rate_limit),
             "max_times_sampled": self.max_times_sampled,
         }
+
+    def to_json(self) -> str:
+        return json.dumps({"sampler": json.loads(sampler_to_json(self.sampler)), "rate_limit": asdict(self.rate_limit),
+                           "max_times_sampled": self.max_times_sampled})
+
+
+#: The settings of a buffer with one table (the name of earlier versions; the same class).
+SamplingConfig = Table
+
+#: The name of the one table of a buffer made with `sampler=` / `rate_limit=` / `max_times_sampled=`
+#: (and of every file made before tables).
+DEFAULT_TABLE = "default"
+_TABLE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]{0,63}")
+MAX_TABLES = 16
+
+
+def check_table_name(name: object) -> str:
+    """A table's name: 1 to 64 letters, digits, '_' or '-' (not starting with '-'): it names an
+    HDF5 group, a JSON key, a part of a figure's name ("table.<name>.sampled") and a metrics label.
+
+    Raises:
+        ConfigError: any other name (named in the message).
+    """
+    if not isinstance(name, str) or not _TABLE_NAME.fullmatch(name):
+        raise ConfigError(f"a table's name is 1 to 64 letters, digits, '_' or '-' (not starting with '-'), got "
+                          f"{str(name)[:80]!r}")
+    return name
+
+
+def check_tables(tables: object) -> dict[str, Table]:
+    """A buffer's tables, checked: a non-empty mapping of at most MAX_TABLES names to `Table`s.
+
+    Raises:
+        ConfigError: not a mapping of valid names to Tables (names the offending table).
+    """
+    if not isinstance(tables, Mapping) or not tables:
+        raise ConfigError(f"tables must be a non-empty mapping of names to Table(...), got {str(tables)[:80]!r}")
+    if len(tables) > MAX_TABLES:
+        raise ConfigError(f"a buffer has at most {MAX_TABLES} tables, got {len(tables)}")
+    out: dict[str, Table] = {}
+    for name, table in tables.items():
+        check_table_name(name)
+        if not isinstance(table, Table):
+            raise ConfigError(f"table {name!r} must be a Table(...), got {str(table)[:80]!r}")
+        out[name] = table
+    return out
+
+
+def table_from_json(text: str, name: str = DEFAULT_TABLE) -> Table:
+    """A table a file records (`Table.to_json`).
+
+    Raises:
+        ConfigError: not a table this version knows (names the table).
+    """
+    try:
+        obj = json.loads(text)
+        if not isinstance(obj, dict) or set(obj) != {"sampler", "rate_limit", "max_times_sampled"}:
+            raise ValueError("not an object of sampler, rate_limit and max_times_sampled")
+        return Table(sampler_from_json(json.dumps(obj["sampler"])), rate_limit_from_json(json.dumps(obj["rate_limit"])),
+                     obj["max_times_sampled"])
+    except (ValueError, TypeError, RecursionError) as exc:
+        raise ConfigError(f"table {name!r}: unknown table description {text[:200]!r}: {exc}") from exc
 
 
 def check_priorities(values: object, n: int, *, missing_ok: bool = False, sampler: Sampler | None = None) -> np.ndarray:

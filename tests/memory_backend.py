@@ -246,7 +246,8 @@ class MemoryJournal:
     """A ReplayBuffer's state and episode records, in memory (the JournalStore protocol)."""
 
     replay_id = "memory"
-    sampling = None
+    configs: dict[str, object] = {}  # the buffer is given its tables
+    tables: dict[str, object] = {}  # sampling state in memory only
     keys = None  # idempotency keys: kept by the buffer in memory only
 
     def __init__(self, storage: MemoryStorage) -> None:

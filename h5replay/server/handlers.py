@@ -732,7 +732,8 @@ class Service:
     def updates_pending(self) -> bool:
         """Whether priority updates wait for a publish (never after a failed write: the file
         takes no more, and the loop must not retry it on every turn)."""
-        return self.write_failure is None and self.buffer.view.plog > self.buffer.published.plog
+        view, published = self.buffer.view, self.buffer.published
+        return self.write_failure is None and any(now.plog > then.plog for now, then in zip(view.tables, published.tables))
 
     def updates_due_in(self) -> float | None:
         """Seconds until the priority updates not yet published must be (None: none wait)."""

@@ -20,6 +20,7 @@ from h5replay.errors import ConfigError, StorageError
 from h5replay.records import Receipt
 from h5replay.storage import _h5file
 from h5replay.storage.replay.buffer import ReplayBuffer
+from h5replay.storage.replay.ring import Ring
 
 __all__ = ["export_buffer", "export_file", "compact_file"]
 
@@ -80,18 +81,21 @@ def export_buffer(
     # Episodes keep their idempotency keys (and the window stays): a commit retried after a
     # compaction is answered with its receipt, not stored a second time.
     keys = {receipt: key for key, receipt in buffer.idempotency_keys()}
-    sampling = buffer.sampling
+    tables = buffer.tables
+    prioritized = [name for name, t in tables.items() if t.prioritized]
+    removing = [name for name, t in tables.items() if t.removes]
     storage_kwargs = {**_same_chunks(buffer, new_capacity, storage_kwargs), **storage_kwargs}
     copy = type(buffer).create(
         buffer.space, new_capacity, partial, first_row_id=first_row,
-        first_episode_id=episode_ids[0] if episode_ids else view.ep_end, sampler=sampling.sampler,
-        rate_limit=sampling.rate_limit, max_times_sampled=sampling.max_times_sampled,
+        first_episode_id=episode_ids[0] if episode_ids else view.ep_end, tables=tables,
         idempotency_window=buffer.idempotency_window, check_bounds=False,  # copy what is held
         replay_id=None if new_replay or not buffer.replay_id else buffer.replay_id, **storage_kwargs,
     )
     same = {} if new_replay else {"seq": view.seq, "generation": view.generation}
-    copy.carry_over(inserted=view.inserted, sampled=view.sampled, limit_inserts=False,
-                    max_priority=buffer.info().get("max_priority"), **same)
+    sampled = {name: counters.sampled for name, counters in zip(tables, view.tables)}
+    info = buffer.info()
+    maxima = {name: info[f"table.{name}.max_priority"] for name in prioritized if f"table.{name}.max_priority" in info}
+    copy.carry_over(inserted=view.inserted, sampled=sampled, limit_inserts=False, max_priority=maxima, **same)
     try:
         block = max(1, _BLOCK_BYTES // max(1, buffer.storage.row_bytes))
         done = 0
@@ -99,16 +103,17 @@ def export_buffer(
             for lo in range(first, stop, block):
                 hi = min(stop, lo + block)
                 ids = np.arange(lo, hi, dtype=np.int64)
-                copy.extend(buffer.get_rows(ids), priorities=buffer.priorities(ids) if sampling.prioritized else None)
-                if sampling.removes:
-                    copy.carry_sample_counts(lo, buffer.sample_counts(lo, hi))
+                priorities = {name: buffer.priorities(ids, table=name) for name in prioritized}
+                copy.extend(buffer.get_rows(ids), priorities=priorities or None)
+                for name in removing:
+                    copy.carry_sample_counts(lo, buffer.sample_counts(lo, hi, table=name), table=name)
                 done += hi - lo
                 if progress is not None:
                     progress(done, total)
             if record is not None:
                 key = keys.get(Receipt(episode, first, stop - first)) if episode is not None else None
                 copy.end_episode(record=record, idempotency_key=key)
-        copy.carry_over(inserted=view.inserted, sampled=view.sampled, limit_inserts=True, **same)
+        copy.carry_over(inserted=view.inserted, sampled=sampled, limit_inserts=True, **same)
         copy.close()
         os.replace(partial, target)
     except BaseException:
@@ -170,8 +175,9 @@ def _readable_run(buffer: ReplayBuffer, spans: list[Span]) -> tuple[int, int]:
     capacity, origin = buffer.capacity, buffer.last_view.origin
 
     def readable(first: int, stop: int) -> bool:
-        pieces = _physical(first - (origin if capacity is None else 0), stop - first, capacity)
-        return all(_h5file.data_end(storage.dataset(leaf), a, b) <= length for leaf, _ in storage.leaves for a, b in pieces)
+        pieces = Ring(capacity).pieces(first, stop, origin)
+        return all(_h5file.data_end(storage.dataset(leaf), a, b) <= length for leaf, _ in storage.leaves
+                   for a, b, _ in pieces)
 
     best, start = (0, 0), 0
     for k, (first, stop, _, _) in enumerate(spans):
@@ -182,15 +188,6 @@ def _readable_run(buffer: ReplayBuffer, spans: list[Span]) -> tuple[int, int]:
         if rows >= (spans[best[1] - 1][1] - spans[best[0]][0] if best[1] > best[0] else 0):
             best = (start, k + 1)
     return best
-
-
-def _physical(first: int, count: int, capacity: int | None) -> list[tuple[int, int]]:
-    if capacity is None:
-        return [(first, first + count)]
-    start = first % capacity
-    if start + count <= capacity:
-        return [(start, start + count)]
-    return [(start, capacity), (0, start + count - capacity)]
 
 
 def _open_any(path: str, writable: bool) -> ReplayBuffer:

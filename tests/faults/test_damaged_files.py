@@ -39,6 +39,7 @@ pytestmark = pytest.mark.timeout(60)
 
 SPACE = BoxSpace(-1, 1, (3,))
 REPLAY = "_h5replay/replay"
+TABLE = f"{REPLAY}/tables/default"  # the datasets of a one-table buffer's table
 OPENS = ("writer", "reader", "swmr_reader")
 
 
@@ -233,13 +234,13 @@ def _prioritized(path: Path) -> None:
     rb.commit_segment(writer)
     rb.update_priorities(np.array([0, 1]), np.array([5.0, 7.0]))
     rb.close()
-    assert ReplayBuffer.load_from(path).published.pckpt == 0
+    assert ReplayBuffer.load_from(path).published.tables[0].pckpt == 0
 
 
 def _damage_log_entry(path: Path, row_id: int, value: float, update: int = 1) -> None:
     """Overwrite the log entry of update `update` (by default the last: row 1's)."""
     entry = np.array([row_id, np.float64(value).view(np.int64)], dtype=np.int64)
-    overwrite(path, byte_offset(path, f"{REPLAY}/priority_log", update), entry.tobytes())
+    overwrite(path, byte_offset(path, f"{TABLE}/priority_log", update), entry.tobytes())
 
 
 @pytest.mark.parametrize("how", OPENS)
@@ -267,7 +268,7 @@ def test_a_damaged_stored_priority_is_replaced_by_the_default(tmp_path: Path, ho
     path = tmp_path / "rb.h5"
     _prioritized(path)
     with h5py.File(path, "r+") as f:
-        f[f"{REPLAY}/priorities"][2:4] = [-1.0, np.inf]  # rows 2 and 3, checkpointed values gone bad
+        f[f"{TABLE}/priorities"][2:4] = [-1.0, np.inf]  # rows 2 and 3, checkpointed values gone bad
     with open_as(path, how) as rb:
         assert rb._sampling.tree.get(np.arange(4)).tolist() == [5.0, 7.0, 1.0, 1.0]  # the default, 1
         assert rb._sampling.tree.total == pytest.approx(5.0 + 7.0 + 8.0)

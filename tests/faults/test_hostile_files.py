@@ -30,12 +30,13 @@ from h5replay.sampling import Prioritized
 from h5replay.spaces import BoxSpace
 from h5replay.storage import ReplayBuffer
 from h5replay.storage._h5file import MAX_ID
-from h5replay.storage.replay.journal import State
+from h5replay.storage.replay import state
 
 pytestmark = pytest.mark.timeout(60)
 
 SPACE = BoxSpace(-1, 1, (3,))
 REPLAY = "_h5replay/replay"
+TABLE = f"{REPLAY}/tables/default"  # the datasets of a one-table buffer's table
 HUGE = 1 << 40
 # What reads each part of a file: `info` and a plain or SWMR reader never open the idempotency
 # key table (only a writer, and `export`, which copies the keys).
@@ -57,9 +58,11 @@ def make_file(path: Path, capacity: int | None = 16, prioritized: bool = False) 
 
 
 def set_state(f: h5py.File, **fields: int) -> None:
-    """Rewrite the journal's state row with `fields` changed, its checksum made to match."""
+    """Rewrite the journal's state with `fields` changed (those of a table: the first table's),
+    its checksums made to match."""
     ds = f[f"{REPLAY}/journal"]
-    ds[...] = State.from_row(ds[...], "", None).replace(**fields).to_row()
+    table = {name: fields.pop(name) for name in ("sampled", "plog", "pckpt") if name in fields}
+    ds[...] = state.encode(state.decode(ds[...], "", None).replace(**fields).with_table(0, **table))
 
 
 def replace_dataset(f: h5py.File, name: str, **create: object) -> None:
@@ -89,7 +92,7 @@ def _huge_matching_capacity(f: h5py.File) -> None:
     """A capacity of 2**40 rows whose datasets all agree (sparse: nothing is written)."""
     f.attrs["h5replay_capacity"] = HUGE
     replace_dataset(f, "data", shape=(HUGE, 3), maxshape=(HUGE, 3), dtype=np.float32, chunks=(1024, 3))
-    replace_dataset(f, f"{REPLAY}/priorities", shape=(HUGE,), maxshape=(HUGE,), dtype=np.float64, chunks=(4096,),
+    replace_dataset(f, f"{TABLE}/priorities", shape=(HUGE,), maxshape=(HUGE,), dtype=np.float64, chunks=(4096,),
                     fillvalue=np.nan)
     episodes = f[f"{REPLAY}/episodes"][...]
     replace_dataset(f, f"{REPLAY}/episodes", data=episodes, maxshape=(HUGE, 2), chunks=(16, 2))
@@ -128,8 +131,8 @@ CASES = [
     Hostile("journal of 2**40 values", lambda f: replace_dataset(f, f"{REPLAY}/journal", shape=(HUGE,),
                                                                  dtype=np.int64, chunks=(16,)),
             "/_h5replay/replay/journal"),
-    Hostile("journal of 4 x 4", lambda f: replace_dataset(f, f"{REPLAY}/journal",
-                                                          data=f[f"{REPLAY}/journal"][...].reshape(4, 4)),
+    Hostile("journal of 4 rows", lambda f: replace_dataset(f, f"{REPLAY}/journal",
+                                                          data=f[f"{REPLAY}/journal"][...].reshape(4, -1)),
             "/_h5replay/replay/journal"),
     Hostile("episode table of float64", lambda f: replace_dataset(
         f, f"{REPLAY}/episodes", data=f[f"{REPLAY}/episodes"][...].astype(np.float64), maxshape=(16, 2)),
@@ -143,17 +146,17 @@ CASES = [
     Hostile("key table of float64", lambda f: replace_dataset(
         f, f"{REPLAY}/commit_keys", data=f[f"{REPLAY}/commit_keys"][...].astype(np.float64), maxshape=(65536, 6)),
         "commit_keys", KEY_TABLE_OPENS),
-    Hostile("sampler attribute 7", _attr("sampler", 7, REPLAY), "'sampler'"),
-    Hostile("sampler JSON nested 100000 deep", _attr("sampler", "[" * 100_000 + "]" * 100_000, REPLAY), "'sampler'"),
-    Hostile("max_times_sampled 'abc'", _attr("max_times_sampled", "abc", REPLAY), "'max_times_sampled'"),
+    Hostile("sampler attribute 7", _attr("sampler", 7, TABLE), "'sampler'"),
+    Hostile("sampler JSON nested 100000 deep", _attr("sampler", "[" * 100_000 + "]" * 100_000, TABLE), "'sampler'"),
+    Hostile("max_times_sampled 'abc'", _attr("max_times_sampled", "abc", TABLE), "'max_times_sampled'"),
     Hostile("priorities of another length", lambda f: replace_dataset(
-        f, f"{REPLAY}/priorities", shape=(8,), dtype=np.float64), "/_h5replay/replay/priorities", prioritized=True),
+        f, f"{TABLE}/priorities", shape=(8,), dtype=np.float64), "/_h5replay/replay/tables/default/priorities", prioritized=True),
     Hostile("priority log of 2**40 entries", lambda f: replace_dataset(
-        f, f"{REPLAY}/priority_log", shape=(HUGE, 2), dtype=np.int64, chunks=(4096, 2)),
-        "/_h5replay/replay/priority_log", prioritized=True),
+        f, f"{TABLE}/priority_log", shape=(HUGE, 2), dtype=np.int64, chunks=(4096, 2)),
+        "/_h5replay/replay/tables/default/priority_log", prioritized=True),
     Hostile("running maximum priority of float64", lambda f: replace_dataset(
-        f, f"{REPLAY}/priority_max", shape=(2, 3), dtype=np.float64, chunks=(2, 3)),
-        "/_h5replay/replay/priority_max", prioritized=True),
+        f, f"{TABLE}/priority_max", shape=(2, 3), dtype=np.float64, chunks=(2, 3)),
+        "/_h5replay/replay/tables/default/priority_max", prioritized=True),
     Hostile("priority updates past the log", lambda f: set_state(f, plog=HUGE), "priority log holds",
             prioritized=True),
     Hostile("ids near 2**63", lambda f: set_state(f, begin=2**63 - 20, end=2**63 - 11, open_start=2**63 - 11),

@@ -181,7 +181,7 @@ class PrioritizedMachine(RuleBasedStateMachine):
         self.rb.storage.close()  # flushes what HDF5 holds; the state row stays the last published
         self.rb.close()  # publishes nothing: its storage is closed
         self.rb = ReplayBuffer.load_from(self.path, read_only=False)
-        published = self.rb.published.plog
+        published = self.rb.published.tables[0].plog
         assert published <= len(self.log), "the file counts updates never made"
         del self.log[published:]  # lost: applied after the last publish (or never)
         self.prio = {i: self.committed[i] for i in range(self.begin, self.next_id)}

@@ -195,7 +195,7 @@ def test_a_priority_update_is_answered_before_its_publish_and_names_it() -> None
     assert reply.seq == seq + 1 and service.updates_pending and buffer.published.seq == seq
     assert buffer.priorities([0, 1]).tolist() == [3.0, 1.0]  # applied at once, in the writer's tree
     service.publish()  # the end of the pass
-    assert buffer.published.seq == seq + 1 and not service.updates_pending and buffer.published.plog == 2
+    assert buffer.published.seq == seq + 1 and not service.updates_pending and buffer.published.tables[0].plog == 2
 
 
 def test_an_interval_lets_updates_wait_unless_a_read_forces_them_and_a_failed_publish_is_not_retried(

@@ -235,7 +235,7 @@ def test_every_priority_comes_back_from_the_log_ring_after_a_reopen(
     expected = rb.priorities(np.arange(12)).tolist()
     published = rb.published
     rb.close()
-    assert published.plog == per_update * updates
+    assert published.tables[0].plog == per_update * updates
     for how in OPENS:
         with ReplayBuffer.load_from(path, read_only=how != "writer", multiprocessing=how == "swmr_reader") as again:
             assert again.priorities(np.arange(12)).tolist() == expected, how

@@ -314,7 +314,7 @@ def test_priorities_in_a_file_beyond_the_bound_are_clipped_when_read(tmp_path: o
     with ReplayBuffer.create(SPACE, 10, path, sampler=Prioritized(exponent=2.0)) as rb:
         fill(rb, [1.0, 2.0, 3.0])
     with h5py.File(path, "r+") as f:
-        f["_h5replay/replay/priorities"][1] = 1e200
+        f["_h5replay/replay/tables/default/priorities"][1] = 1e200
     for read_only in (True, False):
         with ReplayBuffer.load_from(path, read_only=read_only) as rb:
             assert rb.priorities([0, 1, 2]).tolist() == [1.0, 1e140, 3.0]
@@ -357,7 +357,7 @@ def test_a_file_made_before_the_running_maximum_gets_it_at_its_first_writable_op
     with ReplayBuffer.create(SPACE, 10, path, sampler=Prioritized(exponent=1.0)) as rb:
         fill(rb, [1.0, 4.0])
     with h5py.File(path, "r+") as f:
-        del f["_h5replay/replay/priority_max"]  # as a file made before it
+        del f["_h5replay/replay/tables/default/priority_max"]  # as a file made before it
     with ReplayBuffer.load_from(path, read_only=True) as rb:
         assert rb.info()["max_priority"] == 4.0  # the largest held stands in
     with ReplayBuffer.load_from(path, read_only=False) as rb:

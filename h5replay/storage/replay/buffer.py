@@ -32,7 +32,6 @@ import numpy as np
 from h5replay.errors import (
     ClosedError,
     ConfigError,
-    EvictedError,
     LimitExceededError,
     NotEnoughDataError,
     RateLimitedError,
@@ -41,14 +40,18 @@ from h5replay.errors import (
     StorageError,
 )
 from h5replay.records import Episode, Receipt, SampleInfo
-from h5replay.sampling import RateLimit, Sampler, SamplingConfig, Uniform, check_priorities
+from h5replay.sampling import DEFAULT_TABLE, RateLimit, Sampler, Table, Uniform, check_priorities, check_tables
 from h5replay.spaces import Schema, Space
 from h5replay.storage import _h5file, hdf5
 from h5replay.storage._indices import normalize_index
 from h5replay.storage.hdf5 import HDF5Storage
-from h5replay.storage.replay.journal import REPLAY_GROUP, EpisodeTable, Journal, JournalStore, RecordsMoved, State
+from h5replay.storage.replay.episodes import EpisodeTable
+from h5replay.storage.replay.journal import REPLAY_GROUP, Journal, JournalStore, RecordsMoved
 from h5replay.storage.replay.keys import DEFAULT_KEY_WINDOW, KeyFile, KeyTable, check_key
+from h5replay.storage.replay.ring import Ring, as_row_ids, check_held
+from h5replay.storage.replay.state import Counters, State
 from h5replay.storage.replay.table import Sampling
+from h5replay.storage.replay.tables import Tables
 from h5replay.storage.segment import SegmentWriter
 
 __all__ = ["ReplayBuffer", "CommitInfo"]
@@ -66,49 +69,18 @@ def _positive_int(value: Any, name: str) -> int:
     return int(value)
 
 
-def as_row_ids(row_ids: Any) -> np.ndarray:
-    """Row ids as a 1-D int64 array, or TypeError / IndexError naming what is wrong with them."""
-    arr = np.asarray(row_ids) if not isinstance(row_ids, np.ndarray) else row_ids
-    if arr.dtype.kind not in "iu" or (arr.size == 0 and arr.dtype == object):
-        if arr.size == 0 and arr.dtype.kind == "f":
-            return np.zeros(0, dtype=np.int64)
-        raise TypeError(f"row ids must be integers, got {arr.dtype}")
-    flat = arr.reshape(-1)
-    if flat.size and arr.dtype.kind == "u" and int(flat.max()) > np.iinfo(np.int64).max:
-        raise IndexError(f"row id {int(flat.max())} was never committed")
-    ids = flat.astype(np.int64, copy=False)
-    if ids.size and int(ids.min()) < 0:
-        raise IndexError(f"row id {int(ids.min())} is negative; row ids count from 0")
-    return ids
-
-
-def _check_held(ids: np.ndarray, view: State) -> int:
-    """The lowest of `ids` (not empty), all held in `view`.
-
-    Raises:
-        EvictedError: an id is no longer held (names the first).
-        IndexError: an id was never committed.
-    """
-    lo, hi = int(ids.min()), int(ids.max())
-    if lo < view.begin:
-        first = int(ids[np.argmax(ids < view.begin)])
-        raise EvictedError(f"row id {first} is no longer held: the buffer holds ids [{view.begin}, {view.end})")
-    if hi >= view.end:
-        raise IndexError(f"row id {hi} was never committed: the next row id is {view.end}")
-    return lo
-
-
 class ReplayBuffer:
     """A ring buffer of rows over an HDF5Storage, with episodes, and sampling of rows and windows
     by the sampler its file records (uniform, prioritized, fifo, lifo), under its rate limit."""
 
     def __init__(
         self, storage: HDF5Storage, *, raw: bool = False, journal: JournalStore | None = None,
-        sampling: SamplingConfig | None = None,
+        sampling: Table | None = None, tables: dict[str, Table] | None = None,
     ) -> None:
         """A buffer over `storage` whose bookkeeping is `journal` (by default the journal in the
         storage's own file). `raw=True`: a read-only view of every row, with no journal.
-        `sampling` applies to a journal that keeps no settings of its own (a file's are its own).
+        `tables` (or `sampling`, one table) apply to a journal that keeps no settings of its own
+        (a file's are its own).
 
         Raises:
             ConfigError: the file holds no replay journal (open plain files with `from_raw_hdf5`).
@@ -118,23 +90,28 @@ class ReplayBuffer:
         self._closed = False
         self._episodes = EpisodeTable(storage.capacity)
         self._journal: JournalStore | None = None
-        store = None
         if raw:
             end = len(storage)
             self._state = self._published = State(end=end, open_start=end)
         else:
             self._journal = journal if journal is not None else Journal(storage)
             self._state = self._published = self._load_episodes(self._journal)
-            store = self._journal.sampling
         key_file = self._journal.keys if self._journal is not None else None
         self._keys = KeyTable(key_file.window if key_file is not None else DEFAULT_KEY_WINDOW, key_file)
         if storage.is_mutable and not raw:
             self._keys.load(self._state.ep_end)
-        config = store.config if store is not None else (sampling or SamplingConfig())
-        self._sampling = Sampling(config, storage.capacity, store, writer=storage.is_mutable and not raw)
+        configs = self._journal.configs if self._journal is not None else {}
+        if not configs:
+            configs = check_tables(tables) if tables is not None else {DEFAULT_TABLE: sampling or Table()}
+        if len(configs) != len(self._state.tables):
+            raise StorageError(f"{storage.filename!r} has {len(configs)} tables but its journal counts "
+                               f"{len(self._state.tables)}: the file is damaged")
+        stores = self._journal.tables if self._journal is not None else {}
+        self._tables = Tables(configs, storage.capacity, stores, writer=storage.is_mutable and not raw)
         if not raw:
             journal_read = self._journal.read if self._journal is not None else None
-            self._sampling.load(self._state, None if storage.is_mutable else journal_read)
+            self._tables.load(self._state, None if storage.is_mutable else journal_read)
+        self._ring = Ring(storage.capacity)
         self._limit_inserts = True
         #: The state the last read was answered from (readers: a published one).
         self.last_view: State = self._state
@@ -145,18 +122,21 @@ class ReplayBuffer:
     def create(
         cls, space: Space, capacity: int | None, cache_path: str | os.PathLike[str], *, first_row_id: int = 0,
         first_episode_id: int = 0, sampler: Sampler | None = None, rate_limit: RateLimit | None = None,
-        max_times_sampled: int = 0, idempotency_window: int = DEFAULT_KEY_WINDOW, check_bounds: bool = True,
-        replay_id: str | None = None, **storage_kwargs: Any,
+        max_times_sampled: int | None = None, tables: dict[str, Table] | None = None,
+        idempotency_window: int = DEFAULT_KEY_WINDOW, check_bounds: bool = True, replay_id: str | None = None,
+        **storage_kwargs: Any,
     ) -> ReplayBuffer:
         """A new, empty buffer in a new file (`cache_path`, or `<cache_path>/storage.hdf5` when it is
         a directory). `storage_kwargs` go to `HDF5Storage.create` (multiprocessing, chunks, ...).
         The first row and episode get the ids `first_row_id` and `first_episode_id` (an export
         keeps the ids of what it copies).
 
-        Sampling, recorded in the file (reopening restores it): `sampler` (`Uniform()` by default,
+        Sampling, recorded in the file (reopening restores it): `tables`, a mapping of names to
+        `Table(sampler, rate_limit=, max_times_sampled=)`, each a way of drawing from the same
+        rows; or, for one table named "default", `sampler` (`Uniform()` by default,
         `Prioritized(exponent, initial_priority)`, `Fifo()`, `Lifo()`), `rate_limit` (Reverb's
         MinSize / SampleToInsertRatio, in rows) and `max_times_sampled` (a row sampled that often
-        is removed; 0: never). See `h5replay.storage.sampling`.
+        leaves that table; 0 or None: never). See `h5replay.sampling`.
 
         `idempotency_window`: how many of the latest episodes keep the idempotency key they were
         committed with (see `commit_segment`), recorded in the file. `replay_id`: the file's id
@@ -167,11 +147,14 @@ class ReplayBuffer:
         Raises:
             ConfigError: an invalid setting (nothing is created).
         """
-        config = SamplingConfig(sampler if sampler is not None else Uniform(),
-                                rate_limit if rate_limit is not None else RateLimit(), max_times_sampled)
-        if capacity is not None and config.rate_limit.min_size_to_sample > capacity:
-            raise ConfigError(f"min_size_to_sample={config.rate_limit.min_size_to_sample} is more than the capacity "
-                              f"{capacity}: the buffer could never hold enough rows to sample")
+        if tables is not None and (sampler is not None or rate_limit is not None or max_times_sampled is not None):
+            raise ConfigError("give either tables= or sampler= / rate_limit= / max_times_sampled= (one table), not both")
+        configs = check_tables(tables) if tables is not None else {
+            DEFAULT_TABLE: Table(sampler if sampler is not None else Uniform(), rate_limit, max_times_sampled)}
+        for name, config in configs.items():
+            if capacity is not None and config.rate_limit.min_size_to_sample > capacity:
+                raise ConfigError(f"table {name!r}: min_size_to_sample={config.rate_limit.min_size_to_sample} is more "
+                                  f"than the capacity {capacity}: the buffer could never hold enough rows to sample")
         first_row, first_episode = int(first_row_id), int(first_episode_id)
         if not (0 <= first_row < _h5file.MAX_ID and 0 <= first_episode < _h5file.MAX_ID):
             raise ConfigError(f"first ids must be >= 0 and below 2**62, got row {first_row_id!r} and episode "
@@ -179,9 +162,10 @@ class ReplayBuffer:
         initial = State(
             begin=first_row, end=first_row, open_start=first_row, ep_begin=first_episode, ep_end=first_episode,
             origin=first_row if capacity is None else 0, ep_origin=first_episode if capacity is None else 0,
+            tables=tuple(Counters() for _ in configs),
         )
         storage = HDF5Storage.create(
-            space, capacity, _h5file.file_path(cache_path), prepare=Journal.create_tables(capacity, initial, config, idempotency_window, replay_id),
+            space, capacity, _h5file.file_path(cache_path), prepare=Journal.create_tables(capacity, initial, configs, idempotency_window, replay_id),
             **storage_kwargs,
         )
         return cls._around(storage, check_bounds)
@@ -248,9 +232,22 @@ class ReplayBuffer:
         return self._journal.replay_id if self._journal is not None else ""
 
     @property
-    def sampling(self) -> SamplingConfig:
-        """The sampler, rate limit and max_times_sampled this buffer's file records."""
-        return self._sampling.config
+    def sampling(self) -> Table:
+        """The sampler, rate limit and max_times_sampled of this buffer's only table.
+
+        Raises:
+            ConfigError: the buffer has several tables (see `tables`)."""
+        return self._tables.pick(None).config
+
+    @property
+    def tables(self) -> dict[str, Table]:
+        """Each table's settings by name, as the file records them, in its order."""
+        return self._tables.configs
+
+    @property
+    def _sampling(self) -> Sampling:
+        """The only table's runtime (tests look inside it)."""
+        return self._tables.pick(None)
 
     @property
     def view(self) -> State:
@@ -288,8 +285,7 @@ class ReplayBuffer:
 
     def _phys(self, ids: Any, view: State) -> Any:
         """Physical rows of row ids."""
-        cap = self.capacity
-        return ids - view.origin if cap is None else ids % cap
+        return self._ring.slots(ids, view.origin)
 
     @property
     def _journal_or_raise(self) -> JournalStore:
@@ -305,7 +301,7 @@ class ReplayBuffer:
         table.set_range(self._state.ep_begin, self._state.ep_end)
         ep_begin = table.first_with_rows_from(begin)
         table.set_range(ep_begin, self._state.ep_end)
-        self._sampling.released(self._state.begin, begin, self._state)
+        self._tables.released(self._state.begin, begin, self._state)
         self._state = self._state.replace(begin=begin, ep_begin=ep_begin)
 
     def _advance_end(self, n: int) -> None:
@@ -333,7 +329,7 @@ class ReplayBuffer:
         """Make the current rows durable, then point the file's state at them (see module doc)."""
         state = self._state.replace(seq=max(self._state.seq, self._published.seq) + 1)
         journal = self._journal_or_raise
-        self._sampling.before_publish(state.seq)  # the priority log entries it counts, the running maximum
+        self._tables.before_publish(state.seq)  # the priority log entries it counts, the running maxima
         journal.publish(state, fsync=fsync)
         self._state = self._published = state
 
@@ -351,8 +347,9 @@ class ReplayBuffer:
         if needed <= self._published.begin:
             return
         ahead = needed + cap // _EVICTION_FRACTION
-        if self._sampling.config.removes:  # never release early a row that may still be sampled
-            ahead = max(needed, min(ahead, self._sampling.first_held(self._state)))
+        limit = self._tables.release_limit(self._state)
+        if limit is not None:  # never release early a row a table may still sample
+            ahead = max(needed, min(ahead, limit))
         self._move_begin(max(self._state.begin, min(ahead, self._state.end)))
         self._publish()
 
@@ -361,7 +358,7 @@ class ReplayBuffer:
         (`undo`: what the slots of the episodes recorded since held before, in order)."""
         for offset, held in reversed(list(enumerate(undo or ()))):
             self._episodes.put(before.ep_end + offset, *held)
-        self._sampling.forget(before.end, self._state.end, self._state)
+        self._tables.forget(before.end, self._state.end, self._state)
         self._state = before.replace(seq=max(before.seq, self._published.seq))
         self._episodes.set_range(before.ep_begin, before.ep_end)
         if self._published.begin > before.begin:
@@ -379,38 +376,42 @@ class ReplayBuffer:
             self._publish(fsync=fsync)
         except StorageError:
             self._keys.forget_from(self._published.ep_end)
-            self._sampling.drop_log()
+            self._tables.drop_log()
             self._state = self._published
             self._episodes.set_range(self._published.ep_begin, self._published.ep_end)
             raise
 
     # ------------------------------------------------------------------ adding rows
 
-    def append(self, sample: Any, priority: float | None = None) -> None:
+    def append(self, sample: Any, priority: Any = None) -> None:
         """Add one row at the tail, to the open episode (ended by `end_episode`), with its
-        `priority` for a prioritized buffer. Visible at once in this process; durable at the next
-        `flush`, commit or `close`.
+        `priority` for the prioritized tables (a number for all of them, or {table: number}).
+        Visible at once in this process; durable at the next `flush`, commit or `close`.
 
         Raises:
-            RateLimitedError: the rate limit holds inserts back until more rows are sampled.
+            RateLimitedError: a table's rate limit holds inserts back until more rows are sampled.
+            ConfigError: a bad priority, or one for a table that is not prioritized or not there.
         """
         self._require_writable("append")
-        priorities = None if priority is None else check_priorities([priority], 1, sampler=self.sampling.sampler)
+        given = priority if priority is None or not isinstance(priority, dict) else \
+            {name: [value] for name, value in priority.items()}
+        priorities = self._tables.split(given if isinstance(given, dict) or given is None else [given], 1)
         self._write_tail(self.storage.encode_one(sample), 1, priorities)
 
     def extend(self, batch: Any, priorities: Any = None) -> None:
         """Add a batch of rows at the tail, to the open episode, with one priority per row if
-        given. Validated before anything is written.
+        given (an array for every prioritized table, or {table: array}). Validated before
+        anything is written.
 
         Raises:
-            RateLimitedError: the rate limit holds inserts back until more rows are sampled.
+            RateLimitedError: a table's rate limit holds inserts back until more rows are sampled.
+            ConfigError: a bad priority, or one for a table that is not prioritized or not there.
         """
         self._require_writable("extend")
         encoded, n = self.storage.encode_batch(batch)
-        given = None if priorities is None else check_priorities(priorities, n, sampler=self.sampling.sampler)
-        self._write_tail(encoded, n, given)
+        self._write_tail(encoded, n, self._tables.split(priorities, n))
 
-    def _write_tail(self, encoded: dict[str, np.ndarray], n: int, priorities: np.ndarray | None) -> None:
+    def _write_tail(self, encoded: dict[str, np.ndarray], n: int, priorities: dict[str, np.ndarray]) -> None:
         if n == 0:
             return
         self._check_ids(n, 1)  # the open episode these rows join becomes one episode
@@ -421,7 +422,7 @@ class ReplayBuffer:
         self.storage.write_ring(self._phys(start, self._state), encoded)
         try:
             self._advance_end(n)
-            self._sampling.added(self._state, start, n, priorities)
+            self._tables.added(self._state, start, n, priorities)
         except BaseException:
             self._roll_back(before, None)
             raise
@@ -449,7 +450,7 @@ class ReplayBuffer:
         priorities it is given against this buffer's sampler as they come."""
         self._require_writable("open a segment writer")
         writer = self.storage.open_segment_writer()
-        writer.sampler = self.sampling.sampler
+        writer.sampler = self._tables.strictest()
         return writer
 
     @property
@@ -583,9 +584,8 @@ class ReplayBuffer:
         """Write the writer's rows at the tail (one write) and record them as episodes of
         `lengths` rows with `keys` (all checked); on failure, nothing of them stays."""
         n = sum(lengths)
-        priorities = writer.priorities
-        if priorities is not None:  # a writer opened on the storage itself has not checked them against the sampler
-            check_priorities(priorities, n, missing_ok=True, sampler=self.sampling.sampler)
+        # (A writer opened on the storage itself has not checked them against the tables.)
+        priorities = self._tables.split(writer.priorities, n, missing_ok=True)
         self._check_ids(n, len(lengths) + 1)  # + 1: an open episode is ended first
         self._check_insert(n)
         if self._state.open_start < self._state.end:
@@ -598,7 +598,7 @@ class ReplayBuffer:
             self._evict(start + n)
             writer.commit(self._phys(start, self._state))
             self._advance_end(n)
-            self._sampling.added(self._state, start, n, priorities)
+            self._tables.added(self._state, start, n, priorities)
             first = start
             for length, key in zip(lengths, keys):
                 episode_id, held = self._record_episode(first, length, key)
@@ -625,9 +625,9 @@ class ReplayBuffer:
         self._state = s.replace(
             generation=s.generation + 1, begin=s.end, open_start=s.end, ep_begin=s.ep_end,
             origin=s.end if unbounded else s.origin, ep_origin=s.ep_end if unbounded else s.ep_origin,
-            inserted=0, sampled=0,
+            inserted=0, tables=tuple(Counters(0, c.plog, c.pckpt) for c in s.tables),
         )
-        self._sampling.clear()
+        self._tables.clear()
         self._episodes.origin = self._state.ep_origin
         self._episodes.set_range(s.ep_end, s.ep_end)
         self._publish()
@@ -675,7 +675,7 @@ class ReplayBuffer:
             journal.sync(self._episodes, old, new)
 
         new = self._follow(new, take)
-        self._sampling.sync(old, new, journal.read)
+        self._tables.sync(old, new, journal.read)
         self._state = self._published = new
 
     def _consistent(self, attempt: Callable[[State], tuple[_T, int]]) -> _T:
@@ -743,95 +743,96 @@ class ReplayBuffer:
         def attempt(view: State) -> tuple[Any, int]:
             if ids.size == 0:
                 return self.storage.read("slice", (0, 0), decode), view.end
-            lowest = _check_held(ids, view)  # before any read: an id not held names itself
+            lowest = check_held(ids, view)  # before any read: an id not held names itself
             return self.storage.read("array", self._phys(ids, view), decode), lowest
 
         return self._consistent(attempt)
 
-    def priorities(self, row_ids: Any) -> np.ndarray:
-        """The current priorities (float64) of rows by id (a prioritized buffer).
+    def priorities(self, row_ids: Any, *, table: str | None = None) -> np.ndarray:
+        """The current priorities (float64) of rows by id in a prioritized `table` (None: the only one).
 
         Raises:
-            ConfigError: the sampler keeps no priorities.
+            ConfigError: no such table, or it keeps no priorities.
             EvictedError / IndexError / TypeError: as `get_rows`.
         """
         ids = as_row_ids(row_ids)
+        sampling = self._tables.pick(table)
 
         def attempt(view: State) -> tuple[np.ndarray, int]:
             if ids.size == 0:
-                return self._sampling.priorities_of(ids, view), view.end
-            lowest = _check_held(ids, view)
-            return self._sampling.priorities_of(ids, view), lowest
+                return sampling.priorities_of(ids, view), view.end
+            lowest = check_held(ids, view)
+            return sampling.priorities_of(ids, view), lowest
 
         return self._consistent(attempt)
 
     # ------------------------------------------------------------------ sampling
 
-    def _check_sampler(self) -> None:
-        """Readers may sample only when sampling changes nothing (see SamplingConfig.writer_only)."""
-        why = self._sampling.config.writer_only
+    def _check_sampler(self, sampling: Sampling) -> None:
+        """Readers may sample only when sampling changes nothing (see Table.writer_only)."""
+        why = sampling.config.writer_only
         if why is not None and not self.is_mutable:
-            raise ReadOnlyError(f"cannot sample from a read-only buffer: {why}, so only the writer samples "
-                                "(through the server, learners' samples go to it)")
+            raise ReadOnlyError(f"cannot sample from a read-only buffer: {self._tables._named(sampling, why)}, so only "
+                                "the writer samples (through the server, learners' samples go to it)")
 
-    def rate_limit_blocker(self, rows: int, *, sampling: bool) -> tuple[str | None, bool]:
-        """Writer: why a sample (or an insert) of `rows` rows must wait now, and whether it would
-        wait forever (too big for the limiter's window); (None, False) when it may go ahead."""
-        limiter, s = self._sampling.limiter, self._state
-        held = self._sampling.sampleable(s)
-        never = limiter.never(rows, sampling, s.inserted, s.sampled, held)
-        if never is not None:
-            return never, True
+    def rate_limit_blocker(self, rows: int, *, sampling: bool, table: str | None = None) -> tuple[str | None, bool]:
+        """Writer: why a sample from `table` (or an insert, into every table) of `rows` rows must
+        wait now, and whether it would wait forever (too big for a limiter's window); (None,
+        False) when it may go ahead."""
         if sampling:
-            config, capacity = self._sampling.config, self.capacity
-            without_replacement = config.ordered or config.removes
-            if capacity is not None and without_replacement and rows > capacity:
-                return (f"a sample of {rows} rows without replacement can never be served by a buffer of capacity "
-                        f"{capacity}: sample at most {capacity} rows at a time"), True
-            reason = limiter.sample_blocker(rows, s.inserted, s.sampled, held)
-            if reason is None and without_replacement and rows > held:
-                reason = f"only {held} rows may still be sampled; {rows} were asked for without replacement"
-            return reason, False
-        return limiter.insert_blocker(rows, s.inserted, s.sampled, held), False
+            return self._tables.sample_blocker(self._tables.pick(table), rows, self._state, self.capacity)
+        return self._tables.insert_blocker(rows, self._state)
 
-    def carry_over(self, *, inserted: int, sampled: int, limit_inserts: bool, max_priority: float | None = None,
-                   seq: int | None = None, generation: int | None = None) -> None:
-        """Writer: take the rate limiter's counters of the buffer this one copies (an export), and
-        whether inserts are limited meanwhile (rows copied were inserted once already); its
+    def carry_over(self, *, inserted: int, sampled: int | dict[str, int], limit_inserts: bool,
+                   max_priority: float | dict[str, float] | None = None, seq: int | None = None,
+                   generation: int | None = None) -> None:
+        """Writer: take the rate limiters' counters of the buffer this one copies (an export):
+        rows inserted, and rows each table sampled (an int: the only table's); whether inserts
+        are limited meanwhile (rows copied were inserted once already); each prioritized table's
         running maximum priority, the default of rows committed without one; with `seq` and
         `generation`, its publish and clear counters too, so the copy's publishes follow the
-        source's (a learner's view of the replay never goes back)."""
+        source's (a learner's view of the replay never goes back).
+
+        Raises:
+            ConfigError: a table that is not this buffer's, or a bad maximum priority.
+        """
         self._require_writable("carry counters over")
-        if max_priority is not None and self.sampling.prioritized:
-            bound = check_priorities([max_priority], 1, sampler=self.sampling.sampler)[0]
-            self._sampling.max_priority = max(self._sampling.max_priority, float(bound))
-        changes = {"inserted": int(inserted), "sampled": int(sampled)}
+        counts = sampled if isinstance(sampled, dict) else {self._tables.pick(None).name: sampled}
+        maxima = max_priority if isinstance(max_priority, dict) or max_priority is None else \
+            {self._tables.pick(None).name: max_priority}
+        state = self._state.replace(inserted=int(inserted))
+        for name, count in counts.items():
+            state = state.with_table(self._tables.pick(name).index, sampled=int(count))
+        for name, value in (maxima or {}).items():
+            t = self._tables.pick(name)
+            if t.config.prioritized:
+                bound = check_priorities([value], 1, sampler=t.config.sampler)[0]
+                t.max_priority = max(t.max_priority, float(bound))
         if seq is not None:
-            changes["seq"] = max(self._state.seq, int(seq))
+            state = state.replace(seq=max(state.seq, int(seq)))
         if generation is not None:
-            changes["generation"] = int(generation)
-        self._state = self._state.replace(**changes)
+            state = state.replace(generation=int(generation))
+        self._state = state
         self._limit_inserts = limit_inserts
 
-    def sample_counts(self, first: int, stop: int) -> np.ndarray:
-        """How often each row of ids [first, stop) (held) was sampled, as uint32: what
-        `max_times_sampled` counts (zeros for a buffer without it)."""
+    def sample_counts(self, first: int, stop: int, *, table: str | None = None) -> np.ndarray:
+        """How often each row of ids [first, stop) (held) was sampled by `table`, as uint32:
+        what its `max_times_sampled` counts (zeros for a table without it)."""
         self._check_open()
-        counts = self._sampling.counts(first, stop, self._state)
-        return counts
+        return self._tables.pick(table).counts(first, stop, self._state)
 
-    def carry_sample_counts(self, first: int, counts: np.ndarray) -> None:
-        """Writer: the sample counts of rows [first, first + len(counts)) (just copied by an
-        export): rows sampled `max_times_sampled` times stay removed in the copy."""
+    def carry_sample_counts(self, first: int, counts: np.ndarray, *, table: str | None = None) -> None:
+        """Writer: `table`'s sample counts of rows [first, first + len(counts)) (just copied by
+        an export): rows it sampled `max_times_sampled` times stay removed from it in the copy."""
         self._require_writable("carry sample counts over")
-        self._sampling.set_counts(first, np.asarray(counts, np.uint32), self._state)
-        head = self._sampling.first_held(self._state)
+        self._tables.pick(table).set_counts(first, np.asarray(counts, np.uint32), self._state)
+        head = self._tables.first_held(self._state)
         if head > self._state.begin:
             self._move_begin(head)
 
     def _check_ids(self, rows: int, episodes: int) -> None:
         """Refuse, before anything is written, rows or episodes whose ids would reach MAX_ID
-        (2**62): the file could not record them (see `_journal`).
+        (2**62): the file could not record them (see `journal.py`).
 
         Raises:
             LimitExceededError: this file has no ids left for them.
@@ -843,77 +844,84 @@ class ReplayBuffer:
                 f"most a file records (next row id {s.end}, next episode id {s.ep_end})")
 
     def _check_insert(self, rows: int) -> None:
-        if self._limit_inserts and self._sampling.config.rate_limit.samples_per_insert is not None:
-            reason, _ = self.rate_limit_blocker(rows, sampling=False)
+        if self._limit_inserts and self._tables.limited:
+            reason, _ = self._tables.insert_blocker(rows, self._state)
             if reason is not None:
                 raise RateLimitedError(reason)
 
-    def _check_sample(self, rows: int) -> None:
-        if self.is_mutable and self._sampling.config.rate_limit.active:
-            reason, _ = self.rate_limit_blocker(rows, sampling=True)
+    def _check_sample(self, sampling: Sampling, rows: int) -> None:
+        if self.is_mutable and sampling.config.rate_limit.active:
+            reason, _ = self._tables.sample_blocker(sampling, rows, self._state, self.capacity)
             if reason is not None:
                 raise RateLimitedError(reason)
 
-    def _count_sampled(self, row_ids: np.ndarray, rows: int) -> None:
-        """Writer: `rows` rows were handed out (ids: the rows themselves, or windows' first rows
-        when nothing is removed). Rows sampled max_times_sampled times leave the sampler, and
-        `begin` moves past a head of such rows."""
+    def _count_sampled(self, sampling: Sampling, row_ids: np.ndarray, rows: int) -> None:
+        """Writer: `sampling`'s table handed out `rows` rows (ids: the rows themselves, or
+        windows' first rows when nothing is removed). Rows sampled max_times_sampled times leave
+        that table, and `begin` moves past a head of rows every table removed."""
         if not self.is_mutable:
             return
-        self._state = self._state.replace(sampled=self._state.sampled + rows)
-        if self._sampling.config.removes:
-            self._sampling.mark_sampled(row_ids, self._state)
-            first = self._sampling.first_held(self._state)
+        counters = sampling.counters(self._state)
+        self._state = self._state.with_table(sampling.index, sampled=counters.sampled + rows)
+        if sampling.config.removes:
+            sampling.mark_sampled(row_ids, self._state)
+            first = self._tables.first_held(self._state)
             if first > self._state.begin:
                 self._move_begin(first)
 
     def sample(
-        self, batch_size: int, rng: np.random.Generator | None = None, *, with_info: bool = False, decode: bool = True
+        self, batch_size: int, rng: np.random.Generator | None = None, *, with_info: bool = False, decode: bool = True,
+        table: str | None = None,
     ) -> Any:
-        """`batch_size` rows drawn by the buffer's sampler: uniformly or by priority, with
-        replacement; or (fifo / lifo, or when rows are removed) without. With `with_info=True`
-        returns (batch, SampleInfo) with each row's id, episode and draw probability.
+        """`batch_size` rows drawn by `table`'s sampler (None: the only table): uniformly or by
+        priority, with replacement; or (fifo / lifo, or when rows are removed) without. With
+        `with_info=True` returns (batch, SampleInfo) with each row's id, episode and draw
+        probability.
 
         Raises:
+            ConfigError: no such table, or none named where there are several.
             NotEnoughDataError: nothing to sample (or too few rows for a draw without replacement).
             RateLimitedError: (writer) the rate limit holds samples back until more rows are inserted.
-            ReadOnlyError: a reader of a buffer whose sampling only the writer may do.
+            ReadOnlyError: a reader of a table whose sampling only the writer may do.
         """
         size = _positive_int(batch_size, "batch_size")
+        sampling = self._tables.pick(table)
         rng = rng if rng is not None else np.random.default_rng()
-        self._check_sampler()
-        self._check_sample(size)
+        self._check_sampler(sampling)
+        self._check_sample(sampling, size)
 
         def attempt(view: State) -> tuple[tuple[Any, np.ndarray, np.ndarray], int]:
-            g, probabilities = self._sampling.draw(view, size, rng)
+            g, probabilities = sampling.draw(view, size, rng)
             return (self.storage.read("array", self._phys(g, view), decode), g, probabilities), int(g.min())
 
         batch, g, probabilities = self._consistent(attempt)
-        self._count_sampled(g, size)
+        self._count_sampled(sampling, g, size)
         if not with_info:
             return batch
         return batch, SampleInfo(g.astype(np.uint64), self._episodes.find(g), probabilities)
 
     def sample_sequences(
         self, batch_size: int, length: int, rng: np.random.Generator | None = None, *, with_info: bool = False,
-        decode: bool = True, rows: bool = True,
+        decode: bool = True, rows: bool = True, table: str | None = None,
     ) -> Any:
         """`batch_size` windows of `length` consecutive rows, each inside one complete episode,
-        uniform over all such windows (prioritized: by the priority of the window's first row).
-        Leaves come back shaped (batch_size, length, ...). With `with_info=True` returns (batch,
-        SampleInfo) (ids of each window's first row). `rows=False` draws the windows without
-        reading them (batch is None). Counts batch_size * length rows sampled."""
+        uniform over all such windows (prioritized: by the priority of the window's first row),
+        drawn by `table` (None: the only one). Leaves come back shaped (batch_size, length, ...).
+        With `with_info=True` returns (batch, SampleInfo) (ids of each window's first row).
+        `rows=False` draws the windows without reading them (batch is None). Counts
+        batch_size * length rows sampled."""
         size = _positive_int(batch_size, "batch_size")
         steps = _positive_int(length, "length")
+        sampling = self._tables.pick(table)
         rng = rng if rng is not None else np.random.default_rng()
-        self._check_sampler()
-        self._check_sample(size * steps)
+        self._check_sampler(sampling)
+        self._check_sample(sampling, size * steps)
 
         def attempt(view: State) -> tuple[tuple[Any, SampleInfo], int]:
             if steps > view.length:
                 raise NotEnoughDataError(f"no window of {steps} rows fits in the {view.length} rows held")
             ids, starts, lengths = self._episodes.complete(view.begin)
-            g0, k, probabilities = self._sampling.draw_windows(view, starts, lengths, steps, size, rng)
+            g0, k, probabilities = sampling.draw_windows(view, starts, lengths, steps, size, rng)
             info = SampleInfo(g0.astype(np.uint64), ids[k].astype(np.uint64), probabilities)
             if not rows:
                 return (None, info), int(g0.min())
@@ -921,48 +929,55 @@ class ReplayBuffer:
             return (self.storage.read("array", self._phys(g, view), decode), info), int(g0.min())
 
         batch, info = self._consistent(attempt)
-        self._count_sampled(info.row_ids.astype(np.int64), size * steps)
+        self._count_sampled(sampling, info.row_ids.astype(np.int64), size * steps)
         return (batch, info) if with_info else batch
 
-    def update_priorities(self, row_ids: Any, priorities: Any) -> int:
-        """Set the priorities of rows by id (a prioritized buffer). Ids no longer held (evicted,
-        cleared, or removed by max_times_sampled) are ignored and counted in `info()`; a later
-        id for the same row wins. Durable at the next flush, commit or close.
+    def update_priorities(self, row_ids: Any, priorities: Any, *, table: str | None = None) -> int:
+        """Set the priorities of rows by id in a prioritized `table` (None: the only one). Ids no
+        longer held (evicted, cleared, or removed by that table's max_times_sampled) are ignored
+        and counted in `info()`; a later id for the same row wins. Durable at the next flush,
+        commit or close.
 
         Returns:
             How many ids were ignored.
 
         Raises:
-            ConfigError: the sampler keeps no priorities, or a priority is negative, NaN,
-                infinite or beyond the sampler's `priority_limit`, or there are not as many
+            ConfigError: no such table, or it keeps no priorities, or a priority is negative,
+                NaN, infinite or beyond the sampler's `priority_limit`, or there are not as many
                 priorities as ids (nothing is changed).
             IndexError: an id was never committed (nothing is changed).
         """
         self._require_writable("update priorities")
+        sampling = self._tables.pick(table)
         ids = as_row_ids(row_ids)
-        values = check_priorities(priorities, ids.shape[0], sampler=self.sampling.sampler)
+        if not sampling.config.prioritized:
+            raise ConfigError(f"table {sampling.name!r} samples by {type(sampling.config.sampler).__name__}(): only "
+                              "a Prioritized sampler keeps priorities (choose it when the file is created)")
+        values = check_priorities(priorities, ids.shape[0], sampler=sampling.config.sampler)
         if ids.size and int(ids.max()) >= self._state.end:
             raise IndexError(f"row id {int(ids.max())} was never committed: the next row id is {self._state.end}")
         ignored = 0
-        log_entries = self._sampling.log_entries
+        log_entries = sampling.log_entries
         step = log_entries // 2
         for first in range(0, max(ids.shape[0], 1), step):
             part_ids, part_values = ids[first : first + step], values[first : first + step]
-            if self._state.plog + part_ids.shape[0] - log_entries > self._published.pckpt:
-                self._checkpoint_priorities()
-            logged, skipped = self._sampling.update(part_ids, part_values, self._state)
-            self._state = self._state.replace(plog=self._state.plog + logged)
+            if sampling.counters(self._state).plog + part_ids.shape[0] - log_entries > \
+                    sampling.counters(self._published).pckpt:
+                self._checkpoint_priorities(sampling)
+            logged, skipped = sampling.update(part_ids, part_values, self._state)
+            plog = sampling.counters(self._state).plog + logged
+            self._state = self._state.with_table(sampling.index, plog=plog)
             ignored += skipped
         return ignored
 
-    def _checkpoint_priorities(self) -> None:
-        """Write the updated priorities into their dataset and publish that, so the log's older
-        entries may be overwritten. Every update applied is published first: the dataset never
-        holds a priority no publish counts, which a crash would recover and a reader's full load
-        would read (both load the dataset, then the log from `pckpt`)."""
+    def _checkpoint_priorities(self, sampling: Sampling) -> None:
+        """Write a table's updated priorities into its dataset and publish that, so its log's
+        older entries may be overwritten. Every update applied is published first: the dataset
+        never holds a priority no publish counts, which a crash would recover and a reader's full
+        load would read (both load the dataset, then the log from `pckpt`)."""
         self._publish()
-        self._sampling.checkpoint()
-        self._state = self._state.replace(pckpt=self._state.plog)
+        sampling.checkpoint()
+        self._state = self._state.with_table(sampling.index, pckpt=sampling.counters(self._state).plog)
         self._publish()
 
     def episodes(self) -> list[Episode]:
@@ -1012,13 +1027,23 @@ class ReplayBuffer:
         }
 
     def _sampling_info(self, s: State) -> dict[str, Any]:
-        """Sampling figures; those only the writer keeps (what it ignored or removed) only there."""
-        sampling = self._sampling
+        """Each table's figures as "table.<name>.<figure>" (scalars, as the wire and metrics take
+        them); a buffer of one table also shows its figures by their plain names. Those only the
+        writer keeps (what it ignored or removed) only there."""
+        tables = {t.name: self._table_info(t, s) for t in self._tables.all}
+        out: dict[str, Any] = dict(next(iter(tables.values()))) if len(tables) == 1 else {"inserted": s.inserted}
+        out["tables"] = ",".join(tables)
+        for name, figures in tables.items():
+            out.update({f"table.{name}.{key}": value for key, value in figures.items()})
+        return out
+
+    def _table_info(self, sampling: Sampling, s: State) -> dict[str, Any]:
+        counters = sampling.counters(s)
         out: dict[str, Any] = {
             **sampling.config.describe(),
             "inserted": s.inserted,
-            "sampled": s.sampled,
-            "priority_updates": s.plog,
+            "sampled": counters.sampled,
+            "priority_updates": counters.plog,
         }
         if self.is_mutable:
             out["sampleable"] = sampling.sampleable(s)

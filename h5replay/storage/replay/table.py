@@ -18,17 +18,15 @@ numpy apart from the `SamplingFile` it is given (None: nothing kept).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from h5replay.errors import ConfigError, NotEnoughDataError
-from h5replay.sampling import Fifo, Prioritized, RateLimiter, SamplingConfig
+from h5replay.sampling import DEFAULT_TABLE, Fifo, Prioritized, RateLimiter, SamplingConfig
+from h5replay.storage.replay.ring import Ring
+from h5replay.storage.replay.state import Counters, State
 from h5replay.storage.replay.sumtree import SumTree
 from h5replay.storage.replay.table_file import LOG_ENTRIES, SamplingFile
-
-if TYPE_CHECKING:
-    from h5replay.storage.replay.journal import State
 
 __all__ = ["Sampling"]
 
@@ -38,8 +36,12 @@ _SYNC_RETRIES = 8
 class Sampling:
     """The sampler, rate limiter and per-row sampling state of one open buffer."""
 
-    def __init__(self, config: SamplingConfig, capacity: int | None, store: SamplingFile | None, writer: bool) -> None:
+    def __init__(self, config: SamplingConfig, capacity: int | None, store: SamplingFile | None, writer: bool,
+                 index: int = 0, name: str = DEFAULT_TABLE) -> None:
         self.config = config
+        #: The table's name, and its place among the buffer's tables (its counters in a State).
+        self.name, self.index = name, index
+        self.ring = Ring(capacity)
         self.capacity = capacity
         self.store = store
         self.writer = writer
@@ -73,28 +75,18 @@ class Sampling:
     # ------------------------------------------------------------------ slots and ids
 
     def _slots(self, ids: np.ndarray, state: State) -> np.ndarray:
-        return ids % self.capacity if self.capacity is not None else ids - state.origin
+        return self.ring.slots(ids, state.origin)  # type: ignore[no-any-return]
 
     def _ids(self, slots: np.ndarray, state: State) -> np.ndarray:
-        if self.capacity is None:
-            return slots + state.origin
-        b = state.begin % self.capacity
-        return state.begin + (slots - b) % self.capacity
+        return self.ring.ids(slots, state.begin, state.origin)
 
     def _pieces(self, first: int, stop: int, state: State) -> list[tuple[int, int, int]]:
         """(first slot, stop slot, first id) of the contiguous runs of ids [first, stop)."""
-        n = stop - first
-        if n <= 0:
-            return []
-        if self.capacity is None:
-            s = first - state.origin
-            return [(s, s + n, first)]
-        s = first % self.capacity
-        head = min(n, self.capacity - s)
-        pieces = [(s, s + head, first)]
-        if head < n:
-            pieces.append((0, n - head, first + head))
-        return pieces
+        return self.ring.pieces(first, stop, state.origin)
+
+    def counters(self, state: State) -> Counters:
+        """This table's counters in `state`."""
+        return state.tables[self.index]
 
     def _grow(self, state: State, end: int) -> None:
         """Unbounded buffers: room for slots up to `end`'s."""
@@ -142,7 +134,8 @@ class Sampling:
             return
         for _ in range(_SYNC_RETRIES):
             self._load_once(state)
-            if read_state is None or not self.config.prioritized or read_state().pckpt <= state.pckpt:
+            if read_state is None or not self.config.prioritized \
+                    or self.counters(read_state()).pckpt <= self.counters(state).pckpt:
                 return
         raise ConfigError("the writer rewrote the priority log on every attempt to read it")
 
@@ -177,7 +170,7 @@ class Sampling:
             if self.times is not None:
                 w = np.where(self.times[s0:s1] >= self.config.max_times_sampled, 0.0, w)
             self.tree.set_range(s0, w)
-        self._apply_log(state, state.pckpt, state.plog)
+        self._apply_log(state, self.counters(state).pckpt, self.counters(state).plog)
         if recorded is None and self.priorities is not None and state.length:
             held = np.concatenate([self.priorities[s0:s1] for s0, s1, _ in self._pieces(state.begin, state.end, state)])
             self.max_priority = max(1.0, float(np.nanmax(held, initial=1.0)))
@@ -205,8 +198,9 @@ class Sampling:
         """Reader: follow the writer from `old` to `new`, reading only what changed."""
         if not self.weighted:
             return
+        was, now = self.counters(old), self.counters(new)
         if (new.generation != old.generation or new.origin != old.origin or new.begin >= old.end
-                or new.plog - old.plog > self.log_entries // 2 or new.plog < old.plog):
+                or now.plog - was.plog > self.log_entries // 2 or now.plog < was.plog):
             self.load(new, read_state)
             return
         if new.begin > old.begin:
@@ -219,8 +213,8 @@ class Sampling:
             if self.priorities is not None:
                 self.priorities[s0:s1] = p
             self.tree.set_range(s0, self._weights(p))
-        self._apply_log(new, old.plog, new.plog)
-        if new.plog > old.plog and read_state().pckpt > old.plog:
+        self._apply_log(new, was.plog, now.plog)
+        if now.plog > was.plog and self.counters(read_state()).pckpt > was.plog:
             self.load(new, read_state)  # the log moved under us: start from the file
 
     # ------------------------------------------------------------------ the writer's changes
@@ -312,7 +306,7 @@ class Sampling:
                 if self._pending_count >= _PENDING_ENTRIES:
                     self.write_log()  # first: if the file refuses, nothing of this update is applied
                 if not self._pending:
-                    self._pending_at = state.plog
+                    self._pending_at = self.counters(state).plog
                 self._pending.append((ids, values))
                 self._pending_count += ids.shape[0]
             self.max_priority = max(self.max_priority, float(values.max()))

@@ -36,6 +36,7 @@ weights, and one damaged weight is no reason to refuse the rows.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -48,8 +49,11 @@ import numpy as np
 
 from h5replay.errors import ConfigError, StorageError
 from h5replay.sampling import (
+    DEFAULT_TABLE,
+    MAX_TABLES,
     RateLimit,
     SamplingConfig,
+    check_table_name,
     rate_limit_from_json,
     rate_limit_to_json,
     sampler_from_json,
@@ -58,7 +62,8 @@ from h5replay.sampling import (
 from h5replay.storage._h5file import check_dataset, h5_errors, shown
 from h5replay.storage._rowio import read_slice, write_points, write_rows
 
-__all__ = ["SamplingFile", "LOG_ENTRIES", "read_config", "memory_problem"]
+__all__ = ["SamplingFile", "LOG_ENTRIES", "read_config", "memory_problem", "layout_of", "table_names", "table_groups",
+           "create_table_groups", "upgrade_layout"]
 
 log = logging.getLogger("h5replay.storage")
 
@@ -73,6 +78,82 @@ _CHUNK = 4096
 _ATTR_SAMPLER = "sampler"
 _ATTR_RATE_LIMIT = "rate_limit"
 _ATTR_MAX_TIMES = "max_times_sampled"
+_ATTR_TABLES = "tables"  # on the replay group: the JSON list of table names, in the journal's order
+_TABLES = "tables"  # the group of the tables' groups
+_TABLE_DATASETS = (_PRIORITIES, _LOG, _TIMES, _MAX)
+_TABLE_ATTRS = (_ATTR_SAMPLER, _ATTR_RATE_LIMIT, _ATTR_MAX_TIMES)
+
+
+def layout_of(group: h5py.Group) -> int:
+    """The journal layout of a replay group: 3 (tables, each in a group of its own) or 2 (one
+    table, its datasets in the replay group itself)."""
+    return 3 if _ATTR_TABLES in group.attrs else 2
+
+
+def table_names(group: h5py.Group) -> list[str]:
+    """The names of a replay group's tables, in the journal's order.
+
+    Raises:
+        StorageError: the list is not a JSON list of distinct valid names (a damaged file).
+    """
+    if layout_of(group) == 2:
+        return [DEFAULT_TABLE]
+    where = repr(group.file.filename)
+    try:
+        names = json.loads(_text(group.attrs[_ATTR_TABLES], _ATTR_TABLES, "["))
+        if not isinstance(names, list) or not 1 <= len(names) <= MAX_TABLES or len(set(names)) != len(names):
+            raise ConfigError(f"not a list of 1 to {MAX_TABLES} distinct names: {str(names)[:200]}")
+        return [check_table_name(name) for name in names]
+    except (ConfigError, ValueError, RecursionError) as exc:
+        raise StorageError(f"{where} has a damaged list of tables ({group.name}/{_ATTR_TABLES}): {exc}") from None
+
+
+def table_groups(group: h5py.Group, where: str) -> dict[str, h5py.Group]:
+    """Each table's group, by name, in the journal's order.
+
+    Raises:
+        StorageError: a listed table has no group.
+    """
+    if layout_of(group) == 2:
+        return {DEFAULT_TABLE: group}
+    out = {}
+    for name in table_names(group):
+        table = group.get(f"{_TABLES}/{name}")
+        if not isinstance(table, h5py.Group):
+            raise StorageError(f"{where} lists table {name!r} but has no group {group.name}/{_TABLES}/{name}: the file "
+                               "is damaged")
+        out[name] = table
+    return out
+
+
+def create_table_groups(group: h5py.Group, configs: Mapping[str, SamplingConfig], capacity: int | None) -> None:
+    """Record the tables `configs` in a new file's replay group, each with the datasets it needs.
+
+    Raises:
+        ConfigError: this machine has too little memory for the tables' samplers over `capacity` rows.
+    """
+    problem = memory_problem(list(configs.values()), capacity)
+    if problem is not None:
+        raise ConfigError(problem)
+    group.attrs[_ATTR_TABLES] = json.dumps(list(configs))
+    for name, config in configs.items():
+        SamplingFile.create_tables(group.require_group(f"{_TABLES}/{name}"), config, capacity)
+
+
+def upgrade_layout(group: h5py.Group) -> None:
+    """A replay group of layout 2 (or format 1) gets layout 3: its one table's settings and
+    datasets move into the group of table "default" (datasets are moved, not copied)."""
+    if layout_of(group) == 3:
+        return
+    table = group.require_group(f"{_TABLES}/{DEFAULT_TABLE}")
+    for name in _TABLE_DATASETS:
+        if name in group:
+            group.move(name, f"{_TABLES}/{DEFAULT_TABLE}/{name}")
+    for name in _TABLE_ATTRS:
+        if name in group.attrs:
+            table.attrs[name] = group.attrs[name]
+            del group.attrs[name]
+    group.attrs[_ATTR_TABLES] = json.dumps([DEFAULT_TABLE])
 
 
 def _create_max(group: h5py.Group) -> None:
@@ -104,14 +185,16 @@ def read_config(attrs: Mapping[str, Any]) -> SamplingConfig:
         raise ConfigError("a sampling attribute holds JSON nested too deep to read") from None
 
 
-def memory_problem(config: SamplingConfig, capacity: int | None) -> str | None:
-    """Why a buffer of `capacity` rows with these settings cannot be opened here: its sampler's
+def memory_problem(configs: SamplingConfig | list[SamplingConfig], capacity: int | None) -> str | None:
+    """Why a buffer of `capacity` rows with these tables cannot be opened here: their samplers'
     arrays (a sum tree of about 16 bytes a row, 8 more for priorities, 4 for sample counts)
     would need more memory than the machine has (None: they fit, or nothing is allocated).
     Checked before they are allocated: a crafted capacity of 2**40 would ask for TiBs."""
-    if capacity is None or not (config.prioritized or config.removes):
+    tables = configs if isinstance(configs, list) else [configs]
+    per_row = sum(16 + (8 if c.prioritized else 0) + (4 if c.removes else 0)
+                  for c in tables if c.prioritized or c.removes)
+    if capacity is None or not per_row:
         return None
-    per_row = 16 + (8 if config.prioritized else 0) + (4 if config.removes else 0)
     try:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):  # not a POSIX system that says
@@ -122,13 +205,14 @@ def memory_problem(config: SamplingConfig, capacity: int | None) -> str | None:
             f"({per_row} bytes a row), more than this machine's {memory / 2**30:.1f} GiB")
 
 
-def _text(value: Any, name: str) -> str:
-    """A JSON attribute's text, refused unless it is a string holding a JSON object (a number or
-    list would reach the settings' constructors as something else)."""
+def _text(value: Any, name: str, opening: str = "{") -> str:
+    """A JSON attribute's text, refused unless it is a string holding a JSON object (or with
+    `opening` "[", a list): a number or list would reach the settings' constructors as
+    something else."""
     if isinstance(value, bytes):
         value = value.decode("utf-8", errors="replace")
-    if not isinstance(value, str) or not value.lstrip().startswith("{"):
-        raise ConfigError(f"attribute {name!r} is {shown(value)}, not a JSON object")
+    if not isinstance(value, str) or not value.lstrip().startswith(opening):
+        raise ConfigError(f"attribute {name!r} is {shown(value)}, not a JSON {'object' if opening == '{' else 'list'}")
     return value
 
 

@@ -1,0 +1,186 @@
+"""A buffer's tables: several ways of sampling one ring of rows, each with its own sampler, rate
+limit and removals (Reverb's tables over one item store).
+
+What the tables agree on, kept here:
+  * which table a verb means (`pick`: by name, or the only one);
+  * inserts: every row joins every table, and waits while any table's rate limit holds inserts
+    back (an insert moves every table's balance);
+  * priorities given with rows: a bare array goes to every prioritized table, a mapping of table
+    name to array to the tables it names (checked against each table's bound);
+  * removal: a row leaves the ring before the capacity pushes it out only when every table has
+    removed it (so only when every table removes rows); a row one queue table removed stays
+    sampleable by the others. No table's rows are released early while it may still sample them.
+Pure numpy apart from the sampling datasets each table is given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from h5replay.errors import ConfigError
+from h5replay.sampling import Prioritized, Table, check_priorities
+from h5replay.storage.replay.state import State
+from h5replay.storage.replay.table import Sampling
+from h5replay.storage.replay.table_file import SamplingFile
+
+__all__ = ["Tables"]
+
+
+class Tables:
+    """The runtime of every table of one open buffer, by name, in the file's order."""
+
+    def __init__(self, configs: Mapping[str, Table], capacity: int | None, stores: Mapping[str, SamplingFile],
+                 writer: bool) -> None:
+        self.by_name: dict[str, Sampling] = {
+            name: Sampling(config, capacity, stores.get(name), writer, index, name)
+            for index, (name, config) in enumerate(configs.items())
+        }
+        self.all = list(self.by_name.values())
+        self.prioritized = [t for t in self.all if t.config.prioritized]
+        self.removing = [t for t in self.all if t.config.removes]
+        #: Rows leave the ring early only when every table removes them.
+        self.all_remove = len(self.removing) == len(self.all)
+        self.limited = [t for t in self.all if t.config.rate_limit.samples_per_insert is not None]
+
+    @property
+    def configs(self) -> dict[str, Table]:
+        return {name: t.config for name, t in self.by_name.items()}
+
+    def pick(self, table: str | None) -> Sampling:
+        """The table a verb names (None: the only one).
+
+        Raises:
+            ConfigError: no such table, or None with several (the message names them).
+        """
+        if table is None:
+            if len(self.all) == 1:
+                return self.all[0]
+            raise ConfigError(f"this buffer has {len(self.all)} tables ({', '.join(map(repr, self.by_name))}): name "
+                              "one with table=")
+        found = self.by_name.get(table) if isinstance(table, str) else None
+        if found is None:
+            raise ConfigError(f"no table {str(table)[:80]!r}: this buffer's tables are "
+                              f"{', '.join(map(repr, self.by_name))}")
+        return found
+
+    # ------------------------------------------------------------------ priorities given with rows
+
+    def strictest(self) -> Prioritized | None:
+        """The prioritized sampler with the lowest priority bound (what a priority given with a
+        row must pass; None: no table keeps priorities)."""
+        samplers = [t.config.sampler for t in self.prioritized if isinstance(t.config.sampler, Prioritized)]
+        return min(samplers, key=lambda s: s.priority_limit) if samplers else None
+
+    def split(self, priorities: Any, n: int, missing_ok: bool = False) -> dict[str, np.ndarray]:
+        """Priorities given with `n` rows, by table: a bare array (or list) for every prioritized
+        table, or a mapping of table name to array; each checked against its table's bound.
+
+        Raises:
+            ConfigError: a name that is not a table, a table that keeps no priorities, or a bad
+                value (wrong count, negative, NaN, infinite, beyond the bound).
+        """
+        if priorities is None:
+            return {}
+        if isinstance(priorities, Mapping):
+            out = {}
+            for name, values in priorities.items():
+                table = self.pick(name) if isinstance(name, str) else self.pick(str(name))
+                if not table.config.prioritized:
+                    raise ConfigError(f"table {table.name!r} samples by {type(table.config.sampler).__name__}(), not "
+                                      "by priority: give priorities only to its prioritized tables")
+                out[table.name] = check_priorities(values, n, missing_ok=missing_ok, sampler=table.config.sampler)
+            return out
+        if not self.prioritized:  # priorities of a buffer that keeps none: checked, then unused
+            check_priorities(priorities, n, missing_ok=missing_ok)
+            return {}
+        values = check_priorities(priorities, n, missing_ok=missing_ok, sampler=self.strictest())
+        return {t.name: values for t in self.prioritized}
+
+    # ------------------------------------------------------------------ rows coming and going
+
+    def added(self, state: State, first: int, n: int, priorities: Mapping[str, np.ndarray]) -> None:
+        """Rows [first, first + n) joined every table (`priorities` by table, NaN: none given)."""
+        for t in self.all:
+            t.added(state, first, n, priorities.get(t.name))
+
+    def released(self, old_begin: int, new_begin: int, state: State) -> None:
+        for t in self.all:
+            t.released(old_begin, new_begin, state)
+
+    def forget(self, first: int, stop: int, state: State) -> None:
+        for t in self.all:
+            t.forget(first, stop, state)
+
+    def clear(self) -> None:
+        for t in self.all:
+            t.clear()
+
+    def first_held(self, state: State) -> int:
+        """Where `begin` may move: past the rows every table removed (no move unless every table
+        removes rows)."""
+        if not self.all_remove:
+            return state.begin
+        return min(t.first_held(state) for t in self.all)
+
+    def release_limit(self, state: State) -> int | None:
+        """The first row some table may still sample that the ring may not release early (None:
+        no table removes rows, any may go early)."""
+        if not self.removing:
+            return None
+        return min(t.first_held(state) for t in self.removing)
+
+    # ------------------------------------------------------------------ rate limits
+
+    def insert_blocker(self, rows: int, state: State) -> tuple[str | None, bool]:
+        """Why inserting `rows` rows must wait (the first table that holds it back, named), and
+        whether it would wait forever; (None, False) when every table lets it in."""
+        waiting: str | None = None
+        for t in self.limited:
+            held, counters = t.sampleable(state), t.counters(state)
+            never = t.limiter.never(rows, False, state.inserted, counters.sampled, held)
+            if never is not None:
+                return self._named(t, never), True
+            reason = t.limiter.insert_blocker(rows, state.inserted, counters.sampled, held)
+            if reason is not None and waiting is None:
+                waiting = self._named(t, reason)
+        return waiting, False
+
+    def _named(self, table: Sampling, reason: str) -> str:
+        return reason if len(self.all) == 1 else f"table {table.name!r}: {reason}"
+
+    def sample_blocker(self, table: Sampling, rows: int, state: State, capacity: int | None) -> tuple[str | None, bool]:
+        """Why `table` must not hand out `rows` rows now, and whether it never could."""
+        held, counters = table.sampleable(state), table.counters(state)
+        never = table.limiter.never(rows, True, state.inserted, counters.sampled, held)
+        if never is not None:
+            return self._named(table, never), True
+        config = table.config
+        without_replacement = config.ordered or config.removes
+        if capacity is not None and without_replacement and rows > capacity:
+            return self._named(table, f"a sample of {rows} rows without replacement can never be served by a buffer "
+                                      f"of capacity {capacity}: sample at most {capacity} rows at a time"), True
+        reason = table.limiter.sample_blocker(rows, state.inserted, counters.sampled, held)
+        if reason is None and without_replacement and rows > held:
+            reason = f"only {held} rows may still be sampled; {rows} were asked for without replacement"
+        return (None if reason is None else self._named(table, reason)), False
+
+    # ------------------------------------------------------------------ the file
+
+    def load(self, state: State, read_state: Callable[[], State] | None = None) -> None:
+        for t in self.all:
+            t.load(state, read_state)
+
+    def sync(self, old: State, new: State, read_state: Callable[[], State]) -> None:
+        for t in self.all:
+            t.sync(old, new, read_state)
+
+    def before_publish(self, seq: int) -> None:
+        for t in self.all:
+            t.before_publish(seq)
+
+    def drop_log(self) -> None:
+        for t in self.all:
+            t.drop_log()
