@@ -1,10 +1,14 @@
-"""How a ReplayBuffer hands out rows: the sampler, the rate limit, and how often a row may be sampled.
+"""How a ReplayBuffer hands out rows: its tables, each a sampler, a rate limit, and how often a
+row may be sampled.
 
 Chosen when a file is created and stored in it (reopening restores them):
 
-* samplers: `Uniform()`; `Prioritized(exponent, initial_priority)`, probability proportional to
-  priority ** exponent (Schaul et al. 2016); `Fifo()` / `Lifo()`, the oldest / newest rows that
-  may still be sampled, no row twice in a batch.
+* `Table(sampler, rate_limit=, max_times_sampled=)`: one way of drawing from the rows; a buffer
+  has one or more, by name (`SamplingConfig` is the same class, its earlier name).
+* samplers (`h5replay.samplers`, one module each): `Uniform()`; `Prioritized(exponent,
+  initial_priority)`, probability proportional to priority ** exponent (Schaul et al. 2016);
+  `Fifo()` / `Lifo()`, the oldest / newest rows that may still be sampled, no row twice in a
+  batch; `Recency(half_life)`, newer rows likelier; `Mixture({sampler: weight, ...})`.
 * `RateLimit(min_size_to_sample, samples_per_insert, error_buffer)`: Reverb's MinSize and
   SampleToInsertRatio, counted in rows. `RateLimiter` is the arithmetic, pure.
 * `max_times_sampled`: a row sampled that often is never sampled again (with `Fifo()` and 1,
@@ -21,99 +25,35 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 
 from h5replay.errors import ConfigError
+from h5replay.samplers import (
+    MAX_WEIGHT,
+    Fifo,
+    Lifo,
+    Mixture,
+    Prioritized,
+    Recency,
+    Sampler,
+    Uniform,
+    sampler_from_json,
+    sampler_to_json,
+)
+from h5replay.samplers.prioritized import over_limit
 
-__all__ = ["Uniform", "Prioritized", "Fifo", "Lifo", "Sampler", "RateLimit", "RateLimiter", "SamplingConfig",
+__all__ = ["Uniform", "Prioritized", "Fifo", "Lifo", "Recency", "Mixture", "Sampler", "RateLimit", "RateLimiter", "SamplingConfig",
            "sampler_from_json", "sampler_to_json", "rate_limit_from_json", "rate_limit_to_json", "check_priorities",
            "rows_at_once", "MAX_WEIGHT", "Table", "DEFAULT_TABLE", "MAX_TABLES",
            "check_table_name", "check_tables", "table_from_json"]
 
-#: The largest weight (priority ** exponent) a row may have. 2**63 rows at this weight (more than
-#: an int64 row id can name) still add up to 1e299, below float64's largest (1.8e308): the sum
-#: tree's total, every node in it and every sum a draw takes stay finite, whatever the buffer's
-#: size, so one priority can never make a draw's probabilities inf or NaN.
-MAX_WEIGHT = 1e280
-
-
-@dataclass(frozen=True)
-class Uniform:
-    """Every row held is equally likely (with replacement)."""
-
-
-@dataclass(frozen=True)
-class Prioritized:
-    """Probability proportional to priority ** exponent. A row without a priority of its own gets
-    `initial_priority`, or (None) the largest priority seen so far, as in PER. With exponent 0
-    every row is equally likely, priority 0 included (0 ** 0 is 1, as in Reverb)."""
-
-    exponent: float = 0.6
-    initial_priority: float | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.exponent, (int, float)) or not 0 <= self.exponent <= 10 or isinstance(self.exponent, bool):
-            raise ConfigError(f"Prioritized exponent must be a number in [0, 10], got {self.exponent!r}")
-        if self.initial_priority is not None and not _positive_finite(self.initial_priority):
-            raise ConfigError(f"Prioritized initial_priority must be a finite number > 0, got {self.initial_priority!r}")
-        if self.initial_priority is not None and self.initial_priority > self.priority_limit:
-            raise ConfigError(f"Prioritized initial_priority {self.initial_priority!r}: {_over_limit(self)}")
-
-    @property
-    def priority_limit(self) -> float:
-        """The largest priority a row may have: its weight priority ** exponent stays within
-        MAX_WEIGHT (inf when every finite priority's does, as with exponent 0)."""
-        if self.exponent == 0:
-            return math.inf
-        try:
-            return float(MAX_WEIGHT ** (1.0 / self.exponent))
-        except OverflowError:  # beyond float64: every finite priority is within the bound
-            return math.inf
-
-
-def _over_limit(sampler: Prioritized) -> str:
-    return (f"its weight priority ** exponent ({sampler.exponent:g}) would exceed {MAX_WEIGHT:g}, the bound that keeps "
-            f"the sum tree's total finite; priorities may be at most {sampler.priority_limit:.6g} with this exponent "
-            "(scale them down)")
-
-
-@dataclass(frozen=True)
-class Fifo:
-    """The oldest rows that may still be sampled, no row twice in a batch."""
-
-
-@dataclass(frozen=True)
-class Lifo:
-    """The newest rows that may still be sampled, no row twice in a batch."""
-
-
-Sampler = Union[Uniform, Prioritized, Fifo, Lifo]
-_KINDS: dict[str, type[Any]] = {"uniform": Uniform, "prioritized": Prioritized, "fifo": Fifo, "lifo": Lifo}
+_UNIFORM = Uniform()
 
 
 def _positive_finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
-
-
-def sampler_to_json(sampler: Sampler) -> str:
-    kind = next(name for name, cls in _KINDS.items() if isinstance(sampler, cls))
-    return json.dumps({"kind": kind, **asdict(sampler)})
-
-
-def sampler_from_json(text: str) -> Sampler:
-    """The sampler a file records.
-
-    Raises:
-        ConfigError: not a sampler this version knows.
-    """
-    try:
-        obj = json.loads(text)
-        cls = _KINDS[obj.pop("kind")]
-        return cls(**obj)  # type: ignore[no-any-return]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(f"unknown sampler description {text!r}: {exc}") from exc
 
 
 @dataclass(frozen=True)
@@ -290,16 +230,20 @@ class Table:
     rate_limit: RateLimit
     max_times_sampled: int
 
-    def __init__(self, sampler: Sampler = Uniform(), rate_limit: RateLimit | None = None,
+    def __init__(self, sampler: Sampler = _UNIFORM, rate_limit: RateLimit | None = None,
                  max_times_sampled: int | None = None) -> None:
-        if not isinstance(sampler, tuple(_KINDS.values())):
-            raise ConfigError(f"sampler must be Uniform(), Prioritized(...), Fifo() or Lifo(), got {sampler!r}")
+        if not isinstance(sampler, Sampler) or not sampler.KIND:
+            raise ConfigError(f"sampler must be a Sampler: Uniform(), Prioritized(...), Fifo(), Lifo(), Recency(...) or "
+                              f"Mixture(...), got {str(sampler)[:80]}")
         limit = RateLimit() if rate_limit is None else rate_limit
         if not isinstance(limit, RateLimit):
             raise ConfigError(f"rate_limit must be a RateLimit, got {rate_limit!r}")
         m = 0 if max_times_sampled is None else max_times_sampled
         if isinstance(m, bool) or not isinstance(m, int) or not 0 <= m < 2**32 - 1:
             raise ConfigError(f"max_times_sampled must be an int >= 0 (0: no limit), got {m!r}")
+        if m and not sampler.MAY_REMOVE:
+            raise ConfigError(f"{type(sampler).__name__}() draws with replacement and cannot remove rows: "
+                              f"max_times_sampled={m} needs Uniform(), Prioritized(...), Fifo() or Lifo()")
         object.__setattr__(self, "sampler", sampler)
         object.__setattr__(self, "rate_limit", limit)
         object.__setattr__(self, "max_times_sampled", m)
@@ -311,11 +255,12 @@ class Table:
 
     @property
     def prioritized(self) -> bool:
-        return isinstance(self.sampler, Prioritized)
+        """Whether its rows have priorities (its sampler, or a component of it, draws by them)."""
+        return self.sampler.prioritized_part is not None
 
     @property
     def ordered(self) -> bool:
-        return isinstance(self.sampler, (Fifo, Lifo))
+        return self.sampler.IN_ORDER
 
     @property
     def writer_only(self) -> str | None:
@@ -329,11 +274,12 @@ class Table:
 
     def describe(self) -> dict[str, Any]:
         """Flat name -> scalar: what `info()` and `h5replay stats` show."""
-        sampler = self.sampler
+        part = self.sampler.prioritized_part
         return {
-            "sampler": next(name for name, cls in _KINDS.items() if isinstance(sampler, cls)),
-            "priority_exponent": sampler.exponent if isinstance(sampler, Prioritized) else None,
-            "initial_priority": sampler.initial_priority if isinstance(sampler, Prioritized) else None,
+            "sampler": self.sampler.KIND,
+            "sampler_settings": sampler_to_json(self.sampler),
+            "priority_exponent": part.exponent if part is not None else None,
+            "initial_priority": part.initial_priority if part is not None else None,
             **asdict(self.rate_limit),
             "max_times_sampled": self.max_times_sampled,
         }
@@ -420,9 +366,10 @@ def check_priorities(values: object, n: int, *, missing_ok: bool = False, sample
     if bad.any():
         i = int(np.argmax(bad))
         raise ConfigError(f"priority {i} is {float(arr[i])!r}: priorities must be finite and >= 0")
-    if isinstance(sampler, Prioritized):
-        over = arr > sampler.priority_limit  # NaN (none given) compares False
+    part = sampler.prioritized_part if sampler is not None else None
+    if part is not None:
+        over = arr > part.priority_limit  # NaN (none given) compares False
         if over.any():
             i = int(np.argmax(over))
-            raise ConfigError(f"priority {i} is {float(arr[i])!r}: {_over_limit(sampler)}")
+            raise ConfigError(f"priority {i} is {float(arr[i])!r}: {over_limit(part)}")
     return arr

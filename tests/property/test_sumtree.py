@@ -17,8 +17,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from h5replay.storage.replay import sumtree as _sumtree
-from h5replay.storage.replay.sumtree import FANOUT, SumTree
+from h5replay.samplers import sumtree as _sumtree
+from h5replay.samplers.sumtree import FANOUT, SumTree
 
 WEIGHTS = st.sampled_from([0.0, 0.0, 1e-300, 1e-9, 0.5, 1.0, 3.0, 1e6, 1e12])
 

@@ -16,10 +16,10 @@ from h5replay.errors import (
     RateLimitedError,
     ReadOnlyError,
 )
+from h5replay.samplers.sumtree import SumTree
 from h5replay.sampling import Fifo, Lifo, Prioritized, RateLimit, SamplingConfig, Uniform, sampler_from_json
 from h5replay.storage import BoxSpace, ReplayBuffer, export_buffer
 from h5replay.storage.replay import table_file as _sampling_file
-from h5replay.storage.replay.sumtree import SumTree
 
 SPACE = BoxSpace(0, 2**40, (), np.int64)  # every row holds its own id
 # Chi-square critical value for 9 degrees of freedom at p = 0.001: a right sampler fails 1 in 1000.

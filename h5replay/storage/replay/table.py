@@ -22,10 +22,10 @@ from collections.abc import Callable
 import numpy as np
 
 from h5replay.errors import ConfigError, NotEnoughDataError
-from h5replay.sampling import DEFAULT_TABLE, Fifo, Prioritized, RateLimiter, SamplingConfig
+from h5replay.samplers.sumtree import SumTree
+from h5replay.sampling import DEFAULT_TABLE, Prioritized, RateLimiter, SamplingConfig
 from h5replay.storage.replay.ring import Ring
 from h5replay.storage.replay.state import Counters, State
-from h5replay.storage.replay.sumtree import SumTree
 from h5replay.storage.replay.table_file import LOG_ENTRIES, SamplingFile
 
 __all__ = ["Sampling"]
@@ -46,9 +46,10 @@ class Sampling:
         self.store = store
         self.writer = writer
         self.limiter = RateLimiter(config.rate_limit)
-        self._exponent = config.sampler.exponent if isinstance(config.sampler, Prioritized) else 1.0
-        self._initial = config.sampler.initial_priority if isinstance(config.sampler, Prioritized) else None
-        self._limit = config.sampler.priority_limit if isinstance(config.sampler, Prioritized) else np.inf
+        part: Prioritized | None = config.sampler.prioritized_part
+        self._exponent = part.exponent if part is not None else 1.0
+        self._initial = part.initial_priority if part is not None else None
+        self._limit = part.priority_limit if part is not None else np.inf
         size = capacity or 0
         #: Whether draws go through the tree (else: uniform or in order over [begin, end)).
         self.weighted = config.prioritized or (config.removes and writer)  # readers never draw removals
@@ -427,70 +428,7 @@ class Sampling:
         """
         if state.length == 0:
             raise NotEnoughDataError("cannot sample from an empty replay buffer")
-        if self.config.ordered:
-            return self._ordered(state, n)
-        if not self.weighted:
-            ids = rng.integers(state.begin, state.end, size=n, dtype=np.int64)
-            return ids, np.full(n, 1.0 / state.length)
-        if self.config.removes:
-            return self._without_replacement(state, n, rng)
-        total = self.tree.total
-        if total <= 0:
-            raise NotEnoughDataError(f"every one of the {state.length} rows held has priority 0")
-        slots = self.tree.sample(rng, n)
-        return self._ids(slots, state), self.tree.get(slots) / total
-
-    def _ordered(self, state: State, n: int) -> tuple[np.ndarray, np.ndarray]:
-        fifo = isinstance(self.config.sampler, Fifo)
-        count = self.sampleable(state)
-        if n > count:
-            raise NotEnoughDataError(f"{type(self.config.sampler).__name__} sampling of {n} rows without replacement "
-                                     f"needs {n} rows that may be sampled; the buffer has {count}")
-        k = np.arange(n, dtype=np.int64) if fifo else np.arange(count - 1, count - 1 - n, -1, dtype=np.int64)
-        if not self.weighted:
-            ids = state.begin + k
-        else:
-            ids = self._ids(self._find_in_order(state, k + 0.5), state)
-        return ids, np.ones(n)
-
-    def _without_replacement(self, state: State, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-        """n distinct rows, as if drawn one at a time with each pick leaving the draw.
-
-        Draws a round with replacement and keeps each row's first appearance, in order (the first
-        appearances of an i.i.d. weighted sequence are distributed exactly as sequential draws
-        without replacement), takes them out of the tree, and draws again for the rest. The k-th
-        row's probability is its weight over the weight left after the k - 1 before it. The
-        rows go back in the tree afterwards: `mark_sampled` decides what stays out."""
-        chosen: list[np.ndarray] = []
-        start_total = self.tree.total
-        have = 0
-        try:
-            for _ in range(n):  # every round adds at least one row while any weight is left
-                if self.tree.total <= 0:
-                    break
-                slots = self.tree.sample(rng, n - have)
-                slots = slots[np.sort(np.unique(slots, return_index=True)[1])]
-                chosen.append(slots)
-                self.tree.set(slots, 0.0)
-                have += int(slots.size)
-                if have == n:
-                    break
-        finally:
-            for slots in chosen:
-                self._restore(slots, state)
-        if have < n:
-            raise NotEnoughDataError(f"sampling {n} rows without replacement needs {n} rows that may be sampled; "
-                                     f"the buffer has {self.sampleable(state)}")
-        slots = np.concatenate(chosen)
-        weights = self.tree.get(slots)
-        # The weight left before each pick is at least its own: rounding (a tiny weight after a
-        # huge one cancels to 0) must not make a probability above 1, inf or NaN.
-        left = np.maximum(start_total - (np.cumsum(weights) - weights), weights)
-        return self._ids(slots, state), weights / left
-
-    def _restore(self, slots: np.ndarray, state: State) -> None:
-        p = self.priorities[slots] if self.priorities is not None else np.ones(slots.shape)
-        self.tree.set(slots, self._weights(np.where(np.isfinite(p), p, self._default())))
+        return self.config.sampler.draw(_Held(self, state), n, rng)
 
     def _find_in_order(self, state: State, targets: np.ndarray) -> np.ndarray:
         """Slots at cumulative weights `targets`, counted from the oldest row held (id order)."""
@@ -521,8 +459,8 @@ class Sampling:
         self, state: State, starts: np.ndarray, lengths: np.ndarray, steps: int, n: int, rng: np.random.Generator,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(window start ids, index into the episodes, probabilities) of `n` windows of `steps`
-        rows, each inside one of the episodes (`starts`, `lengths`). Uniform over all windows, or
-        by the priority of the window's first row.
+        rows, each inside one of the episodes (`starts`, `lengths`), drawn by the sampler
+        (uniform over all windows, by the priority of the window's first row, ...).
 
         Raises:
             NotEnoughDataError: no window fits, or every window's first row has priority 0.
@@ -532,25 +470,33 @@ class Sampling:
             raise ConfigError("sample_sequences draws windows by chance or by priority; a Fifo / Lifo sampler or "
                               "max_times_sampled hands out rows: use sample(), or commit each unroll as an episode")
         windows = np.maximum(lengths - steps + 1, 0)
-        if not self.weighted:
-            count = int(windows.sum())
-            if count == 0:
-                raise NotEnoughDataError(f"no complete episode holds {steps} consecutive rows ({len(lengths)} "
-                                         f"episodes, longest {int(lengths.max()) if len(lengths) else 0})")
-            ends = np.cumsum(windows)
-            r = rng.integers(0, count, size=n, dtype=np.int64)
-            k = np.searchsorted(ends, r, side="right")
-            return starts[k] + (r - (ends[k] - windows[k])), k, np.full(n, 1.0 / count)
-        sums = self._range_sums(starts, starts + windows, state)
-        total = float(sums.sum())
-        if total <= 0:
-            raise NotEnoughDataError(f"no window of {steps} rows starts at a row of priority > 0")
-        cum = np.cumsum(sums)
-        k = np.minimum(np.searchsorted(cum, rng.random(n) * cum[-1], side="right"), len(sums) - 1)
-        offset_in = self._range_sums(np.full(n, state.begin), starts[k], state) if state.length else np.zeros(n)
-        slots = self._find_in_order(state, offset_in + rng.random(n) * sums[k])
-        g = np.clip(self._ids(slots, state), starts[k], starts[k] + windows[k] - 1)
-        return g, k, self.tree.get(self._slots(g, state)) / total
+        if not windows.any():
+            raise NotEnoughDataError(f"no complete episode holds {steps} consecutive rows ({len(lengths)} "
+                                     f"episodes, longest {int(lengths.max()) if len(lengths) else 0})")
+        return self.config.sampler.draw_windows(_Held(self, state), starts, windows, n, rng)
+
+
+class _Held:
+    """The rows of one state as a table's sampler sees them (`h5replay.samplers.Rows`)."""
+
+    def __init__(self, table: Sampling, state: State) -> None:
+        self._table, self._state = table, state
+        self.begin, self.end = state.begin, state.end
+        self.sampleable = table.sampleable(state)
+        self.removing = table.config.removes and table.weighted
+        self.tree = table.tree if table.weighted else None
+
+    def ids(self, slots: np.ndarray) -> np.ndarray:
+        return self._table._ids(slots, self._state)
+
+    def slots(self, ids: np.ndarray) -> np.ndarray:
+        return self._table._slots(ids, self._state)
+
+    def in_order(self, targets: np.ndarray) -> np.ndarray:
+        return self._table._find_in_order(self._state, targets)
+
+    def range_sums(self, first: np.ndarray, stop: np.ndarray) -> np.ndarray:
+        return self._table._range_sums(first, stop, self._state)
 
 
 _CHECKPOINT_CHUNK = 4096  # priorities rewritten per dirty chunk at a checkpoint

@@ -71,7 +71,7 @@ class Tables:
     def strictest(self) -> Prioritized | None:
         """The prioritized sampler with the lowest priority bound (what a priority given with a
         row must pass; None: no table keeps priorities)."""
-        samplers = [t.config.sampler for t in self.prioritized if isinstance(t.config.sampler, Prioritized)]
+        samplers: list[Prioritized] = [t.config.sampler.prioritized_part for t in self.prioritized]
         return min(samplers, key=lambda s: s.priority_limit) if samplers else None
 
     def split(self, priorities: Any, n: int, missing_ok: bool = False) -> dict[str, np.ndarray]:
