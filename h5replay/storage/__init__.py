@@ -1,16 +1,24 @@
 """Storage: HDF5Storage (one dataset per leaf), streaming segment writers, ReplayBuffer.
 
-The spaces (h5replay.spaces), the sampling settings (h5replay.sampling: Uniform, Prioritized, Fifo,
-Lifo, RateLimit) and space_from_gymnasium (h5replay.integrations.gym) are re-exported here, so
+The spaces (h5replay.spaces, space_from_gymnasium included) and the sampling settings
+(h5replay.sampling: Uniform, Prioritized, Fifo, Lifo, RateLimit) are re-exported here, so
 `from h5replay.storage import BoxSpace, Prioritized, ReplayBuffer` stays the one import a user needs.
 """
 
 from __future__ import annotations
 
-from h5replay.integrations.gym import space_from_gymnasium
 from h5replay.records import Episode, Receipt, SampleInfo
 from h5replay.sampling import Fifo, Lifo, Prioritized, RateLimit, Uniform
-from h5replay.spaces import BinarySpace, BoxSpace, DictSpace, Schema, Space, TextSpace, space_from_json
+from h5replay.spaces import (
+    BinarySpace,
+    BoxSpace,
+    DictSpace,
+    Schema,
+    Space,
+    TextSpace,
+    space_from_gymnasium,
+    space_from_json,
+)
 from h5replay.storage.export import compact_file, export_buffer, export_file
 from h5replay.storage.hdf5 import FORMAT_VERSION, HDF5Storage
 from h5replay.storage.indexing import (
