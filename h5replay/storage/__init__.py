@@ -34,6 +34,10 @@ from h5replay.storage.indexing import (
 from h5replay.storage.replay.buffer import CommitInfo, ReplayBuffer
 from h5replay.storage.segment import SegmentWriter
 
+# The design document's HDF5Storage opens a plain h5py file as a ReplayBuffer. The buffer sits on
+# the storage, so hdf5.py cannot name it without an import cycle: the package, above both, adds it.
+HDF5Storage.load_replay_buffer_from_raw_hdf5 = staticmethod(ReplayBuffer.from_raw_hdf5)  # type: ignore[attr-defined]
+
 __all__ = [
     "BinarySpace",
     "BoxSpace",

@@ -4,7 +4,10 @@ The class of the design document, and nothing else: `get` / `set` of rows, lengt
 segment writers, flushing. Opening and creating the file is `_h5file.py`'s job, index forms are
 `_indices.py`'s, the row I/O engine is `_rowio.py` (and `fastread.py`, the memory-mapped path),
 raw-file inference is `_rawfile.py`'s. It never decides where rows go: ring arithmetic and
-episodes belong to `replay/` (the buffer and its journal).
+episodes belong to `replay/` (the buffer and its journal), which sits on this module and is never
+imported by it. The design document's `load_replay_buffer_from_raw_hdf5` (a ReplayBuffer over a
+plain h5py file) therefore comes from h5replay.storage, the package above both: it is
+`ReplayBuffer.from_raw_hdf5`.
 
 Layout of a file::
 
@@ -26,7 +29,7 @@ import tempfile
 import typing
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import h5py
 import numpy as np
@@ -43,17 +46,10 @@ from h5replay.storage.indexing import fancy_indexing_to_supported_indexing, fanc
 from h5replay.storage.recovery import WriterLock
 from h5replay.storage.segment import SegmentWriter, Staging
 
-if TYPE_CHECKING:
-    from h5replay.storage.replay.buffer import ReplayBuffer
-
 __all__ = ["HDF5Storage", "FORMAT_VERSION"]
 
 FORMAT_VERSION = _h5file.FORMAT_VERSION
 log = logging.getLogger("h5replay.storage")
-
-#: Set by replay/buffer.py, which builds on this module: how a raw file becomes a ReplayBuffer.
-#: (A registration, not an import, so the two modules do not import each other.)
-raw_replay_buffer_factory: Callable[[str], ReplayBuffer] | None = None
 
 
 class _SharedIO:
@@ -581,13 +577,6 @@ class HDF5Storage:
                 length = capacity if capacity is not None else min(root[p].shape[0] for p, _ in leaves)
                 return int(length), capacity, space
         return infer_space(root)
-
-    @staticmethod
-    def load_replay_buffer_from_raw_hdf5(path: str | os.PathLike[str]) -> ReplayBuffer:
-        """A read-only ReplayBuffer over a file written by plain h5py (datasets sharing a first axis)."""
-        if raw_replay_buffer_factory is None:
-            raise ConfigError("import h5replay.storage (which registers the ReplayBuffer) before opening raw files")
-        return raw_replay_buffer_factory(os.fspath(path))
 
     @staticmethod
     def call_function_on_first_dataset(root: h5py.Group, function: Callable[[h5py.Dataset], Any]) -> Any:

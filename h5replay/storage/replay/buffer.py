@@ -43,7 +43,7 @@ from h5replay.errors import (
 from h5replay.records import Episode, Receipt, SampleInfo
 from h5replay.sampling import RateLimit, Sampler, SamplingConfig, Uniform, check_priorities
 from h5replay.spaces import Schema, Space
-from h5replay.storage import _h5file, hdf5
+from h5replay.storage import _h5file
 from h5replay.storage._indices import normalize_index
 from h5replay.storage.hdf5 import HDF5Storage
 from h5replay.storage.replay.journal import REPLAY_GROUP, EpisodeTable, Journal, JournalStore, RecordsMoved, State
@@ -1056,5 +1056,3 @@ class ReplayBuffer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-hdf5.raw_replay_buffer_factory = ReplayBuffer.from_raw_hdf5
