@@ -82,9 +82,9 @@ class ActorClient:
         self._flights_lock = threading.RLock()  # over both: calls from several threads take turns
         self._queue: _Queue | None = None  # episodes of segments committed with wait=False, not yet sent
         #: Over several servers: the routing (h5replay.client._shards), which every call goes through.
-        self._router: ShardedActor | None = None
+        self._router: ShardedActor[ActorClient] | None = None
         if endpoints is not None:
-            self._router = ShardedActor(endpoints, self.config, secret_key, server_key)
+            self._router = ShardedActor(endpoints, self.config, secret_key, server_key, client_class=ActorClient)
             self._adopt(self._router.codec)
             return
         self._conn, hello = say_hello(self.config, "actor", curve_keys(secret_key, server_key))

@@ -86,11 +86,11 @@ class LearnerClient:
     ) -> None:
         self.config = config or ClientConfig(endpoint=endpoint, timeout=timeout, name=name or process_name("learner"))
         #: Over several servers: the routing (h5replay.client._shards), which every call goes through.
-        self._router: ShardedLearner | None = None
+        self._router: ShardedLearner[LearnerClient] | None = None
         self._view: View | None = None
         self._reads: Connection | None = None
         if endpoints is not None:
-            self._router = ShardedLearner(endpoints, self.config, secret_key, server_key)
+            self._router = ShardedLearner(endpoints, self.config, secret_key, server_key, client_class=LearnerClient)
             self.space: Space = self._router.codec_space
             self.limits, self.capacity = self._router.limits, self._router.capacity
             self.endpoints = self._router.endpoints
@@ -166,7 +166,7 @@ class LearnerClient:
         return self._router.views if self._router is not None else (self._view,)
 
     @property
-    def shards(self) -> ShardedLearner | None:
+    def shards(self) -> ShardedLearner[LearnerClient] | None:
         """Over several servers, the routing: `live_shards`, `num_skipped`, `shard(i)` (the client of
         one shard); None for a single server."""
         return self._router
