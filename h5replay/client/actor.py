@@ -12,49 +12,27 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import os
 import sys
 import threading
-import time
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Literal, overload
 
 import numpy as np
 
 from h5replay import protocol as P
-from h5replay.client._connection import Connection, NotSentError, Retried, curve_keys, say_hello
+from h5replay.client._commits import PendingCommit, Settled, _check_priorities, _Flight, _push_request, _Queue
+from h5replay.client._connection import Connection, curve_keys, say_hello
+from h5replay.client._segment import ActorSegment
 from h5replay.client._shards import InDoubt, ShardedActor, ShardedSegment
 from h5replay.config import DEFAULT_ENDPOINT, ClientConfig, process_name
-from h5replay.errors import (
-    ClosedError,
-    ConfigError,
-    DiskFullError,
-    RateLimitedError,
-    SegmentStateError,
-    ServerUnavailableError,
-)
+from h5replay.errors import ConfigError
 from h5replay.records import Receipt
-from h5replay.sampling import check_priorities, rows_at_once
+from h5replay.sampling import rows_at_once
 from h5replay.spaces import Schema, Space, space_from_json
 
 __all__ = ["ActorClient", "ActorSegment", "PendingCommit", "Receipt"]
-
-
-_NO_PRIORITIES = np.zeros(0, dtype=np.float64)
-
-
-def _check_priorities(priorities: Any, n: int) -> np.ndarray:
-    """Priorities for n steps as sent (empty: none given), checked here before anything leaves."""
-    return _NO_PRIORITIES if priorities is None else check_priorities(priorities, n)
-
-
-def _receipt(reply: Any) -> Receipt:
-    """The receipt of a commit or push reply: global ids, or (-1, -1, 0) when nothing was recorded."""
-    if reply.episode_id is None or reply.first_row_id is None or reply.length == 0:
-        return Receipt(-1, -1, 0)
-    return Receipt(int(reply.episode_id), int(reply.first_row_id), int(reply.length))
 
 
 def _own_copies(encoded: dict[str, np.ndarray], given: dict[str, Any]) -> dict[str, np.ndarray]:
@@ -64,156 +42,6 @@ def _own_copies(encoded: dict[str, np.ndarray], given: dict[str, Any]) -> dict[s
 
 
 _KEPT_FAILURES = 1000  # failed commit messages in flight kept for `flush` to report, at most (the newest)
-
-#: Told how a commit in flight ended: (receipt, None) or (None, the error).
-Settled = Callable[[Receipt | None, Exception | None], None]
-
-
-#: An episode ready to go in a message: (rows by leaf, length, priorities or empty, idempotency key).
-Ready = tuple[dict[str, np.ndarray], int, np.ndarray, bytes]
-
-
-def _push_request(episodes: Sequence[Ready], limit: float) -> Callable[[int], P.Request]:
-    """request_id -> the message that commits `episodes`: a push for one, push_episodes (their
-    rows one after another, NaN priorities for steps given none) for several."""
-    if len(episodes) == 1:
-        rows, n, priorities, key = episodes[0]
-        return lambda rid: P.PushEpisode(rid, n, rows, limit, priorities, key)
-    lengths = np.array([n for _, n, _, _ in episodes], dtype=np.int64)
-    total = int(lengths.sum())
-    arrays = {path: np.concatenate([rows[path] for rows, _, _, _ in episodes]) for path in episodes[0][0]}
-    given = np.concatenate([p if len(p) else np.full(n, np.nan) for _, n, p, _ in episodes]) \
-        if any(len(p) for _, _, p, _ in episodes) else _NO_PRIORITIES
-    keys = np.frombuffer(b"".join(key for _, _, _, key in episodes), dtype=np.uint8).reshape(len(episodes), -1)
-    return lambda rid: P.PushEpisodes(rid, total, lengths, keys, arrays, limit, given)
-
-
-def _receipts(reply: Any) -> list[Receipt]:
-    """The receipts a commit, push or push_episodes reply carries, in the order sent."""
-    if isinstance(reply, P.PushEpisodesReply):
-        return [Receipt(int(e), int(f), int(n)) for e, f, n in reply.episodes]
-    return [_receipt(reply)]
-
-
-class _Flight:
-    """One message that commits episodes (a commit, a push, a push of several): queued in the
-    client (segments committed with wait=False, see `ActorClient._queue_commit`), then in flight
-    (sent again with the same keys while no reply comes), then settled."""
-
-    def __init__(self, conn: Connection | None, retried: Retried | None, settled: list[Settled | None] | None = None,
-                 failures: collections.deque[_Flight] | None = None, receipts: list[Receipt] | None = None,
-                 client: ActorClient | None = None) -> None:
-        self.conn = conn
-        self.retried = retried
-        self.settled = settled  # one callback (or None) per episode, told its receipt or the error
-        self.failures = failures  # where a failure waits for `flush` (messages in flight only)
-        self.receipts = receipts
-        self.error: Exception | None = None
-        self.observed = False  # the caller saw the outcome through `result()` (or `flush` reported it)
-        self.lock = threading.Lock()
-        #: The client whose next message this is, while it waits there (None once sent).
-        self.queued_in = client
-
-    def done(self) -> bool:
-        client = self.queued_in
-        if client is not None:
-            client._pump()  # it leaves now if there is room
-            if self.queued_in is not None:
-                return False
-        retried, conn = self.retried, self.conn
-        return retried is None or conn is None or conn.closed or conn.arrived(retried.request_id)
-
-    def settle(self) -> None:
-        """Wait for the outcome and keep it (the error too: `PendingCommit.result` raises it)."""
-        client = self.queued_in
-        if client is not None:
-            client._send_queue()  # before this flight's lock: the client's lock comes first
-        with self.lock:
-            retried, conn = self.retried, self.conn
-            if retried is None or conn is None:
-                return
-            try:
-                self.receipts = _receipts(conn.wait_retried(retried))
-            except Exception as exc:
-                self._failed(exc)
-            self.retried = None  # the request (and the episodes' arrays it holds) can go
-        self._tell()
-
-    def _failed(self, exc: Exception) -> None:
-        self.error = exc
-        if self.failures is not None:
-            self.failures.append(self)
-
-    def fail_unsent(self, exc: Exception) -> None:
-        """It could not be sent (no server connected in time): not in doubt."""
-        with self.lock:
-            self.queued_in = None
-            self._failed(exc)
-        self._tell()
-
-    def _tell(self) -> None:
-        callbacks, self.settled = self.settled, None
-        for i, callback in enumerate(callbacks or ()):
-            if callback is not None:
-                callback(self.receipts[i] if self.receipts and i < len(self.receipts) else None, self.error)
-
-
-@dataclasses.dataclass
-class _Queue:
-    """The next message of a client, while its episodes wait for room in flight."""
-
-    flight: _Flight
-    episodes: list[Ready] = dataclasses.field(default_factory=list)
-    rows: int = 0
-
-
-class PendingCommit:
-    """A commit on its way, from `push_episode(..., wait=False)`, `push_episodes(..., wait=False)`
-    or `commit(wait=False)`.
-
-    The episode has left the client, or (a segment's, while `max_in_flight` messages are out)
-    waits in the client's next message (see `ActorSegment.commit`). `result()` sends it if it
-    still waits, then waits for the server's acknowledgement, sending the commit again with its
-    idempotency key when no reply comes (as a waited commit does), and returns the receipt, or
-    raises what the commit would have raised. Its time runs from the send: `commit_timeout` in
-    all. Episodes sent in one message settle together.
-    """
-
-    def __init__(self, flight: _Flight, key: bytes, index: int = 0) -> None:
-        #: The episode's idempotency key: a commit of the same rows with it is never stored twice.
-        self.key = key
-        self._flight = flight
-        self._index = index
-
-    @classmethod
-    def done_with(cls, receipt: Receipt, key: bytes = b"") -> PendingCommit:
-        """One already settled (an empty episode, or a commit over several servers, waited for)."""
-        return cls(_Flight(None, None, receipts=[receipt]), key)
-
-    def done(self) -> bool:
-        """Whether the outcome is here: `result()` then returns (or raises) without waiting."""
-        return self._flight.done()
-
-    def result(self) -> Receipt:
-        """The receipt, once the server has the episode in the file, flushed (waits for it).
-
-        Raises:
-            ServerUnavailableError: no reply to any attempt within `commit_timeout`: the commit is
-                in doubt (commit the same rows with `key` to settle it).
-            DiskFullError, RateLimitedError, ...: the server refused the commit.
-        """
-        flight = self._flight
-        flight.settle()
-        flight.observed = True
-        if flight.error is not None:
-            raise flight.error
-        return flight.receipts[self._index] if flight.receipts else Receipt(-1, -1, 0)
-
-    def __repr__(self) -> str:
-        flight = self._flight
-        state = "queued" if flight.queued_in is not None else "in flight" if flight.retried is not None \
-            else "failed" if flight.error is not None else "done"
-        return f"PendingCommit({state}, key={self.key.hex()})"
 
 
 class ActorClient:
@@ -254,9 +82,9 @@ class ActorClient:
         self._flights_lock = threading.RLock()  # over both: calls from several threads take turns
         self._queue: _Queue | None = None  # episodes of segments committed with wait=False, not yet sent
         #: Over several servers: the routing (h5replay.client._shards), which every call goes through.
-        self._router: ShardedActor | None = None
+        self._router: ShardedActor[ActorClient] | None = None
         if endpoints is not None:
-            self._router = ShardedActor(endpoints, self.config, secret_key, server_key)
+            self._router = ShardedActor(endpoints, self.config, secret_key, server_key, client_class=ActorClient)
             self._adopt(self._router.codec)
             return
         self._conn, hello = say_hello(self.config, "actor", curve_keys(secret_key, server_key))
@@ -630,248 +458,3 @@ class ActorClient:
             return
         with contextlib.suppress(Exception):  # the exception under way is the one to see
             self.close()
-
-
-class ActorSegment:
-    """One episode being streamed: `append`, `extend`, then `commit` or `abort`.
-
-    The server hears of the segment only when its first full message leaves: an episode that
-    fits in one message travels as a single push at commit (one round trip in all).
-    """
-
-    def __init__(self, client: ActorClient, key: bytes | None = None) -> None:
-        self._client = client
-        #: The episode's idempotency key (`key`, or 16 random bytes), sent with every commit attempt.
-        self.key = key if key is not None else os.urandom(P.IDEMPOTENCY_KEY_BYTES)
-        self._conn = client.connection
-        self._config = client.config
-        self.segment_id: int | None = None  # assigned by the server when the first batch leaves
-        self._pending: collections.deque[int] = collections.deque()
-        # Rows wait in one preallocated batch per leaf; a full batch leaves as one message.
-        self._batch_capacity = client.rows_per_message
-        self._batch: dict[str, np.ndarray] | None = None
-        self._columns: list[np.ndarray] = []  # the batch's arrays, in the schema's leaf order
-        self._put_exact_row = client.schema.put_exact_row
-        self._priorities: np.ndarray | None = None  # per buffered row (NaN: none given), once one is
-        self._buffered_rows = 0
-        self._buffered_since = 0.0
-        self.length = 0
-        self.receipt: Receipt | None = None
-        #: Whether the commit (or push) was sent and no reply came: the server may have applied
-        #: it. Commit the same rows again with `key` to settle it without storing it twice.
-        self.in_doubt = False
-        #: Abort the segment when its commit in flight is refused and leaves it open (a full
-        #: disk, the rate limit): set by `push_episode`, whose caller holds the episode.
-        self.abandon_on_failure = False
-        self._state = "open"
-
-    def __len__(self) -> int:
-        return self.length
-
-    def _require_open(self, what: str) -> None:
-        if self._state != "open":
-            raise SegmentStateError(f"cannot {what} a segment that was {self._state}")
-
-    def append(self, step: Any, priority: float | None = None) -> None:
-        """Add one step (with its priority, for a prioritized server); checked against the space
-        now, sent in a batch soon. A step of exactly the stored dtypes and shapes (a dict of
-        ndarrays) is copied straight into the batch."""
-        self._require_open("append to")
-        if priority is None and self._priorities is None and self._batch is not None:
-            row = self._buffered_rows
-            if self._put_exact_row(self._columns, row, step):  # the per-step hot path: a row copy per leaf
-                self._buffered_rows = row + 1
-                self.length += 1
-                if self._batch_due():
-                    self._send_buffered()
-                return
-        given = _check_priorities(None if priority is None else [priority], 1)
-        self._add(self._client.encode_one(step), 1, given)
-
-    def extend(self, batch: Any, priorities: Any = None) -> None:
-        """Add a batch of steps (a leading axis on every leaf), with one priority per step if given."""
-        self._require_open("extend")
-        encoded, n = self._client.encode_batch(batch)
-        self.extend_encoded(encoded, n, _check_priorities(priorities, n))
-
-    def extend_encoded(self, encoded: dict[str, np.ndarray], n: int, priorities: np.ndarray | None = None) -> None:
-        """Add rows already checked and in storage form (from `ActorClient.encode_batch`), with
-        priorities already checked (empty or None: none given)."""
-        self._require_open("extend")
-        self._add(encoded, n, priorities if priorities is not None else _NO_PRIORITIES)
-
-    def _add(self, encoded: dict[str, np.ndarray], n: int, priorities: np.ndarray) -> None:
-        offset = 0
-        while offset < n:
-            if self._batch is None:
-                self._batch = {
-                    path: np.empty((self._batch_capacity, *leaf.shape), leaf.storage_dtype)
-                    for path, leaf in self._client.schema.leaves
-                }
-                self._columns = list(self._batch.values())  # in the schema's leaf order
-                self._buffered_since = time.monotonic()
-            take = min(n - offset, self._batch_capacity - self._buffered_rows)
-            first = self._buffered_rows
-            for path, arr in encoded.items():  # a copy: the caller may reuse its arrays at once
-                self._batch[path][first : first + take] = arr[offset : offset + take]
-            if len(priorities) or self._priorities is not None:
-                if self._priorities is None:
-                    self._priorities = np.full(self._batch_capacity, np.nan)
-                self._priorities[first : first + take] = priorities[offset : offset + take] if len(priorities) else np.nan
-            self._buffered_rows += take
-            self.length += take
-            offset += take
-            if self._batch_due():
-                self._send_buffered()
-
-    def _batch_due(self) -> bool:
-        """Whether the buffered rows leave now: the batch is full, or its first row is old enough."""
-        return (self._buffered_rows == self._batch_capacity
-                or time.monotonic() - self._buffered_since >= self._config.batch_seconds)
-
-    def _send_buffered(self) -> None:
-        if not self._buffered_rows or self._batch is None:
-            return
-        if self.segment_id is None:
-            reply = self._conn.request(lambda rid: P.OpenSegment(rid))
-            self.segment_id = int(reply.segment_id)  # type: ignore[attr-defined]
-        n = self._buffered_rows
-        arrays = {path: batch[:n] for path, batch in self._batch.items()}
-        priorities = self._priorities[:n] if self._priorities is not None else _NO_PRIORITIES
-        # The message owns these arrays until it is sent (frames leave without a copy).
-        self._batch, self._priorities, self._buffered_rows = None, None, 0
-        while len(self._pending) >= self._config.max_in_flight:
-            self._settle_oldest()
-        segment_id = self.segment_id
-        self._pending.append(self._conn.send(lambda rid: P.Append(rid, segment_id, n, arrays, priorities)))
-
-    def _settle_oldest(self) -> None:
-        request_id = self._pending.popleft()
-        try:
-            self._conn.wait(request_id)
-        except BaseException:
-            self._fail()
-            raise
-
-    def _fail(self) -> None:
-        """An append was refused or lost: the episode cannot be committed whole; abort it."""
-        self._state = "aborted"
-        for request_id in self._pending:
-            self._conn.forget(request_id)
-        self._pending.clear()
-        segment_id = self.segment_id
-        if segment_id is None:
-            return  # the server never heard of it
-        try:
-            self._conn.request(lambda rid: P.Abort(rid, segment_id))
-        except Exception:  # the server may already have dropped it; it is gone either way
-            pass
-
-    @overload
-    def commit(self, *, wait: Literal[True] = True) -> Receipt: ...
-    @overload
-    def commit(self, *, wait: Literal[False]) -> PendingCommit: ...
-    @overload
-    def commit(self, *, wait: bool) -> Receipt | PendingCommit: ...
-
-    def commit(self, *, wait: bool = True) -> Receipt | PendingCommit:
-        """Send what is buffered, wait for every append, then commit. Returns after the server has
-        the episode in the file, flushed. Raises and aborts if any part was refused. A commit
-        whose reply does not come is sent again with the episode's key (see `_conclude`); the
-        server answers a retry of an applied commit with its receipt, never storing it twice.
-
-        With `wait=False` the appends are still waited for (a refused append must never let a
-        partial episode be committed), and the commit itself is left in flight: a
-        `PendingCommit` is returned (see `ActorClient.push_episode`). The segment is "committing"
-        until it settles. An episode that never left the client (it fits in one message) leaves
-        at once while fewer than `max_in_flight` messages are unacknowledged; else it waits in
-        the client with the next ones committed so, and they leave together in one message when
-        there is room: at the client's next commit, push, `flush()` or `close()`, or a
-        PendingCommit's `done()` or `result()`. Call `flush()` before leaving the client idle.
-
-        Raises:
-            RateLimitedError: the server's rate limit held the commit back for the client's
-                `rate_limit_timeout`; the segment stays open on the server: call commit again.
-        """
-        self._require_open("commit")
-        if self.segment_id is None:
-            return self._push_whole(wait)
-        self._send_buffered()
-        while self._pending:
-            self._settle_oldest()
-        segment_id, limit, key = self.segment_id, self._config.rate_limit_timeout, self.key
-        return self._conclude(lambda rid: P.Commit(rid, segment_id, limit, key), wait)
-
-    def _conclude(self, request: Any, wait: bool) -> Receipt | PendingCommit:
-        """Send the request that commits the episode, again with the same key when no reply comes
-        within `timeout` (`commit_attempts` in all, within the client's `commit_timeout`); its
-        reply is the receipt. Refused for a full disk (DiskFullError) or by the rate limit, the
-        segment stays open: commit again later, or abort."""
-        try:
-            pending = PendingCommit(self._client._send_commit(request, track=not wait, settled=self._settled), self.key)
-        except BaseException:
-            self._state = "failed"  # it never left: not in doubt
-            raise
-        self._state = "committing"
-        if not wait:
-            return pending
-        try:
-            return pending.result()
-        except Exception:
-            raise  # `_settled` has set the state
-        except BaseException:  # interrupted while waiting: the commit may or may not be applied
-            self._state, self.in_doubt = "failed", True
-            raise
-
-    def _settled(self, receipt: Receipt | None, error: Exception | None) -> None:
-        """The commit's outcome came (or none came in time): the segment's state follows it."""
-        if error is None:
-            self._state = "committed"
-            self.receipt = receipt
-            self._batch, self._priorities, self._buffered_rows = None, None, 0
-        elif isinstance(error, (DiskFullError, RateLimitedError)):
-            self._state = "open"  # the server keeps the segment (a push's rows stay here): commit again
-            if self.abandon_on_failure:
-                with contextlib.suppress(Exception):
-                    self.abort()
-        else:
-            self._state = "failed"
-            self.in_doubt = isinstance(error, ServerUnavailableError) and not isinstance(error, NotSentError)
-
-    def _push_whole(self, wait: bool) -> Receipt | PendingCommit:
-        """Commit an episode that never left the client: one push, one round trip (with
-        `wait=False`, perhaps in one message with the next ones)."""
-        n, batch = self._buffered_rows, self._batch
-        if not n or batch is None:
-            self._batch, self._priorities, self._buffered_rows = None, None, 0
-            self._state = "committed"
-            self.receipt = Receipt(-1, -1, 0)
-            return self.receipt if wait else PendingCommit.done_with(self.receipt, self.key)
-        arrays = {path: rows[:n] for path, rows in batch.items()}
-        priorities = self._priorities[:n] if self._priorities is not None else _NO_PRIORITIES
-        limit, key = self._config.rate_limit_timeout, self.key
-        if not wait:  # it may share a message with the next episodes committed so (see _queue_commit)
-            self._state = "committing"
-            return self._client._queue_commit(arrays, n, priorities, key, self._settled)
-        return self._conclude(lambda rid: P.PushEpisode(rid, n, arrays, limit, priorities, key), wait)
-
-    def abort(self) -> None:
-        """Drop the episode: nothing of it becomes visible. Safe to call twice."""
-        if self._state != "open":
-            return
-        self._batch, self._buffered_rows = None, 0
-        self._fail()
-
-    def __enter__(self) -> ActorSegment:
-        return self
-
-    def __exit__(self, exc_type: object, *rest: object) -> None:
-        if self._state != "open":
-            return
-        if exc_type is None:
-            self.commit()
-        else:
-            try:
-                self.abort()
-            except ClosedError:
-                pass

@@ -21,20 +21,31 @@ import collections
 import itertools
 import logging
 import os
-import threading
 import typing
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Literal, NamedTuple, overload
+from typing import Any, Literal, overload
 
 import numpy as np
 
 from h5replay import protocol as P
 from h5replay.client._connection import Connection, curve_keys, say_hello
+from h5replay.client._draws import ConsumingDraws
 from h5replay.client._kept import Kept, Part, join_parts, kept_error
+from h5replay.client._priorities import PriorityUpdates
+from h5replay.client._reads import (
+    View,
+    _chunks,
+    _integer_array,
+    _positive,
+    _reachable,
+    _request,
+    _seed,
+    sample_info,
+)
 from h5replay.client._shards import ShardedLearner
 from h5replay.config import DEFAULT_ENDPOINT, ClientConfig, process_name
-from h5replay.errors import ClosedError, ConfigError, ProtocolError, ServerUnavailableError
-from h5replay.records import Episode, SampleInfo
+from h5replay.errors import ConfigError, ProtocolError
+from h5replay.records import Episode
 from h5replay.sampling import Prioritized, Sampler, check_priorities, rows_at_once
 from h5replay.spaces import Schema, Space, space_from_json
 
@@ -42,66 +53,7 @@ log = logging.getLogger("h5replay.client")
 
 __all__ = ["LearnerClient", "View"]
 
-_WILDCARD_HOSTS = ("0.0.0.0", "*", "::", "[::]")
 _REQUEST_BYTES = 1 << 20  # rows one request of `batches` carries for several batches, at most
-_INT64_MAX = np.iinfo(np.int64).max
-
-
-class View(NamedTuple):
-    """The published state a reply came from: publish counter, clear counter, row ids held."""
-
-    seq: int
-    generation: int
-    begin: int
-    end: int
-
-    @property
-    def length(self) -> int:
-        return self.end - self.begin
-
-
-def _reachable(advertised: str, dialed: str) -> str:
-    """The read endpoint to dial: a wildcard host (a server bound on 0.0.0.0) becomes the host this
-    client reached the writer on."""
-    if advertised.startswith("tcp://") and dialed.startswith("tcp://"):
-        host, _, port = advertised[len("tcp://"):].rpartition(":")
-        if host in _WILDCARD_HOSTS:
-            return f"tcp://{dialed[len('tcp://'):].rpartition(':')[0]}:{port}"
-    return advertised
-
-
-def _integer_array(values: Any, what: str) -> np.ndarray:
-    """`values` as a flat int64 array, refusing what is not an integer index (bools, floats)."""
-    arr = values if isinstance(values, np.ndarray) else np.asarray(values)
-    if arr.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    if arr.dtype.kind not in "iu":
-        raise TypeError(f"{what} must be integers, got an array of {arr.dtype}"
-                        + ("; a boolean mask selects rows locally only: pass np.flatnonzero(mask)"
-                           if arr.dtype.kind == "b" else ""))
-    flat = arr.reshape(-1)
-    if arr.dtype.kind == "u" and int(flat.max()) > _INT64_MAX:
-        raise IndexError(f"{what[:-1]} {int(flat.max())} is out of range")
-    return flat.astype(np.int64, copy=False)
-
-
-def _positive(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ConfigError(f"{name} must be a positive int, got {value!r}")
-    return int(value)
-
-
-def _chunks(n: int, per: int) -> list[tuple[int, int]]:
-    return [(lo, min(n, lo + per)) for lo in range(0, n, per)]
-
-
-def _request(cls: Callable[..., P.Request], *fields: Any) -> Callable[[int], P.Request]:
-    """A request factory for Connection.send (which picks the request id)."""
-    return lambda request_id: cls(request_id, *fields)
-
-
-def _seed(seed: int | None, part: int) -> int | None:
-    return None if seed is None else seed + part
 
 
 class LearnerClient:
@@ -134,11 +86,11 @@ class LearnerClient:
     ) -> None:
         self.config = config or ClientConfig(endpoint=endpoint, timeout=timeout, name=name or process_name("learner"))
         #: Over several servers: the routing (h5replay.client._shards), which every call goes through.
-        self._router: ShardedLearner | None = None
+        self._router: ShardedLearner[LearnerClient] | None = None
         self._view: View | None = None
         self._reads: Connection | None = None
         if endpoints is not None:
-            self._router = ShardedLearner(endpoints, self.config, secret_key, server_key)
+            self._router = ShardedLearner(endpoints, self.config, secret_key, server_key, client_class=LearnerClient)
             self.space: Space = self._router.codec_space
             self.limits, self.capacity = self._router.limits, self._router.capacity
             self.endpoints = self._router.endpoints
@@ -171,6 +123,7 @@ class LearnerClient:
         self._samples: Connection = self._conn if hello.sampling.get("writer_samples") else self._reads
         self._consuming = self._samples is not self._reads
         self._removes = bool(hello.sampling.get("max_times_sampled"))
+        self._draws = ConsumingDraws(self._samples, self.config, self._observe)
         # The server's sampler as far as priorities go: its exponent bounds each priority, checked
         # here too, so that updates merged into one message are refused only all for one reason.
         self._sampler: Sampler | None = None
@@ -183,18 +136,7 @@ class LearnerClient:
         # A priority update's reply waits for the publish carrying it: up to the server's interval.
         interval = hello.sampling.get("priority_publish_interval", 0.0)
         valid = isinstance(interval, (int, float)) and not isinstance(interval, bool) and 0 <= interval <= 1
-        self._update_timeout = self.config.timeout + (float(interval) if valid else 1.0)
-        self._seen_seq = 0  # the newest publish this client's own writes (priority updates) made
-        # Priority updates sent with wait=False whose replies were not read yet (request ids).
-        self._updates_in_flight: collections.deque[int] = collections.deque()
-        # Priority updates made with wait=False, checked, that wait for room among those in
-        # flight: (row ids, priorities) in call order, sent merged into as few messages as fit.
-        self._updates_held: list[tuple[np.ndarray, np.ndarray]] = []
-        self._held_ids = 0
-        self._update_refusal: Exception | None = None  # the first refusal of one, raised by the next call
-        self._updates_lock = threading.RLock()
-        #: Ids ignored by the priority updates sent with wait=False, as their replies came back.
-        self.ignored_priority_updates = 0
+        update_timeout = self.config.timeout + (float(interval) if valid else 1.0)
         self.schema = Schema(self.space)
         row_bytes = self.schema.row_bytes
         room = self.limits.max_message_bytes - P.ROWS_MESSAGE_OVERHEAD
@@ -203,6 +145,8 @@ class LearnerClient:
         self.rows_per_message = max(1, min(self.limits.max_rows_per_message, room // (row_bytes + P.SAMPLE_INFO_BYTES)))
         # A request naming rows carries their ids: it must fit a message too.
         self._ids_per_message = max(1, min(self.rows_per_message, room // P.ID_BYTES))
+        # Priority updates sent with wait=False (see _priorities.py).
+        self._updates = PriorityUpdates(self._conn, self.config.max_in_flight, update_timeout, self._ids_per_message)
         # Rows one sample request asks for: within a message, and within what the server's rate
         # limit admits at once (a bigger one could never go ahead).
         self._rows_per_sample = min(self.rows_per_message, rows_at_once(hello.sampling, sampling=True)
@@ -222,7 +166,7 @@ class LearnerClient:
         return self._router.views if self._router is not None else (self._view,)
 
     @property
-    def shards(self) -> ShardedLearner | None:
+    def shards(self) -> ShardedLearner[LearnerClient] | None:
         """Over several servers, the routing: `live_shards`, `num_skipped`, `shard(i)` (the client of
         one shard); None for a single server."""
         return self._router
@@ -237,15 +181,24 @@ class LearnerClient:
             return self._router.num_kept
         return self._kept.count()
 
+    @property
+    def ignored_priority_updates(self) -> int:
+        """Ids ignored by the priority updates sent with wait=False, as their replies came back."""
+        return self._updates.ignored
+
+    @ignored_priority_updates.setter
+    def ignored_priority_updates(self, count: int) -> None:
+        self._updates.ignored = count
+
     def _take_kept(self) -> dict[Any, list[Part]]:
         """Everything kept, taken out (a shard's client about to be dropped hands it over)."""
         return self._kept.take_all()
 
     @property
     def _min_seq(self) -> int:
-        if self._updates_in_flight or self._updates_held:  # every read sees this client's own priority updates
+        if self._updates.pending:  # every read sees this client's own priority updates
             self.flush_priorities()
-        return max(self._view.seq if self._view is not None else 0, self._seen_seq)
+        return max(self._view.seq if self._view is not None else 0, self._updates.seen_seq)
 
     def _observe(self, reply: P.ReadReply) -> View:
         view = View(reply.seq, reply.generation, reply.begin, reply.end)
@@ -411,7 +364,7 @@ class LearnerClient:
         parts = self._kept.take(kind, size)
         have = sum(len(info) for _, info in parts)
         if have < size:
-            drawn, error = self._draw_all(requests(size - have))
+            drawn, error = self._draws.draw_all(requests(size - have))
             parts += drawn
             if error is not None:
                 self._kept.give_back(kind, parts)
@@ -419,60 +372,6 @@ class LearnerClient:
         arrays, info = join_parts(parts, self.schema.names)
         batch = self._decode(arrays)
         return (batch, info) if with_info else batch
-
-    def _draw_all(self, factories: Sequence[Callable[[int], P.Request]]) -> tuple[list[Part], BaseException | None]:
-        """(parts, first failure) of draws that change the server's state, `max_in_flight` at a
-        time. No reply is given up on: after the first failure no more parts are sent, those
-        still waiting for the rate limit are cancelled, and the others are read (they were
-        drawn)."""
-        conn = self._samples
-        timeout = self.config.timeout + self.config.rate_limit_timeout
-        parts: list[Part] = []
-        pending: list[int] = []
-        error: BaseException | None = None
-        try:
-            for factory in factories:
-                if len(pending) >= self.config.max_in_flight:
-                    drawn, error = self._collect(pending[:1], cancel=False, timeout=timeout)
-                    del pending[:1]
-                    parts += drawn
-                    if error is not None:
-                        break
-                pending.append(conn.send(factory))
-        except (ServerUnavailableError, ProtocolError) as exc:  # a part that could not leave
-            error = exc
-        drawn, late = self._collect(pending, cancel=error is not None, timeout=timeout)
-        return parts + drawn, error or late
-
-    def _collect(self, request_ids: list[int], *, cancel: bool, timeout: float) -> tuple[list[Part], BaseException | None]:
-        """(parts, first failure) of draws in flight, in order; with `cancel`, those still
-        waiting for the rate limit are cancelled first (they are never drawn), and the others,
-        served already, are waited for the client's timeout."""
-        conn = self._samples
-        cancelled: set[int] = set()
-        if cancel and request_ids:
-            try:
-                reply = conn.request(lambda rid: P.Cancel(rid, np.array(request_ids, np.uint64)))
-                cancelled = {int(i) for i in reply.request_ids}  # type: ignore[attr-defined]
-                timeout = self.config.timeout
-            except (ServerUnavailableError, ProtocolError):
-                pass  # an older server cannot cancel: wait for them all
-        parts: list[Part] = []
-        error: BaseException | None = None
-        for request_id in request_ids:
-            if request_id in cancelled:
-                conn.forget(request_id)
-                continue
-            try:
-                reply = conn.wait(request_id, timeout)
-            except ClosedError:
-                raise
-            except Exception as exc:  # the server's refusal, or no answer: nothing of it was drawn here
-                error = error or exc
-                continue
-            self._observe(reply)  # type: ignore[arg-type]
-            parts.append((reply.arrays, self._info([reply])))  # type: ignore[attr-defined]
-        return parts, error
 
     def _sample_many(self, factories: Sequence[Callable[[int], P.Request]]) -> list[Any]:
         """Sample requests go to whoever draws them: readers, or the writer when samples change the
@@ -500,7 +399,7 @@ class LearnerClient:
     def _sampled(self, replies: list[Any], with_info: bool) -> Any:
         """The batch the replies of one sample carry (and its SampleInfo when asked)."""
         batch = self._decode(self._joined([r.arrays for r in replies]))
-        return (batch, self._info(replies)) if with_info else batch
+        return (batch, sample_info(replies)) if with_info else batch
 
     def sample_sequences(self, batch_size: int, length: int, seed: int | None = None, *, with_info: bool = False) -> Any:
         """`batch_size` windows of `length` consecutive steps, each inside one complete episode;
@@ -521,7 +420,7 @@ class LearnerClient:
             _request(P.SampleSequences, hi - lo, steps, _seed(seed, k), self._min_seq, False, limit)
             for k, (lo, hi) in enumerate(_chunks(size, self.limits.max_rows_per_message))
         ])
-        info = self._info(replies)
+        info = sample_info(replies)
         ids = (info.row_ids.astype(np.int64)[:, None] + np.arange(steps, dtype=np.int64)[None, :]).reshape(-1)
         rows = self._rows_by_id(ids, self._min_seq)
         batch = self._decode({name: rows[name].reshape(size, steps, *rows[name].shape[1:]) for name in self.schema.names})
@@ -611,7 +510,7 @@ class LearnerClient:
                 while len(in_flight) < ahead:
                     in_flight.append([conn.send(request) for request in group_requests(k + len(in_flight))])
                 if self._consuming:
-                    parts, error = self._collect(in_flight.popleft(), cancel=False,
+                    parts, error = self._draws.collect(in_flight.popleft(), cancel=False,
                                                  timeout=typing.cast(float, timeout))
                     if error is not None:
                         self._kept.give_back(kind, parts)
@@ -627,7 +526,7 @@ class LearnerClient:
                 yield from self._split(replies, group, with_info)
         finally:
             if self._consuming and in_flight and not conn.closed:
-                parts, _ = self._collect([rid for ids in in_flight for rid in ids], cancel=True,
+                parts, _ = self._draws.collect([rid for ids in in_flight for rid in ids], cancel=True,
                                          timeout=typing.cast(float, timeout))
                 self._kept.put(kind, parts)
             else:
@@ -638,19 +537,11 @@ class LearnerClient:
     def _split(self, replies: list[Any], group: int, with_info: bool) -> Iterator[Any]:
         """The `group` batches of equal size that the replies of one request carry, in order."""
         arrays = self._joined([r.arrays for r in replies])
-        info = self._info(replies) if with_info else None
+        info = sample_info(replies) if with_info else None
         size = next(iter(arrays.values())).shape[0] // group
         for lo in range(0, size * group, size):
             batch = self._decode({name: a[lo : lo + size] for name, a in arrays.items()})
             yield (batch, info.slice(lo, lo + size)) if info is not None else batch
-
-    @staticmethod
-    def _info(replies: list[Any]) -> SampleInfo:
-        infos = [SampleInfo(r.row_ids.astype(np.uint64), r.episode_ids, r.probabilities) for r in replies]
-        info = infos[0]
-        for more in infos[1:]:
-            info = info.concatenate(more)
-        return info
 
     @overload
     def update_priorities(self, row_ids: Any, priorities: Any, *, wait: Literal[True] = True) -> int: ...
@@ -696,91 +587,21 @@ class LearnerClient:
         values = check_priorities(priorities, ids.shape[0], sampler=self._sampler)
         if ids.size and int(ids.min()) < 0:
             raise IndexError(f"row id {int(ids.min())} is negative; row ids count from 0")
+        updates = self._updates
         if not wait:
-            with self._updates_lock:
-                seen = self._view.end if self._view is not None else 0
-                try:
-                    if ids.size and int(ids.max()) >= seen:  # may be refused (never committed): alone
-                        self._send_held(block=True)
-                        self._send_updates(ids, values)
-                    else:
-                        self._updates_held.append((ids, values))
-                        self._held_ids += ids.shape[0]
-                        self._send_held(block=self._held_ids >= self._ids_per_message // 2)  # a message's worth
-                except (ServerUnavailableError, ClosedError):
-                    self._give_up_updates()
-                    raise
-                self._raise_refusal()
+            with updates.lock:
+                updates.send(ids, values, self._view.end if self._view is not None else 0)
             return None
-        replies = self._read_many(self._update_requests(ids, values), self._conn, self._update_timeout)
-        self._seen_seq = max(self._seen_seq, *(int(r.seq) for r in replies))
+        replies = self._read_many(updates.requests(ids, values), self._conn, updates.timeout)
+        updates.seen_seq = max(updates.seen_seq, *(int(r.seq) for r in replies))
         return sum(int(r.ignored) for r in replies)
-
-    def _send_held(self, block: bool) -> None:
-        """Send the held updates, merged, once replies make room among those in flight; with
-        `block`, wait for that room (else leave them held when there is none)."""
-        while self._updates_in_flight and self._conn.arrived(self._updates_in_flight[0]):
-            self._settle_update(self._updates_in_flight.popleft())
-        if not self._updates_held or (not block and len(self._updates_in_flight) >= self.config.max_in_flight):
-            return
-        held, self._updates_held, self._held_ids = self._updates_held, [], 0
-        ids = np.concatenate([h[0] for h in held]) if len(held) > 1 else held[0][0]
-        values = np.concatenate([h[1] for h in held]) if len(held) > 1 else held[0][1]
-        self._send_updates(ids, values)
-
-    def _update_requests(self, ids: np.ndarray, values: np.ndarray) -> list[Callable[[int], P.Request]]:
-        """Checked updates as requests that fit a message each (ids and priorities share it; one
-        empty request for no ids)."""
-        parts = _chunks(ids.shape[0], self._ids_per_message // 2) or [(0, 0)]
-        return [_request(P.UpdatePriorities, ids[lo:hi], values[lo:hi]) for lo, hi in parts]
-
-    def _send_updates(self, ids: np.ndarray, values: np.ndarray) -> None:
-        """Send checked updates in messages that fit, each once one of `max_in_flight` is free."""
-        for request in self._update_requests(ids, values):
-            while len(self._updates_in_flight) >= self.config.max_in_flight:
-                self._settle_update(self._updates_in_flight.popleft())
-            self._updates_in_flight.append(self._conn.send(request))
-
-    def _settle_update(self, request_id: int) -> None:
-        """Read the reply of one update sent with wait=False. The server's refusal is kept, the
-        first one only, for `_raise_refusal` (the updates after it still count); a server that
-        does not answer raises here."""
-        try:
-            reply = self._conn.wait(request_id, self._update_timeout)
-        except (ServerUnavailableError, ClosedError):
-            raise
-        except Exception as exc:  # the server refused this update: nothing of it was applied
-            self._update_refusal = self._update_refusal or exc
-            return
-        self._seen_seq = max(self._seen_seq, int(reply.seq))  # type: ignore[attr-defined]
-        self.ignored_priority_updates += int(reply.ignored)  # type: ignore[attr-defined]
-
-    def _raise_refusal(self) -> None:
-        error, self._update_refusal = self._update_refusal, None
-        if error is not None:
-            raise error
 
     def flush_priorities(self) -> None:
         """Send the priority updates made with wait=False that are still held here, and wait for
         the replies of all of them. The server's refusal of one (ConfigError, IndexError) is
         raised after the others were read; when the server does not answer
         (ServerUnavailableError) the rest are given up."""
-        with self._updates_lock:
-            try:
-                self._send_held(block=True)
-                while self._updates_in_flight:
-                    self._settle_update(self._updates_in_flight.popleft())
-            except (ServerUnavailableError, ClosedError):
-                self._give_up_updates()
-                raise
-            self._raise_refusal()
-
-    def _give_up_updates(self) -> None:
-        """The server did not answer: forget the updates travelling and those held."""
-        for rest in self._updates_in_flight:
-            self._conn.forget(rest)
-        self._updates_in_flight.clear()
-        self._updates_held, self._held_ids = [], 0
+        self._updates.flush()
 
     def episodes(self) -> list[Episode]:
         """Every complete episode held, oldest first: Episode(episode_id, first_row_id, length).
@@ -831,7 +652,7 @@ class LearnerClient:
             log.warning("closing a learner that still keeps %d rows (or windows) drawn for it that no call returned: "
                         "they are gone (call sample() until num_kept is 0 first)", self._kept.count())
             self._kept.take_all()
-        if (self._updates_in_flight or self._updates_held) and not self._conn.closed:
+        if self._updates.pending and not self._conn.closed:
             try:
                 self.flush_priorities()
             except Exception as exc:  # closing must not raise; the caller gave up on their replies

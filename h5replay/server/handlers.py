@@ -1,8 +1,9 @@
 """What the server does for each request: one method per kind, (request, session) -> reply.
 
 No sockets here: `writer.py` receives and sends; this module validates against the space and the
-limits, drives the ReplayBuffer and keeps per-client sessions (open segments, role, last seen).
-Reader processes use `read_reply` alone, over their own read-only SWMR view of the file.
+limits, drives the ReplayBuffer and keeps per-client sessions (sessions.py: open segments, role,
+last seen). Reads are answered by `read_reply` (reads.py), which reader processes use alone, over
+their own read-only SWMR view of the file; the disk's reserve is disk.py's.
 Every method either returns a reply or raises; the caller turns exceptions into error replies.
 """
 
@@ -12,7 +13,6 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -27,9 +27,11 @@ from h5replay.errors import (
     RateLimitedError,
     ReadOnlyError,
     SegmentStateError,
-    ServerUnavailableError,
     StorageError,
 )
+from h5replay.server.disk import DiskReserve
+from h5replay.server.reads import read_reply, reply_rows
+from h5replay.server.sessions import Session, Stats
 from h5replay.server.waiting import Side, WaitingRoom
 from h5replay.storage.replay.buffer import ReplayBuffer
 from h5replay.storage.segment import SegmentWriter
@@ -38,148 +40,6 @@ __all__ = ["Session", "Service", "read_reply", "reply_rows", "Stats"]
 
 log = logging.getLogger("h5replay.server")
 
-
-@dataclass
-class Session:
-    """One connected client, known by its ZeroMQ routing id (and, under --auth, bound to the key
-    of its first message: no other key may use that routing id while the session lasts)."""
-
-    identity: bytes
-    claimed_role: str = "actor"  # what its hello asked for; a client may ask for less than granted
-    granted_role: str | None = None  # what its key may do now (under --auth), looked up per message
-    key: str | None = None
-    name: str = ""
-    last_seen: float = field(default_factory=time.monotonic)
-    segments: dict[int, SegmentWriter] = field(default_factory=dict)
-
-    @property
-    def role(self) -> str:
-        """'learner' when the key or the hello says so, else 'actor'."""
-        return "learner" if "learner" in (self.claimed_role, self.granted_role) else "actor"
-
-
-@dataclass
-class Stats:
-    """Counters the writer keeps; `info` and metrics read them."""
-
-    rows_in: int = 0
-    bytes_in: int = 0
-    commits: int = 0
-    aborts: int = 0
-    requests: int = 0
-    errors: int = 0
-    rows_out: int = 0
-    started: float = field(default_factory=time.monotonic)
-
-
-def reply_rows(reply: P.Reply) -> int:
-    """Rows a read reply carries (windows count every row)."""
-    arrays = getattr(reply, "arrays", None)
-    if not arrays:
-        return 0
-    first = next(iter(arrays.values()))
-    return int(np.prod(first.shape[:2]) if reply.KIND is P.Kind.SAMPLE_SEQUENCES else first.shape[0])
-
-
-def _check_reply_rows(buffer: ReplayBuffer, rows: int, limits: P.Limits, per_sample: int = 0) -> None:
-    """Refuse, before any work, a read whose reply could not travel within the message limit
-    (`per_sample`: bytes of ids and probabilities the reply adds)."""
-    size = rows * buffer.storage.row_bytes + per_sample
-    if size + P.ROWS_MESSAGE_OVERHEAD > limits.max_message_bytes:
-        raise LimitExceededError(
-            f"a reply of {rows} rows would be {size} bytes, over the limit max_message_bytes="
-            f"{limits.max_message_bytes}; ask for fewer rows per request"
-        )
-
-
-def _at_least(buffer: ReplayBuffer, min_seq: int) -> None:
-    """Never answer from a state older than one the client has already seen. Every publish a
-    client can know of was made before it heard of it (replies that name a publish leave after
-    it), so one look at the file's state row settles it: a reader never waits for a publish
-    that may never come."""
-    if buffer.view.seq >= min_seq:
-        return
-    if not buffer.is_mutable:  # the writer's own view is the newest there is
-        buffer.refresh()
-        if buffer.view.seq >= min_seq:
-            return
-    raise ServerUnavailableError(
-        f"this server's newest state is publish {buffer.view.seq}, older than publish {min_seq} this client has "
-        "already seen: the file was restored from an older copy, lost publishes that were never forced to the disk "
-        "(a power loss without --fsync), or is another replay. A learner never reads an older state than it has "
-        "seen; a new client reads this one"
-    )
-
-
-def _view(buffer: ReplayBuffer) -> tuple[int, int, int, int]:
-    v = buffer.last_view
-    return v.seq, v.generation, v.begin, v.end
-
-
-def read_reply(buffer: ReplayBuffer, request: P.Request, rng: np.random.Generator, limits: P.Limits) -> P.Reply:
-    """Answer a read request (get, get_rows, sample, sample_sequences, episodes) from `buffer`,
-    from a state no older than the request's `min_seq`.
-
-    Raises:
-        IndexError, EvictedError, NotEnoughDataError, ConfigError: the request cannot be served as asked.
-        LimitExceededError: the reply would exceed the message size limit.
-        ServerUnavailableError: the file is older than what the client has seen.
-        ProtocolError: `request` is not a read request.
-    """
-    answer = _READS.get(type(request))
-    if answer is None:
-        raise ProtocolError(f"{request.KIND.value} is not a read request")
-    _at_least(buffer, request.min_seq)  # type: ignore[attr-defined]
-    return answer(buffer, request, rng, limits)
-
-
-def _get(buffer: ReplayBuffer, request: P.Get, rng: np.random.Generator, limits: P.Limits) -> P.Reply:
-    _check_reply_rows(buffer, len(request.indices), limits, len(request.indices) * P.ID_BYTES)
-    arrays, ids = buffer.get_at_with_ids(request.indices, decode=False)
-    return P.GetReply(request.request_id, *_view(buffer), ids, arrays)
-
-
-def _get_rows(buffer: ReplayBuffer, request: P.GetRows, rng: np.random.Generator, limits: P.Limits) -> P.Reply:
-    _check_reply_rows(buffer, len(request.row_ids), limits)
-    arrays = buffer.get_rows(request.row_ids, decode=False)
-    return P.GetRowsReply(request.request_id, *_view(buffer), len(request.row_ids), arrays)
-
-
-def _sample(buffer: ReplayBuffer, request: P.Sample, rng: np.random.Generator, limits: P.Limits) -> P.Reply:
-    _check_reply_rows(buffer, request.batch_size, limits, request.batch_size * P.SAMPLE_INFO_BYTES)
-    gen = rng if request.seed is None else np.random.default_rng(request.seed)
-    arrays, info = buffer.sample(request.batch_size, gen, with_info=True, decode=False)
-    return P.SampleReply(request.request_id, *_view(buffer), info.row_ids, info.episode_ids, info.probabilities, arrays)
-
-
-def _sample_sequences(buffer: ReplayBuffer, request: P.SampleSequences, rng: np.random.Generator,
-                      limits: P.Limits) -> P.Reply:
-    _check_reply_rows(buffer, request.batch_size * request.length if request.with_rows else 0, limits,
-                      request.batch_size * P.SAMPLE_INFO_BYTES)
-    gen = rng if request.seed is None else np.random.default_rng(request.seed)
-    arrays, info = buffer.sample_sequences(
-        request.batch_size, request.length, gen, with_info=True, decode=False, rows=request.with_rows
-    )
-    return P.SampleSequencesReply(
-        request.request_id, *_view(buffer), info.row_ids, info.episode_ids, info.probabilities, arrays or {}
-    )
-
-
-def _episodes(buffer: ReplayBuffer, request: P.Episodes, rng: np.random.Generator, limits: P.Limits) -> P.Reply:
-    table = buffer.episode_table(request.first_episode or 0, request.max_episodes)
-    size = table.nbytes + P.ROWS_MESSAGE_OVERHEAD
-    if size > limits.max_message_bytes:
-        raise LimitExceededError(
-            f"a list of {len(table)} episodes is {table.nbytes} bytes, over the limit max_message_bytes="
-            f"{limits.max_message_bytes}; ask for it in pages (first_episode, max_episodes: LearnerClient does)"
-        )
-    return P.EpisodesReply(request.request_id, *_view(buffer), table)
-
-
-# How each read is answered (every kind whose READS is true has one: tests/unit/test_protocol.py).
-_READS: dict[type[P.Request], Callable[[ReplayBuffer, Any, np.random.Generator, P.Limits], P.Reply]] = {
-    P.Get: _get, P.GetRows: _get_rows, P.Sample: _sample, P.SampleSequences: _sample_sequences, P.Episodes: _episodes,
-}
 _WAITING_PER_CLIENT = 4  # requests one client may have waiting for the rate limit, on average
 _WAITING_BYTES = 256 << 20  # rows of waiting push_episode requests held in memory, at most
 
@@ -214,13 +74,9 @@ class Service:
         self.reads_elsewhere = reads_elsewhere
         #: Under --auth, a key's role now (set by `revoke`): requests that waited are checked again.
         self.role_of: Callable[[str], str | None] | None = None
-        # New rows are refused (DiskFullError) while the disk has less than this free; nothing is
-        # written then, so no write fails and the server does not go read-only.
-        self.min_free_bytes = min_free_bytes
-        path = buffer.storage.filename
-        self._disk = os.path.dirname(os.path.abspath(path)) if path else None
-        self._free = 0
-        self._free_read = -1.0
+        # New rows are refused (DiskFullError) while the disk has less than min_free_bytes free;
+        # nothing is written then, so no write fails and the server does not go read-only.
+        self.disk = DiskReserve(buffer.storage.filename, min_free_bytes)
         self.instance_id = instance_id
         self.limits = limits
         self.read_endpoint = read_endpoint
@@ -552,29 +408,12 @@ class Service:
         return P.OpenSegmentReply(request.request_id, segment_id)
 
     def room_on_disk(self, incoming: int, what: str) -> None:
-        """Refuse `incoming` bytes of new rows while the disk would be left with less than the
-        reserve. The free space is read again every 50 ms (or when it looks short), so writes
-        resume by themselves once space is freed.
+        """Refuse `incoming` bytes of new rows while the disk is below the reserve (see disk.py).
 
         Raises:
             DiskFullError: the disk is below the reserve; nothing was written.
         """
-        if self.min_free_bytes <= 0 or self._disk is None:
-            return
-        now = time.monotonic()
-        if now - self._free_read > 0.05 or self._free - incoming < self.min_free_bytes:
-            try:
-                st = os.statvfs(self._disk)
-            except OSError:
-                return
-            self._free, self._free_read = st.f_bavail * st.f_frsize, now
-        if self._free - incoming < self.min_free_bytes:
-            raise DiskFullError(
-                f"refused to {what}: the disk holding {self.buffer.storage.filename} has {self._free} bytes free and this "
-                f"server keeps {self.min_free_bytes} free (--min-free-bytes); free some space and try again (writes "
-                "resume by themselves), or lower the reserve. Reads go on."
-            )
-        self._free -= incoming
+        self.disk.room(incoming, what)
 
     def _check_segment_rows(self, rows: int) -> None:
         """Refuse a segment of `rows` rows over the limit, or over the capacity (it could never be

@@ -49,7 +49,7 @@ from h5replay.config import ServerConfig
 from h5replay.errors import AccessDeniedError, LimitExceededError, ProtocolError, ServerUnavailableError, StorageError
 from h5replay.server.auth import RefusalLog, RoleAuthenticator, server_keys
 from h5replay.server.guard import MONITOR_EVENTS, Budgets, ConnectionGuard, max_connections
-from h5replay.server.handlers import read_reply, reply_rows
+from h5replay.server.reads import read_reply, reply_rows
 from h5replay.server.sockets import Started, bound_endpoint, configure_router
 from h5replay.storage.replay.buffer import ReplayBuffer
 

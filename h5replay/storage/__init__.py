@@ -1,16 +1,25 @@
 """Storage: HDF5Storage (one dataset per leaf), streaming segment writers, ReplayBuffer.
 
-The spaces (h5replay.spaces), the sampling settings (h5replay.sampling: Uniform, Prioritized, Fifo,
-Lifo, RateLimit, Table) and space_from_gymnasium (h5replay.integrations.gym) are re-exported here, so
+The spaces (h5replay.spaces, space_from_gymnasium included) and the sampling settings
+(h5replay.sampling: Table, RateLimit and the samplers: Sampler, Uniform, Prioritized, Fifo, Lifo,
+Recency, Mixture) are re-exported here, so
 `from h5replay.storage import BoxSpace, Prioritized, ReplayBuffer` stays the one import a user needs.
 """
 
 from __future__ import annotations
 
-from h5replay.integrations.gym import space_from_gymnasium
 from h5replay.records import Episode, Receipt, SampleInfo
-from h5replay.sampling import Fifo, Lifo, Prioritized, RateLimit, Table, Uniform
-from h5replay.spaces import BinarySpace, BoxSpace, DictSpace, Schema, Space, TextSpace, space_from_json
+from h5replay.sampling import Fifo, Lifo, Mixture, Prioritized, RateLimit, Recency, Sampler, Table, Uniform
+from h5replay.spaces import (
+    BinarySpace,
+    BoxSpace,
+    DictSpace,
+    Schema,
+    Space,
+    TextSpace,
+    space_from_gymnasium,
+    space_from_json,
+)
 from h5replay.storage.export import compact_file, export_buffer, export_file
 from h5replay.storage.hdf5 import FORMAT_VERSION, HDF5Storage
 from h5replay.storage.indexing import (
@@ -26,6 +35,10 @@ from h5replay.storage.indexing import (
 from h5replay.storage.replay.buffer import CommitInfo, ReplayBuffer
 from h5replay.storage.segment import SegmentWriter
 
+# The design document's HDF5Storage opens a plain h5py file as a ReplayBuffer. The buffer sits on
+# the storage, so hdf5.py cannot name it without an import cycle: the package, above both, adds it.
+HDF5Storage.load_replay_buffer_from_raw_hdf5 = staticmethod(ReplayBuffer.from_raw_hdf5)  # type: ignore[attr-defined]
+
 __all__ = [
     "BinarySpace",
     "BoxSpace",
@@ -37,11 +50,14 @@ __all__ = [
     "FORMAT_VERSION",
     "HDF5Storage",
     "Lifo",
+    "Mixture",
     "Prioritized",
     "RateLimit",
+    "Recency",
     "Receipt",
     "ReplayBuffer",
     "SampleInfo",
+    "Sampler",
     "Schema",
     "SegmentWriter",
     "Space",

@@ -12,7 +12,8 @@ half-written by the writer), and HDF5's default of 100 attempts with a doubling 
 ends on a damaged file. Readers here make at most `METADATA_READ_ATTEMPTS` (under a second per
 block), and `opening()` gives up after a deadline, or at SIGTERM / SIGINT, with a clear error.
 
-This module owns no rows and no bookkeeping; it hands open `h5py.File`s to `hdf5.py`.
+This module owns no rows and no bookkeeping; it hands open `h5py.File`s to `_storage_file.py`
+(HDF5Storage's file half).
 """
 
 from __future__ import annotations

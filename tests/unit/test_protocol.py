@@ -550,7 +550,7 @@ def test_an_idempotency_key_must_be_16_bytes(key: Any) -> None:
 def test_what_each_kind_is_is_said_by_its_class() -> None:
     """The server dispatches on these (read or write, a draw, rows carried, answered after the
     publish); a new kind says what it is here, where the table pins it."""
-    from h5replay.server.handlers import _READS
+    from h5replay.server.reads import _READS
 
     requests = {c.KIND.value: (c.READS, c.WRITES, c.DRAWS, c.CARRIES_ROWS) for c in P.Request.__subclasses__()}
     assert requests == {

@@ -3,7 +3,9 @@
 Each shard is an ordinary h5replay server owning its own file; shards know nothing of each other
 (Reverb's model: no replication, no cross-shard transaction). All routing lives here, in the
 client, over the ordinary single-server clients: `ActorClient(endpoints=[...])` and
-`LearnerClient(endpoints=[...])` build a `ShardedActor` / `ShardedLearner` and delegate to it.
+`LearnerClient(endpoints=[...])` build a `ShardedActor` / `ShardedLearner`, hand it their own
+class for the shards' clients (`client_class`: this package never imports the modules that import
+it) and delegate to it.
 
 A shard is named by its index in `endpoints` (the same list, in the same order, for every client)
 and told apart from the others by its file's `replay_id`. Row and episode ids are qualified by it:

@@ -1,7 +1,8 @@
 """What the sharded actor and learner share: the shards, their space and ids, going down, coming back.
 
 Pure routing state over single-server clients; no sockets of its own (each shard's client owns
-its connections).
+its connections). The single-server client class is given by the client that routes (ActorClient,
+LearnerClient), so that this package never imports the modules that import it.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, TypeVar
 
 from h5replay.config import ClientConfig
 from h5replay.errors import ClosedError, ConfigError, ServerUnavailableError
@@ -25,6 +26,8 @@ __all__ = ["MAX_SHARDS", "home_shard", "log"]
 log = logging.getLogger("h5replay.client")
 
 MAX_SHARDS = 1 << 16  # a packed id has 16 bits of shard
+
+_C = TypeVar("_C")  # the single-server client of one shard
 
 
 def home_shard(name: str, num_shards: int) -> int:
@@ -58,13 +61,16 @@ def _outcome(future: cf.Future[Any]) -> Any:
         return exc
 
 
-class _Router:
-    """What both sharded clients share: the shards, their space and ids, going down, coming back."""
+class _Router(Generic[_C]):
+    """What both sharded clients share: the shards, their space and ids, going down, coming back.
+    `client_class` makes the single-server client of one shard (from `config`, `secret_key` and
+    `server_key`)."""
 
     role = "client"
 
     def __init__(
-        self, endpoints: Sequence[str], config: ClientConfig, secret_key: Any = None, server_key: Any = None
+        self, endpoints: Sequence[str], config: ClientConfig, secret_key: Any = None, server_key: Any = None, *,
+        client_class: Callable[..., _C],
     ) -> None:
         if isinstance(endpoints, str):
             raise ConfigError(f"endpoints must be a list of endpoints, not the string {endpoints!r}")
@@ -80,6 +86,7 @@ class _Router:
             dataclasses.replace(config, endpoint=endpoint)  # validates the endpoint's form now
         self.config = config
         self.endpoints = endpoints
+        self._client_class = client_class
         self.shards = [_Shard(i, e) for i, e in enumerate(endpoints)]
         self.space: Space | None = None
         self._keys = (secret_key, server_key)
@@ -90,9 +97,9 @@ class _Router:
 
     # ------------------------------------------------------------------ hooks
 
-    def _make(self, endpoint: str) -> Any:
+    def _make(self, endpoint: str) -> _C:
         """A single-server client of `endpoint` (says hello; blocks up to the timeout)."""
-        raise NotImplementedError
+        return self._client_class(**self._client_kwargs(endpoint))
 
     def _wants_probe(self, shard: _Shard) -> bool:
         return True

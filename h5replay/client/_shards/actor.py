@@ -11,10 +11,12 @@ import os
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Concatenate, Literal, NamedTuple, NoReturn, ParamSpec, TypeVar, overload
+from typing import Any, Concatenate, Literal, NamedTuple, NoReturn, ParamSpec, Protocol, TypeVar, overload
 
 import numpy as np
 
+from h5replay.client._commits import PendingCommit
+from h5replay.client._segment import ActorSegment, SegmentClient
 from h5replay.client._shards._router import _Router, _Shard, home_shard, log
 from h5replay.config import ClientConfig
 from h5replay.errors import (
@@ -29,25 +31,31 @@ from h5replay.protocol import IDEMPOTENCY_KEY_BYTES
 from h5replay.records import Receipt
 from h5replay.sampling import check_priorities
 
-if TYPE_CHECKING:
-    from h5replay.client.actor import ActorClient, ActorSegment, PendingCommit
+__all__ = ["InDoubt", "ShardedActor", "ShardedSegment", "ShardClient"]
 
-__all__ = ["InDoubt", "ShardedActor", "ShardedSegment"]
+
+class ShardClient(SegmentClient, Protocol):
+    """What the router needs of one shard's single-server client (an ActorClient)."""
+
+    def info(self) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
+
+_A = TypeVar("_A", bound=ShardClient)
 
 
 def _done(receipt: Receipt) -> PendingCommit:
     """A settled PendingCommit: over several servers, commits are always waited for."""
-    from h5replay.client.actor import PendingCommit  # that module imports this one
-
     return PendingCommit.done_with(receipt)
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
 
-def _locked(method: Callable[Concatenate[ShardedActor, _P], _R]) -> Callable[Concatenate[ShardedActor, _P], _R]:
+def _locked(method: Callable[Concatenate[ShardedActor[Any], _P], _R]) -> Callable[Concatenate[ShardedActor[Any], _P], _R]:
     """Run the method under the actor's lock: segments of one actor may be used from several threads."""
-    def locked(self: ShardedActor, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+    def locked(self: ShardedActor[Any], /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         with self._lock:
             return method(self, *args, **kwargs)
 
@@ -135,13 +143,14 @@ def _commit(segment: ActorSegment) -> Receipt:
     return segment.commit()
 
 
-class ShardedActor(_Router):
+class ShardedActor(_Router[_A]):
     """The routing of `ActorClient(endpoints=[...])`: one shard at a time, failing over.
 
     Args:
         endpoints: every shard's endpoint, in the same order for every client.
         config: the client's settings (its `endpoint` is ignored; `name` picks the home shard).
         secret_key, server_key: CURVE certificate files, the same for every shard.
+        client_class: the single-server client of one shard (ActorClient).
 
     Raises:
         ConfigError: the shards hold different spaces, or two endpoints reach the same file.
@@ -151,9 +160,10 @@ class ShardedActor(_Router):
     role = "actor"
 
     def __init__(
-        self, endpoints: Sequence[str], config: ClientConfig, secret_key: Any = None, server_key: Any = None
+        self, endpoints: Sequence[str], config: ClientConfig, secret_key: Any = None, server_key: Any = None, *,
+        client_class: Callable[..., _A],
     ) -> None:
-        super().__init__(endpoints, config, secret_key, server_key)
+        super().__init__(endpoints, config, secret_key, server_key, client_class=client_class)
         self.home = home_shard(config.name, len(self.shards))
         self.current = self.home
         #: Episodes in doubt, by key, kept until their shard settles them.
@@ -162,7 +172,7 @@ class ShardedActor(_Router):
         self._settled: deque[InDoubt] = deque(maxlen=1000)
         self.num_failovers = 0
         self._using: Counter[int] = Counter()  # open segments per shard
-        self._codec: ActorClient | None = None  # encodes steps (the space is every shard's)
+        self._codec: _A | None = None  # encodes steps (the space is every shard's)
         try:
             # A hello to every shard, so that a space mismatch shows now and not at a failover;
             # then only the shard written to keeps a connection (a server's client slots are few).
@@ -177,11 +187,6 @@ class ShardedActor(_Router):
         except BaseException:
             self.close()
             raise
-
-    def _make(self, endpoint: str) -> ActorClient:
-        from h5replay.client.actor import ActorClient
-
-        return ActorClient(**self._client_kwargs(endpoint))
 
     def _ring(self, start: int) -> list[_Shard]:
         return [self.shards[(start + k) % len(self.shards)] for k in range(len(self.shards))]
@@ -219,13 +224,13 @@ class ShardedActor(_Router):
                 client.close()
 
     @property
-    def codec(self) -> ActorClient:
+    def codec(self) -> _A:
         if self._codec is None:
             raise ClosedError("this actor never connected")
         return self._codec
 
     @_locked
-    def writer(self) -> tuple[int, ActorClient]:
+    def writer(self) -> tuple[int, _A]:
         """(shard, client) to write the next rows to: the current shard, or the next live one.
 
         Raises:
@@ -272,12 +277,12 @@ class ShardedActor(_Router):
         )
 
     @_locked
-    def client_of(self, index: int) -> ActorClient | None:
+    def client_of(self, index: int) -> _A | None:
         """Shard `index`'s client while it answers, else None (an episode in doubt there may go
         nowhere else)."""
         self._check()
         self._poll_probes()
-        client: ActorClient | None = self.shards[index].client
+        client: _A | None = self.shards[index].client
         return client
 
     @_locked
@@ -297,8 +302,6 @@ class ShardedActor(_Router):
                 self._settle(parked, shard)
 
     def _settle(self, parked: _Parked, shard: _Shard) -> None:
-        from h5replay.client.actor import ActorSegment
-
         inner = ActorSegment(shard.client, key=parked.key)
         self._using[shard.index] += 1
         try:
@@ -429,7 +432,7 @@ class ShardedSegment:
             (None: none): from then on the episode goes to no other shard.
     """
 
-    def __init__(self, actor: ShardedActor) -> None:
+    def __init__(self, actor: ShardedActor[Any]) -> None:
         self._actor = actor
         self._rows = _Rows()
         self._inner: ActorSegment | None = None
@@ -482,8 +485,6 @@ class ShardedSegment:
         Raises:
             ServerUnavailableError: no shard answers.
         """
-        from h5replay.client.actor import ActorSegment
-
         while self._inner is None:
             if self.in_doubt_on is not None:  # its commit may have landed there: only there
                 index, pinned = self.in_doubt_on, self._actor.client_of(self.in_doubt_on)

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
 from h5replay.client._kept import Kept, Part, join_parts, kept_error
+from h5replay.client._reads import View
 from h5replay.client._shards._router import _outcome, _Router, _Shard, log
 from h5replay.config import ClientConfig
 from h5replay.errors import (
@@ -26,10 +27,21 @@ from h5replay.records import Episode, SampleInfo, pack_ids, unpack_ids
 from h5replay.sampling import check_priorities
 from h5replay.spaces import Space, flatten_value, unflatten_value
 
-if TYPE_CHECKING:
-    from h5replay.client.learner import LearnerClient, View
+__all__ = ["ShardedLearner", "ShardLearner"]
 
-__all__ = ["ShardedLearner"]
+
+class ShardLearner(Protocol):
+    """What the router needs of one shard's single-server client (a LearnerClient), by name; the
+    rest it reaches through the shards' clients, untyped."""
+
+    def __len__(self) -> int: ...
+
+    def info(self) -> dict[str, Any]: ...
+
+    def episodes(self) -> list[Episode]: ...
+
+
+_L = TypeVar("_L", bound=ShardLearner)
 
 # Figures of `info()` that do not add up across shards (they stay per shard, under "shards").
 _NOT_ADDITIVE = frozenset({
@@ -78,13 +90,14 @@ class _Empty(Exception):
     """A shard had nothing to sample (it was cleared, or holds no window that long)."""
 
 
-class ShardedLearner(_Router):
+class ShardedLearner(_Router[_L]):
     """The routing of `LearnerClient(endpoints=[...])`: reads from every live shard.
 
     Args:
         endpoints: every shard's endpoint, in the same order for every client.
         config: the client's settings (its `endpoint` is ignored).
         secret_key, server_key: CURVE certificate files, the same for every shard.
+        client_class: the single-server client of one shard (LearnerClient).
 
     Raises:
         ConfigError: the shards hold different spaces, or two endpoints reach the same file.
@@ -94,9 +107,10 @@ class ShardedLearner(_Router):
     role = "learner"
 
     def __init__(
-        self, endpoints: Sequence[str], config: ClientConfig, secret_key: Any = None, server_key: Any = None
+        self, endpoints: Sequence[str], config: ClientConfig, secret_key: Any = None, server_key: Any = None, *,
+        client_class: Callable[..., _L],
     ) -> None:
-        super().__init__(endpoints, config, secret_key, server_key)
+        super().__init__(endpoints, config, secret_key, server_key, client_class=client_class)
         self._pool = cf.ThreadPoolExecutor(max_workers=len(self.shards), thread_name_prefix="h5replay-shard")
         self._lengths = np.full(len(self.shards), -1, dtype=np.int64)  # rows held as last seen; -1: unknown
         self._views: dict[int, View] = {}  # kept while a shard is down: its view never goes back
@@ -114,11 +128,6 @@ class ShardedLearner(_Router):
         first = next(s.client for s in self.shards if s.client is not None)
         self.limits = first.limits
         self.codec_space: Space = first.space
-
-    def _make(self, endpoint: str) -> LearnerClient:
-        from h5replay.client.learner import LearnerClient
-
-        return LearnerClient(**self._client_kwargs(endpoint))
 
     def _retire(self, shard: _Shard) -> None:
         view = shard.client.view
@@ -181,7 +190,7 @@ class ShardedLearner(_Router):
             )
         return live
 
-    def _fan_out(self, calls: Mapping[int, Callable[[LearnerClient], Any]]) -> dict[int, Any]:
+    def _fan_out(self, calls: Mapping[int, Callable[[_L], Any]]) -> dict[int, Any]:
         """{shard: result} of one call per shard, all sent at once. A shard that does not answer is
         marked down and left out; any other error is raised (after every call has returned)."""
         outcomes = self._fan_out_outcomes(calls)
@@ -190,7 +199,7 @@ class ShardedLearner(_Router):
                 raise outcome
         return {index: o for index, o in outcomes.items() if not isinstance(o, BaseException)}
 
-    def _gather(self, call: Callable[[LearnerClient], Any]) -> dict[int, Any]:
+    def _gather(self, call: Callable[[_L], Any]) -> dict[int, Any]:
         """`call` on every live shard; raises ServerUnavailableError when none answered."""
         with self._lock:
             results = self._fan_out({i: call for i in self._live()})
@@ -326,7 +335,7 @@ class ShardedLearner(_Router):
             "use episodes() (packed ids), or learner.shard(i).get_segments() on one shard"
         )
 
-    def shard(self, index: int) -> LearnerClient:
+    def shard(self, index: int) -> _L:
         """The single-server client of shard `index` (its own logical indices, ids and view).
 
         Raises:
@@ -379,7 +388,7 @@ class ShardedLearner(_Router):
                 weights = lengths / lengths.sum()
                 assign = rng.choice(len(live), size=size, p=weights)
                 counts = np.bincount(assign, minlength=len(live))
-                calls: dict[int, Callable[[LearnerClient], Any]] = {}
+                calls: dict[int, Callable[[_L], Any]] = {}
                 for k, index in enumerate(live):
                     part_seed = None if seed is None else int(rng.integers(2**62))
                     calls[index] = _drawer(call, int(counts[k]), part_seed) if counts[k] else len
@@ -448,7 +457,7 @@ class ShardedLearner(_Router):
         batch = self._unflat(arrays)
         return (batch, info) if with_info else batch
 
-    def _fan_out_outcomes(self, calls: Mapping[int, Callable[[LearnerClient], Any]]) -> dict[int, Any]:
+    def _fan_out_outcomes(self, calls: Mapping[int, Callable[[_L], Any]]) -> dict[int, Any]:
         """{shard: result or the exception it raised} of one call per shard, all sent at once; a
         shard that does not answer is marked down."""
         if not calls:

@@ -42,7 +42,7 @@ from h5replay.errors import (
 from h5replay.records import Episode, Receipt, SampleInfo
 from h5replay.sampling import DEFAULT_TABLE, RateLimit, Sampler, Table, Uniform, check_priorities, check_tables
 from h5replay.spaces import Schema, Space
-from h5replay.storage import _h5file, hdf5
+from h5replay.storage import _h5file
 from h5replay.storage._indices import normalize_index
 from h5replay.storage.hdf5 import HDF5Storage
 from h5replay.storage.replay.episodes import EpisodeTable
@@ -1081,5 +1081,3 @@ class ReplayBuffer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-hdf5.raw_replay_buffer_factory = ReplayBuffer.from_raw_hdf5

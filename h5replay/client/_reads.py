@@ -1,0 +1,87 @@
+"""The pure parts of a learner's reads: arguments checked, requests built a message's worth at a
+time, and what a reply says (the published state it came from, the info of what it drew).
+
+No sockets: LearnerClient (learner.py) and the shard router (h5replay.client._shards) use these.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from h5replay import protocol as P
+from h5replay.errors import ConfigError
+from h5replay.records import SampleInfo
+
+__all__ = ["View", "sample_info"]
+
+_WILDCARD_HOSTS = ("0.0.0.0", "*", "::", "[::]")
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+class View(NamedTuple):
+    """The published state a reply came from: publish counter, clear counter, row ids held."""
+
+    seq: int
+    generation: int
+    begin: int
+    end: int
+
+    @property
+    def length(self) -> int:
+        return self.end - self.begin
+
+
+def _reachable(advertised: str, dialed: str) -> str:
+    """The read endpoint to dial: a wildcard host (a server bound on 0.0.0.0) becomes the host this
+    client reached the writer on."""
+    if advertised.startswith("tcp://") and dialed.startswith("tcp://"):
+        host, _, port = advertised[len("tcp://"):].rpartition(":")
+        if host in _WILDCARD_HOSTS:
+            return f"tcp://{dialed[len('tcp://'):].rpartition(':')[0]}:{port}"
+    return advertised
+
+
+def _integer_array(values: Any, what: str) -> np.ndarray:
+    """`values` as a flat int64 array, refusing what is not an integer index (bools, floats)."""
+    arr = values if isinstance(values, np.ndarray) else np.asarray(values)
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"{what} must be integers, got an array of {arr.dtype}"
+                        + ("; a boolean mask selects rows locally only: pass np.flatnonzero(mask)"
+                           if arr.dtype.kind == "b" else ""))
+    flat = arr.reshape(-1)
+    if arr.dtype.kind == "u" and int(flat.max()) > _INT64_MAX:
+        raise IndexError(f"{what[:-1]} {int(flat.max())} is out of range")
+    return flat.astype(np.int64, copy=False)
+
+
+def _positive(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ConfigError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+def _chunks(n: int, per: int) -> list[tuple[int, int]]:
+    return [(lo, min(n, lo + per)) for lo in range(0, n, per)]
+
+
+def _request(cls: Callable[..., P.Request], *fields: Any) -> Callable[[int], P.Request]:
+    """A request factory for Connection.send (which picks the request id)."""
+    return lambda request_id: cls(request_id, *fields)
+
+
+def _seed(seed: int | None, part: int) -> int | None:
+    return None if seed is None else seed + part
+
+
+def sample_info(replies: list[Any]) -> SampleInfo:
+    """The SampleInfo of the replies of one draw, in order."""
+    infos = [SampleInfo(r.row_ids.astype(np.uint64), r.episode_ids, r.probabilities) for r in replies]
+    info = infos[0]
+    for more in infos[1:]:
+        info = info.concatenate(more)
+    return info

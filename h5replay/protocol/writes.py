@@ -1,0 +1,175 @@
+"""The messages that change the file: segments, commits, pushes of whole episodes, priorities."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from h5replay.errors import ProtocolError
+from h5replay.protocol.base import Kind, Reply, Request
+from h5replay.protocol.checks import (
+    _NO_PRIORITIES,
+    Array,
+    Arrays,
+    Limits,
+    _check_leading,
+    _check_priorities,
+    _check_rows_limit,
+)
+
+__all__ = [
+    "OpenSegment", "Append", "Commit", "Abort", "PushEpisode", "PushEpisodes", "UpdatePriorities",
+    "OpenSegmentReply", "AppendReply", "CommitReply", "AbortReply", "PushEpisodeReply", "PushEpisodesReply",
+    "UpdatePrioritiesReply",
+]
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class OpenSegment(Request):
+    KIND = Kind.OPEN_SEGMENT
+    WRITES = True
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class Append(Request):
+    KIND = Kind.APPEND
+    WRITES = True
+    CARRIES_ROWS = True
+    segment_id: int
+    num_rows: int
+    arrays: Arrays
+    priorities: Array = field(default_factory=lambda: _NO_PRIORITIES)  # one per row (NaN: the default), or none
+
+    def _validate(self, limits: Limits) -> None:
+        _check_leading(self.arrays, self.num_rows)
+        _check_priorities(self.priorities, self.num_rows)
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class Commit(Request):
+    KIND = Kind.COMMIT
+    WRITES = True
+    segment_id: int
+    timeout: float = 0.0  # seconds the rate limit may hold the commit back
+    idempotency_key: bytes | None = None  # 16 bytes, the same for every retry of this commit
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class Abort(Request):
+    KIND = Kind.ABORT
+    WRITES = True
+    segment_id: int
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class PushEpisode(Request):
+    KIND = Kind.PUSH_EPISODE
+    WRITES = True
+    CARRIES_ROWS = True
+    num_rows: int
+    arrays: Arrays
+    timeout: float = 0.0
+    priorities: Array = field(default_factory=lambda: _NO_PRIORITIES)
+    idempotency_key: bytes | None = None
+
+    def _validate(self, limits: Limits) -> None:
+        _check_leading(self.arrays, self.num_rows)
+        _check_priorities(self.priorities, self.num_rows)
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class PushEpisodes(Request):
+    """k whole episodes in one message: `lengths` (k,) rows each, their rows one after another in
+    `arrays` (num_rows in all), one idempotency key per episode (`keys`, k x 16 bytes)."""
+
+    KIND = Kind.PUSH_EPISODES
+    WRITES = True
+    CARRIES_ROWS = True
+    num_rows: int
+    lengths: Array
+    keys: Array
+    arrays: Arrays
+    timeout: float = 0.0
+    priorities: Array = field(default_factory=lambda: _NO_PRIORITIES)
+
+    def _validate(self, limits: Limits) -> None:
+        _check_leading(self.arrays, self.num_rows)
+        _check_priorities(self.priorities, self.num_rows)
+        k = len(self.lengths)
+        if k == 0:
+            raise ProtocolError("push_episodes needs at least one episode")
+        _check_rows_limit(k, "lengths (episodes)", limits)
+        if int(np.min(self.lengths)) < 1:
+            raise ProtocolError(f"every episode of push_episodes needs at least one row, got a length of "
+                                f"{int(np.min(self.lengths))}")
+        if int(np.sum(self.lengths)) != self.num_rows:
+            raise ProtocolError(f"push_episodes lengths add up to {int(np.sum(self.lengths))} rows but the message "
+                                f"has {self.num_rows}")
+        if len(self.keys) != k:
+            raise ProtocolError(f"push_episodes needs one idempotency key per episode, got {len(self.keys)} for {k}")
+        if len({bytes(key) for key in self.keys}) != k:
+            raise ProtocolError("push_episodes keys must differ: each episode has its own idempotency key")
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class UpdatePriorities(Request):
+    KIND = Kind.UPDATE_PRIORITIES
+    row_ids: Array
+    priorities: Array
+
+    def _validate(self, limits: Limits) -> None:
+        _check_rows_limit(len(self.row_ids), "row_ids", limits)
+        if len(self.priorities) != len(self.row_ids):
+            raise ProtocolError(f"update_priorities needs one priority per row id, got {len(self.priorities)} for "
+                                f"{len(self.row_ids)}")
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class OpenSegmentReply(Reply):
+    KIND = Kind.OPEN_SEGMENT
+    segment_id: int
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class AppendReply(Reply):
+    KIND = Kind.APPEND
+    segment_length: int  # rows in the segment so far
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class CommitReply(Reply):
+    KIND = Kind.COMMIT
+    ACKNOWLEDGES = True
+    episode_id: int | None  # None: the segment was empty, nothing was recorded
+    first_row_id: int | None
+    length: int
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class AbortReply(Reply):
+    KIND = Kind.ABORT
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class PushEpisodeReply(Reply):
+    KIND = Kind.PUSH_EPISODE
+    ACKNOWLEDGES = True
+    episode_id: int | None
+    first_row_id: int | None
+    length: int
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class PushEpisodesReply(Reply):
+    KIND = Kind.PUSH_EPISODES
+    ACKNOWLEDGES = True
+    episodes: Array  # int64 (k, 3): (episode_id, first_row_id, length) of each episode, in the order sent
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class UpdatePrioritiesReply(Reply):
+    KIND = Kind.UPDATE_PRIORITIES
+    ACKNOWLEDGES = True
+    ignored: int  # ids no longer held (evicted, cleared or removed): ignored, as Reverb does
+    seq: int  # the publish that makes the new priorities durable and visible to readers (may follow the reply)
