@@ -132,8 +132,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--auth", metavar="DIR", help="accept only CURVE keys listed in DIR/actors and DIR/learners")
     serve.add_argument("--insecure", action="store_true", help="allow binding beyond loopback without --auth")
     sampling = serve.add_argument_group("sampling (a new file; an existing one keeps its own)")
-    sampling.add_argument("--sampler", choices=("uniform", "prioritized", "fifo", "lifo"),
+    sampling.add_argument("--sampler", choices=("uniform", "prioritized", "fifo", "lifo", "recency"),
                           help="how rows are drawn (default uniform)")
+    sampling.add_argument("--half-life", type=_number, metavar="N",
+                          help="recency: a row N rows older is half as likely (DreamerV3's recency selector)")
+    sampling.add_argument("--tables", metavar="FILE",
+                          help="several tables over one file: a JSON object of table name to settings with the "
+                               "flags' names (sampler, priority_exponent, initial_priority, half_life, components, "
+                               "min_size_to_sample, samples_per_insert, error_buffer, max_times_sampled); not with "
+                               "the single-table flags")
     sampling.add_argument("--priority-exponent", type=_number, metavar="A",
                           help="prioritized: probability ~ priority ** A (default 0.6)")
     sampling.add_argument("--initial-priority", type=_number, metavar="P",
@@ -333,25 +340,42 @@ def _check_serve_args(args: argparse.Namespace) -> None:
                           "--unbounded (it is for a new file) or give a new path")
 
 
-def _sampling_config(args: argparse.Namespace) -> Any:
-    """The sampling settings the flags give, or None when none was given."""
-    from h5replay.sampling import Fifo, Lifo, Prioritized, RateLimit, SamplingConfig, Uniform
+_TABLE_FLAGS = ("sampler", "priority_exponent", "initial_priority", "half_life", "min_size_to_sample",
+                "samples_per_insert", "error_buffer", "max_times_sampled")
 
-    flags = ("sampler", "priority_exponent", "initial_priority", "min_size_to_sample", "samples_per_insert",
-             "error_buffer", "max_times_sampled")
-    if all(getattr(args, name) is None for name in flags):
+
+def _sampling_config(args: argparse.Namespace) -> Any:
+    """The one table the flags give, or None when none was given."""
+    from h5replay.sampling import table_from_settings
+
+    given = {name: getattr(args, name) for name in _TABLE_FLAGS if getattr(args, name) is not None}
+    if not given:
         return None
-    kind = args.sampler or ("prioritized" if args.priority_exponent is not None or args.initial_priority is not None
-                            else "uniform")
-    if kind != "prioritized" and (args.priority_exponent is not None or args.initial_priority is not None):
-        raise UsageError("--priority-exponent and --initial-priority go with --sampler prioritized")
-    if kind == "prioritized":
-        sampler: Any = Prioritized(0.6 if args.priority_exponent is None else args.priority_exponent,
-                                   args.initial_priority)
-    else:
-        sampler = {"uniform": Uniform, "fifo": Fifo, "lifo": Lifo}[kind]()
-    limit = RateLimit(args.min_size_to_sample or 1, args.samples_per_insert, args.error_buffer)
-    return SamplingConfig(sampler, limit, args.max_times_sampled or 0)
+    if args.tables is not None:
+        raise UsageError(f"--tables gives every table's settings: leave out --{next(iter(given)).replace('_', '-')}")
+    try:
+        return table_from_settings(given)
+    except ConfigError as exc:  # in the flags' own words
+        raise UsageError(str(exc).replace("table 'default': ", "").replace("_", "-")) from None
+
+
+def _tables_config(args: argparse.Namespace) -> Any:
+    """The tables a --tables file gives (None: no --tables)."""
+    from h5replay.sampling import tables_from_settings
+
+    if args.tables is None:
+        return None
+    try:
+        with open(args.tables, encoding="utf-8") as f:
+            obj = json.load(f)
+    except OSError as exc:
+        raise ConfigError(f"--tables {args.tables!r}: cannot read it: {exc.strerror or exc}") from None
+    except (ValueError, RecursionError) as exc:
+        raise ConfigError(f"--tables {args.tables!r} is not JSON: {exc}") from None
+    try:
+        return tables_from_settings(obj)
+    except ConfigError as exc:
+        raise ConfigError(f"--tables {args.tables!r}: {exc}") from None
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -379,7 +403,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         idle_timeout=args.idle_timeout,
         max_clients_per_key=args.max_clients_per_key,
         actor_slots=args.actor_slots,
-        sampling=_sampling_config(args),
+        sampling=_sampling_config(args), tables=_tables_config(args),
         check_bounds=args.check_bounds,
         idempotency_window=args.idempotency_window,
     )

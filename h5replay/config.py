@@ -17,7 +17,7 @@ from typing import Any
 
 from h5replay.errors import ConfigError
 from h5replay.protocol import DEFAULT_LIMITS, Limits
-from h5replay.sampling import SamplingConfig
+from h5replay.sampling import SamplingConfig, Table, check_tables
 
 __all__ = ["ServerConfig", "ClientConfig", "DEFAULT_ENDPOINT", "MAX_SECONDS", "read_endpoint_for", "check_endpoint", "check_seconds"]
 
@@ -172,6 +172,9 @@ class ServerConfig:
     # Sampler, rate limit and max_times_sampled of a new file (None: uniform, no limit); for an
     # existing file, when given, they must be the file's own.
     sampling: SamplingConfig | None = None
+    # Several tables of a new file, by name (`serve --tables FILE`); not with `sampling`. For an
+    # existing file, when given, they must be the file's own.
+    tables: dict[str, Table] | None = None
     # Refuse Box values outside the space's bounds, and NaN, as gymnasium's `contains` would
     # (`serve --no-check-bounds` turns it off: then the server stores what fits the dtype and shape).
     check_bounds: bool = True
@@ -183,6 +186,10 @@ class ServerConfig:
         _check_int("capacity", self.capacity, 1, _MAX_ROWS, none=True)
         _check_int("idempotency_window", self.idempotency_window, 1, _MAX_ROWS, none=True)
         _check_int("num_readers", self.num_readers, 0, _MAX_READERS)
+        if self.tables is not None:
+            if self.sampling is not None:
+                raise ConfigError("give either tables or sampling (one table), not both")
+            check_tables(self.tables)
         if self.num_readers and not self.multiprocessing:
             raise ConfigError("reader processes need multiprocessing=True (SWMR); use num_readers=0")
         for name in ("session_timeout", "idle_timeout", "open_timeout", "reader_timeout"):

@@ -47,7 +47,8 @@ from h5replay.samplers.prioritized import over_limit
 __all__ = ["Uniform", "Prioritized", "Fifo", "Lifo", "Recency", "Mixture", "Sampler", "RateLimit", "RateLimiter", "SamplingConfig",
            "sampler_from_json", "sampler_to_json", "rate_limit_from_json", "rate_limit_to_json", "check_priorities",
            "rows_at_once", "MAX_WEIGHT", "Table", "DEFAULT_TABLE", "MAX_TABLES",
-           "check_table_name", "check_tables", "table_from_json"]
+           "check_table_name", "check_tables", "table_from_json", "describe_tables",
+           "table_description", "table_from_settings", "tables_from_settings", "SETTINGS"]
 
 _UNIFORM = Uniform()
 
@@ -106,9 +107,16 @@ def rows_at_once(description: Any, *, sampling: bool) -> int | None:
     hello's `sampling`, `SamplingConfig.describe()`), or None when it has no ratio limit: what a
     client puts in one message at most, so that the server never refuses it as too big.
 
-    A description that is not a valid rate limit (a newer or a lying server) bounds nothing."""
+    A description that is not a valid rate limit (a newer or a lying server) bounds nothing. A
+    server of several tables (`describe_tables`): an insert goes to every table, so the least of
+    theirs; a sample, the table's own (give `table_description(...)`)."""
     if not isinstance(description, dict):
         return None
+    names = [n for n in str(description.get("tables", "")).split(",") if n]
+    if len(names) > 1 and not sampling:
+        bounds = [rows_at_once(table_description(description, name), sampling=False) for name in names]
+        known = [b for b in bounds if b is not None]
+        return min(known) if known else None
     try:
         limit = RateLimit(description.get("min_size_to_sample"), description.get("samples_per_insert"),  # type: ignore[arg-type]
                           description.get("error_buffer"))
@@ -345,6 +353,117 @@ def table_from_json(text: str, name: str = DEFAULT_TABLE) -> Table:
                      obj["max_times_sampled"])
     except (ValueError, TypeError, RecursionError) as exc:
         raise ConfigError(f"table {name!r}: unknown table description {text[:200]!r}: {exc}") from exc
+
+
+#: The keys of a table's settings (`table_from_settings`, `serve --tables`): the serve flags'.
+SETTINGS = ("sampler", "priority_exponent", "initial_priority", "half_life", "components", "min_size_to_sample",
+            "samples_per_insert", "error_buffer", "max_times_sampled")
+_SAMPLER_SETTINGS = {"uniform": (), "fifo": (), "lifo": (), "prioritized": ("priority_exponent", "initial_priority"),
+                     "recency": ("half_life",), "mixture": ("components",)}
+
+
+def _sampler_from_settings(settings: Mapping[str, Any], where: str) -> Sampler:
+    kind = settings.get("sampler")
+    if kind is None:
+        kind = "prioritized" if any(settings.get(k) is not None for k in ("priority_exponent", "initial_priority")) \
+            else "recency" if settings.get("half_life") is not None else "uniform"
+    if kind not in _SAMPLER_SETTINGS:
+        raise ConfigError(f"{where}: sampler must be one of {', '.join(_SAMPLER_SETTINGS)}, got {str(kind)[:40]!r}")
+    for key in ("priority_exponent", "initial_priority", "half_life", "components"):
+        if settings.get(key) is not None and key not in _SAMPLER_SETTINGS[kind]:
+            raise ConfigError(f"{where}: {key} does not go with sampler {kind!r}")
+    if kind == "prioritized":
+        exponent = settings.get("priority_exponent")
+        return Prioritized(0.6 if exponent is None else exponent, settings.get("initial_priority"))
+    if kind == "recency":
+        if settings.get("half_life") is None:
+            raise ConfigError(f"{where}: sampler 'recency' needs half_life (rows)")
+        return Recency(settings["half_life"])
+    if kind == "mixture":
+        parts = settings.get("components")
+        if not isinstance(parts, list) or not parts or not all(
+                isinstance(p, list) and len(p) == 2 and isinstance(p[0], Mapping) for p in parts):
+            raise ConfigError(f"{where}: a mixture's components are [[{{sampler settings}}, weight], ...], got "
+                              f"{str(parts)[:80]}")
+        for settings_, _ in parts:
+            unknown = set(settings_) - set(("sampler", "priority_exponent", "initial_priority", "half_life"))
+            if unknown:
+                raise ConfigError(f"{where}: a mixture component has unknown settings {sorted(unknown)}")
+        return Mixture([(_sampler_from_settings(p[0], f"{where}, component {i}"), p[1]) for i, p in enumerate(parts)])
+    return {"uniform": Uniform, "fifo": Fifo, "lifo": Lifo}[kind]()
+
+
+def table_from_settings(settings: object, name: str = DEFAULT_TABLE) -> Table:
+    """A table from its settings by the serve flags' names (`SETTINGS`; absent or None: the
+    default), as `serve --tables FILE` reads them, the flags themselves included.
+
+    Raises:
+        ConfigError: not an object of known settings, or settings a table refuses (names the table).
+    """
+    where = f"table {name!r}"
+    if not isinstance(settings, Mapping):
+        raise ConfigError(f"{where}: settings must be a JSON object of {', '.join(SETTINGS)}, got {str(settings)[:80]}")
+    unknown = sorted(set(settings) - set(SETTINGS))
+    if unknown:
+        raise ConfigError(f"{where}: unknown setting(s) {', '.join(map(repr, unknown))}; known: {', '.join(SETTINGS)}")
+    try:
+        sampler = _sampler_from_settings(settings, where)
+        limit = RateLimit(settings.get("min_size_to_sample") or 1, settings.get("samples_per_insert"),
+                          settings.get("error_buffer"))
+        return Table(sampler, limit, settings.get("max_times_sampled"))
+    except ConfigError as exc:
+        message = str(exc)
+        raise ConfigError(message if message.startswith(where) else f"{where}: {message}") from None
+    except TypeError as exc:  # a value of the wrong type reaching a constructor
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def tables_from_settings(obj: object) -> dict[str, Table]:
+    """The tables of a `--tables` file: a JSON object of table name to its settings.
+
+    Raises:
+        ConfigError: not such an object, a bad name or bad settings (names the table and the setting).
+    """
+    if not isinstance(obj, Mapping) or not obj:
+        raise ConfigError(f"tables must be a non-empty JSON object of table name to settings, got {str(obj)[:80]}")
+    for name in obj:
+        check_table_name(name)
+    return check_tables({name: table_from_settings(settings, name) for name, settings in obj.items()})
+
+
+def describe_tables(tables: Mapping[str, Table], writer_only: set[str] | frozenset[str] = frozenset()) -> dict[str, Any]:
+    """A server's tables as flat scalars (its hello's `sampling`, its stats): "tables" (their
+    names, comma-separated), each table's `describe()` as "table.<name>.<figure>" with its
+    "writer_samples" (whether only the writer draws from it: the names in `writer_only`), and, for
+    a buffer of one table, the same figures by their plain names too."""
+    out: dict[str, Any] = {"tables": ",".join(tables), "writer_samples": bool(writer_only)}
+    for name, table in tables.items():
+        figures = {**table.describe(), "writer_samples": name in writer_only}
+        out.update({f"table.{name}.{key}": value for key, value in figures.items()})
+        if len(tables) == 1:
+            out.update(figures)
+    return out
+
+
+def table_description(described: Mapping[str, Any], table: str | None) -> dict[str, Any]:
+    """One table's figures from `describe_tables(...)` (a server's hello): by its plain names.
+    A server that names no tables has one, described by plain names.
+
+    Raises:
+        ConfigError: no such table, or none named where there are several (names them).
+    """
+    names = [n for n in str(described.get("tables", "")).split(",") if n]
+    if not names:
+        return dict(described)
+    if table is None:
+        if len(names) != 1:
+            raise ConfigError(f"this server has {len(names)} tables ({', '.join(map(repr, names))}): name one with "
+                              "table=")
+        table = names[0]
+    if table not in names:
+        raise ConfigError(f"no table {str(table)[:80]!r}: this server's tables are {', '.join(map(repr, names))}")
+    prefix = f"table.{table}."
+    return {key[len(prefix):]: value for key, value in described.items() if key.startswith(prefix)}
 
 
 def check_priorities(values: object, n: int, *, missing_ok: bool = False, sampler: Sampler | None = None) -> np.ndarray:

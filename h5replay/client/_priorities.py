@@ -42,8 +42,9 @@ class PriorityUpdates:
         # Priority updates sent with wait=False whose replies were not read yet (request ids).
         self._in_flight: deque[int] = deque()
         # Priority updates made with wait=False, checked, that wait for room among those in
-        # flight: (row ids, priorities) in call order, sent merged into as few messages as fit.
-        self._held: list[tuple[np.ndarray, np.ndarray]] = []
+        # flight: (row ids, priorities, table) in call order, sent merged (a table's with its
+        # own) into as few messages as fit.
+        self._held: list[tuple[np.ndarray, np.ndarray, str | None]] = []
         self._held_ids = 0
         self._refusal: Exception | None = None  # the first refusal of one, raised by the next call
         self.lock = threading.RLock()
@@ -55,7 +56,7 @@ class PriorityUpdates:
         """Whether updates are held here or travel (a read sees this client's own: flush first)."""
         return bool(self._in_flight or self._held)
 
-    def send(self, ids: np.ndarray, values: np.ndarray, seen: int) -> None:
+    def send(self, ids: np.ndarray, values: np.ndarray, seen: int, table: str | None = None) -> None:
         """Send checked updates without waiting for their replies (LearnerClient.update_priorities
         with wait=False); `seen`: the end of the newest view, below which every id was in a reply.
 
@@ -67,9 +68,9 @@ class PriorityUpdates:
             try:
                 if ids.size and int(ids.max()) >= seen:  # may be refused (never committed): alone
                     self._send_held(block=True)
-                    self._send_updates(ids, values)
+                    self._send_updates(ids, values, table)
                 else:
-                    self._held.append((ids, values))
+                    self._held.append((ids, values, table))
                     self._held_ids += ids.shape[0]
                     self._send_held(block=self._held_ids >= self._ids_per_message // 2)  # a message's worth
             except (ServerUnavailableError, ClosedError):
@@ -92,11 +93,11 @@ class PriorityUpdates:
                 raise
             self._raise_refusal()
 
-    def requests(self, ids: np.ndarray, values: np.ndarray) -> list[Callable[[int], P.Request]]:
-        """Checked updates as requests that fit a message each (ids and priorities share it; one
-        empty request for no ids)."""
+    def requests(self, ids: np.ndarray, values: np.ndarray, table: str | None = None) -> list[Callable[[int], P.Request]]:
+        """Checked updates of `table` as requests that fit a message each (ids and priorities
+        share it; one empty request for no ids)."""
         parts = _chunks(ids.shape[0], self._ids_per_message // 2) or [(0, 0)]
-        return [_request(P.UpdatePriorities, ids[lo:hi], values[lo:hi]) for lo, hi in parts]
+        return [_request(P.UpdatePriorities, ids[lo:hi], values[lo:hi], table) for lo, hi in parts]
 
     def _send_held(self, block: bool) -> None:
         """Send the held updates, merged, once replies make room among those in flight; with
@@ -106,13 +107,15 @@ class PriorityUpdates:
         if not self._held or (not block and len(self._in_flight) >= self._max_in_flight):
             return
         held, self._held, self._held_ids = self._held, [], 0
-        ids = np.concatenate([h[0] for h in held]) if len(held) > 1 else held[0][0]
-        values = np.concatenate([h[1] for h in held]) if len(held) > 1 else held[0][1]
-        self._send_updates(ids, values)
+        for table in dict.fromkeys(h[2] for h in held):  # each table's in call order (tables are apart)
+            mine = [h for h in held if h[2] == table]
+            ids = np.concatenate([h[0] for h in mine]) if len(mine) > 1 else mine[0][0]
+            values = np.concatenate([h[1] for h in mine]) if len(mine) > 1 else mine[0][1]
+            self._send_updates(ids, values, table)
 
-    def _send_updates(self, ids: np.ndarray, values: np.ndarray) -> None:
+    def _send_updates(self, ids: np.ndarray, values: np.ndarray, table: str | None = None) -> None:
         """Send checked updates in messages that fit, each once one of `max_in_flight` is free."""
-        for request in self.requests(ids, values):
+        for request in self.requests(ids, values, table):
             while len(self._in_flight) >= self._max_in_flight:
                 self._settle(self._in_flight.popleft())
             self._in_flight.append(self._conn.send(request))

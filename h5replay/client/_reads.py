@@ -7,6 +7,7 @@ No sockets: LearnerClient (learner.py) and the shard router (h5replay.client._sh
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -14,6 +15,7 @@ import numpy as np
 from h5replay import protocol as P
 from h5replay.errors import ConfigError
 from h5replay.records import SampleInfo
+from h5replay.sampling import Prioritized, Sampler, rows_at_once, table_description
 
 __all__ = ["View", "sample_info"]
 
@@ -85,3 +87,45 @@ def sample_info(replies: list[Any]) -> SampleInfo:
     for more in infos[1:]:
         info = info.concatenate(more)
     return info
+
+
+@dataclass(frozen=True)
+class TableDraws:
+    """How a learner draws from one table of a server, as its hello describes the table."""
+
+    asked: str | None  # the name the caller gave (None: the server's only table), sent as is
+    name: str  # the table's name ('' from a server that names no tables)
+    samples: Any  # the Connection its samples go to: the writer's when they change the buffer
+    consuming: bool  # its draws change the server's state (a rate limit, removals): none is dropped
+    removes: bool  # max_times_sampled is set: rows drawn leave the table
+    sampler: Sampler | None  # the priorities' sampler (their bound is checked here too), or None
+    keeps_priorities: bool | None  # whether the table is prioritized (None: the server does not say)
+    rows_per_sample: int  # rows one sample request asks for: within a message and the rate limit
+
+    @property
+    def kind(self) -> tuple[str, ...]:
+        """The part of a kept draw's kind that names the table (kept rows never cross tables)."""
+        return (self.name,) if self.name else ()
+
+
+def table_draws(described: dict[str, Any], table: str | None, writer: Any, reads: Any,
+                rows_per_message: int) -> TableDraws:
+    """A table's `TableDraws` from a server's hello `sampling`.
+
+    Raises:
+        ConfigError: no such table, or none named where the server has several.
+    """
+    figures = table_description(described, table)
+    names = [n for n in str(described.get("tables", "")).split(",") if n]
+    name = table if table is not None else (names[0] if names else "")
+    consuming = bool(figures.get("writer_samples"))
+    sampler: Sampler | None = None
+    if figures.get("priority_exponent") is not None:
+        try:
+            sampler = Prioritized(figures.get("priority_exponent"))  # type: ignore[arg-type]
+        except ConfigError:
+            sampler = None  # a description that is no sampler: the server checks alone
+    rows = min(rows_per_message, rows_at_once(figures, sampling=True) or rows_per_message)
+    keeps = None if "sampler" not in figures else figures.get("priority_exponent") is not None
+    return TableDraws(table, name, writer if consuming else reads, consuming, bool(figures.get("max_times_sampled")),
+                      sampler, keeps, rows)

@@ -33,6 +33,7 @@ from h5replay.client._draws import ConsumingDraws
 from h5replay.client._kept import Kept, Part, join_parts, kept_error
 from h5replay.client._priorities import PriorityUpdates
 from h5replay.client._reads import (
+    TableDraws,
     View,
     _chunks,
     _integer_array,
@@ -41,12 +42,13 @@ from h5replay.client._reads import (
     _request,
     _seed,
     sample_info,
+    table_draws,
 )
 from h5replay.client._shards import ShardedLearner
 from h5replay.config import DEFAULT_ENDPOINT, ClientConfig, process_name
 from h5replay.errors import ConfigError, ProtocolError
 from h5replay.records import Episode
-from h5replay.sampling import Prioritized, Sampler, check_priorities, rows_at_once
+from h5replay.sampling import check_priorities
 from h5replay.spaces import Schema, Space, space_from_json
 
 log = logging.getLogger("h5replay.client")
@@ -120,18 +122,11 @@ class LearnerClient:
         self.sampling: dict[str, Any] = dict(hello.sampling)
         # Samples that change the buffer (a rate limit, removals) are drawn by the writer, and are
         # never drawn again: what a failed call had drawn is kept for the next (see _kept.py).
-        self._samples: Connection = self._conn if hello.sampling.get("writer_samples") else self._reads
-        self._consuming = self._samples is not self._reads
-        self._removes = bool(hello.sampling.get("max_times_sampled"))
-        self._draws = ConsumingDraws(self._samples, self.config, self._observe)
-        # The server's sampler as far as priorities go: its exponent bounds each priority, checked
-        # here too, so that updates merged into one message are refused only all for one reason.
-        self._sampler: Sampler | None = None
-        if hello.sampling.get("sampler") == "prioritized":
-            try:
-                self._sampler = Prioritized(hello.sampling.get("priority_exponent"))  # type: ignore[arg-type]
-            except ConfigError:
-                self._sampler = None  # a description that is no sampler: the server checks alone
+        self._draws = ConsumingDraws(self._conn, self.config, self._observe)
+        # How each table is drawn from (by the name asked for), as the hello describes it; a
+        # prioritized table's exponent bounds each priority, checked here too, so that updates
+        # merged into one message are refused only all for one reason.
+        self._table_draws: dict[str | None, TableDraws] = {}
         self._kept = Kept()
         # A priority update's reply waits for the publish carrying it: up to the server's interval.
         interval = hello.sampling.get("priority_publish_interval", 0.0)
@@ -147,10 +142,26 @@ class LearnerClient:
         self._ids_per_message = max(1, min(self.rows_per_message, room // P.ID_BYTES))
         # Priority updates sent with wait=False (see _priorities.py).
         self._updates = PriorityUpdates(self._conn, self.config.max_in_flight, update_timeout, self._ids_per_message)
-        # Rows one sample request asks for: within a message, and within what the server's rate
-        # limit admits at once (a bigger one could never go ahead).
-        self._rows_per_sample = min(self.rows_per_message, rows_at_once(hello.sampling, sampling=True)
-                                    or self.rows_per_message)
+
+    def _table(self, table: str | None) -> TableDraws:
+        """How to draw from `table` (None: the server's only table).
+
+        Raises:
+            ConfigError: the server has no such table, or several and none was named.
+        """
+        found = self._table_draws.get(table)
+        if found is None:
+            found = self._table_draws[table] = table_draws(self.sampling, table, self._conn, self._reads,
+                                                           self.rows_per_message)
+        return found
+
+    def _table_figure(self, t: TableDraws, figure: str) -> Any:
+        return self.sampling.get(f"table.{t.name}.{figure}", self.sampling.get(figure))
+
+    @property
+    def _consuming(self) -> bool:
+        """Whether some table's draws change the server's state."""
+        return bool(self.sampling.get("writer_samples"))
 
     # ------------------------------------------------------------------ the view
 
@@ -332,14 +343,15 @@ class LearnerClient:
         replies = self._read_many([_request(P.GetRows, min_seq, ids[lo:hi]) for lo, hi in parts])
         return self._joined([r.arrays for r in replies])
 
-    def sample(self, batch_size: int, seed: int | None = None, *, with_info: bool = False) -> Any:
+    def sample(self, batch_size: int, seed: int | None = None, *, with_info: bool = False,
+               table: str | None = None) -> Any:
         """`batch_size` rows drawn by the server's sampler: uniformly or by priority, with
         replacement; fifo / lifo or when rows are removed, without. With `with_info=True` returns
         (batch, SampleInfo): row ids, episode ids, draw probabilities (for importance weights:
         `SampleInfo.importance_weights(beta)`). A batch bigger than one message is drawn in parts
         (seed, seed + 1, ...). Over several servers, from every live shard in proportion to the
         rows it holds (one request per shard, all at once); `SampleInfo.shard_ids` says where
-        each row came from.
+        each row came from. `table`: the table to draw from (None: the server's only one).
 
         From a server whose draws change its state (a queue, a rate limit), no row a draw handed
         out is dropped: rows this client kept from a call that failed part-way come first
@@ -349,13 +361,15 @@ class LearnerClient:
         Raises:
             NotEnoughDataError: nothing to sample yet (without a rate limit; with one, the sample waits).
             RateLimitedError: the server's rate limit held the sample back for `rate_limit_timeout`.
+            ConfigError: the server has no such table, or several and none was named.
         """
         if self._router is not None:
-            return self._router.sample(batch_size, seed, with_info=with_info)
+            return self._router.sample(batch_size, seed, with_info=with_info, table=table)
         size = _positive(batch_size, "batch_size")
-        if self._consuming:
-            return self._consume(("rows",), size, lambda n: self._sample_requests(n, seed), with_info)
-        return self._sampled(self._read_many(self._sample_requests(size, seed)), with_info)
+        t = self._table(table)
+        if t.consuming:
+            return self._consume(("rows", *t.kind), size, lambda n: self._sample_requests(n, seed, t), with_info)
+        return self._sampled(self._read_many(self._sample_requests(size, seed, t)), with_info)
 
     def _consume(self, kind: Any, size: int, requests: Callable[[int], list[Callable[[int], P.Request]]],
                  with_info: bool) -> Any:
@@ -373,27 +387,28 @@ class LearnerClient:
         batch = self._decode(arrays)
         return (batch, info) if with_info else batch
 
-    def _sample_many(self, factories: Sequence[Callable[[int], P.Request]]) -> list[Any]:
+    def _sample_many(self, factories: Sequence[Callable[[int], P.Request]], t: TableDraws) -> list[Any]:
         """Sample requests go to whoever draws them: readers, or the writer when samples change the
         buffer (then each may wait up to `rate_limit_timeout` for the rate limit)."""
-        if self._samples is self._reads:
+        if t.samples is self._reads:
             return self._read_many(factories)
-        return self._read_many(factories, self._samples, self.config.timeout + self.config.rate_limit_timeout)
+        return self._read_many(factories, t.samples, self.config.timeout + self.config.rate_limit_timeout)
 
-    def _sample_requests(self, size: int, seed: int | None) -> list[Callable[[int], P.Request]]:
+    def _sample_requests(self, size: int, seed: int | None, t: TableDraws) -> list[Callable[[int], P.Request]]:
         """The Sample requests of one batch: one per message's worth of rows."""
         limit = self.config.rate_limit_timeout
-        return [_request(P.Sample, hi - lo, _seed(seed, k), self._min_seq, limit)
-                for k, (lo, hi) in enumerate(_chunks(size, self._rows_per_sample))]
+        return [_request(P.Sample, hi - lo, _seed(seed, k), self._min_seq, limit, t.asked)
+                for k, (lo, hi) in enumerate(_chunks(size, t.rows_per_sample))]
 
-    def _window_requests(self, size: int, steps: int, seed: int | None) -> list[Callable[[int], P.Request]] | None:
+    def _window_requests(self, size: int, steps: int, seed: int | None,
+                         t: TableDraws) -> list[Callable[[int], P.Request]] | None:
         """The SampleSequences requests of one batch with its rows, or None when one window is
         bigger than a message (then the windows are drawn first and read by row ids)."""
-        windows = self._rows_per_sample // steps
+        windows = t.rows_per_sample // steps
         if windows < 1:
             return None
         limit = self.config.rate_limit_timeout
-        return [_request(P.SampleSequences, hi - lo, steps, _seed(seed, k), self._min_seq, True, limit)
+        return [_request(P.SampleSequences, hi - lo, steps, _seed(seed, k), self._min_seq, True, limit, t.asked)
                 for k, (lo, hi) in enumerate(_chunks(size, windows))]
 
     def _sampled(self, replies: list[Any], with_info: bool) -> Any:
@@ -401,25 +416,27 @@ class LearnerClient:
         batch = self._decode(self._joined([r.arrays for r in replies]))
         return (batch, sample_info(replies)) if with_info else batch
 
-    def sample_sequences(self, batch_size: int, length: int, seed: int | None = None, *, with_info: bool = False) -> Any:
+    def sample_sequences(self, batch_size: int, length: int, seed: int | None = None, *, with_info: bool = False,
+                         table: str | None = None) -> Any:
         """`batch_size` windows of `length` consecutive steps, each inside one complete episode;
         leaves come back shaped (batch_size, length, ...). With `with_info=True` returns
-        (batch, SampleInfo) of each window's first row. Over several servers, as `sample`."""
+        (batch, SampleInfo) of each window's first row. `table` and over several servers, as `sample`."""
         if self._router is not None:
-            return self._router.sample_sequences(batch_size, length, seed, with_info=with_info)
+            return self._router.sample_sequences(batch_size, length, seed, with_info=with_info, table=table)
         size, steps = _positive(batch_size, "batch_size"), _positive(length, "length")
-        requests = self._window_requests(size, steps, seed)
-        if requests is not None and self._consuming:  # a rate limit counts them: kept on a failure, as `sample`
-            return self._consume(("windows", steps), size, lambda n: self._window_requests(n, steps, seed) or [],
-                                 with_info)
+        t = self._table(table)
+        requests = self._window_requests(size, steps, seed, t)
+        if requests is not None and t.consuming:  # a rate limit counts them: kept on a failure, as `sample`
+            return self._consume(("windows", steps, *t.kind), size,
+                                 lambda n: self._window_requests(n, steps, seed, t) or [], with_info)
         if requests is not None:
-            return self._sampled(self._sample_many(requests), with_info)
+            return self._sampled(self._sample_many(requests, t), with_info)
         # One window is bigger than a message: draw the windows, then read each one by row ids.
         limit = self.config.rate_limit_timeout
         replies = self._sample_many([
-            _request(P.SampleSequences, hi - lo, steps, _seed(seed, k), self._min_seq, False, limit)
+            _request(P.SampleSequences, hi - lo, steps, _seed(seed, k), self._min_seq, False, limit, t.asked)
             for k, (lo, hi) in enumerate(_chunks(size, self.limits.max_rows_per_message))
-        ])
+        ], t)
         info = sample_info(replies)
         ids = (info.row_ids.astype(np.int64)[:, None] + np.arange(steps, dtype=np.int64)[None, :]).reshape(-1)
         rows = self._rows_by_id(ids, self._min_seq)
@@ -428,7 +445,7 @@ class LearnerClient:
 
     def batches(
         self, batch_size: int, *, prefetch: int = 4, sequence_length: int | None = None, with_info: bool = False,
-        seed: int | None = None,
+        seed: int | None = None, table: str | None = None,
     ) -> Iterator[Any]:
         """Batches without end: `sample(batch_size)`, or `sample_sequences(batch_size,
         sequence_length)`, with `prefetch` batches requested ahead, so the server draws the next
@@ -442,11 +459,11 @@ class LearnerClient:
         already drawn are kept (`num_kept`, returned first by the next sample or loop) and the
         requests still waiting for the rate limit are cancelled, so no row is drawn for nobody.
         Over several servers, each batch is one `sample` across the shards (which already fans
-        out).
+        out). `table`: as `sample`.
 
         Raises:
-            ConfigError: `batch_size`, `sequence_length` or `prefetch` is not a positive int
-                (at once, not at the first batch).
+            ConfigError: `batch_size`, `sequence_length` or `prefetch` is not a positive int, or
+                `table` names no table of the server (at once, not at the first batch).
             NotEnoughDataError, RateLimitedError, ServerUnavailableError: as `sample`; the
                 iterator ends with the error.
         """
@@ -456,24 +473,28 @@ class LearnerClient:
 
         def one_batch(k: int) -> Any:
             if steps is None:
-                return self.sample(size, _seed(seed, k), with_info=with_info)
-            return self.sample_sequences(size, steps, _seed(seed, k), with_info=with_info)
+                return self.sample(size, _seed(seed, k), with_info=with_info, table=table)
+            return self.sample_sequences(size, steps, _seed(seed, k), with_info=with_info, table=table)
 
-        if self._router is not None or (steps is not None and self._rows_per_sample < steps):
-            return (one_batch(k) for k in itertools.count())  # shards fan out; huge windows are read by id
+        if self._router is not None:
+            self._router.check_table(table)
+            return (one_batch(k) for k in itertools.count())  # shards fan out
+        t = self._table(table)
+        if steps is not None and t.rows_per_sample < steps:
+            return (one_batch(k) for k in itertools.count())  # huge windows are read by id
 
-        group = 1 if seed is not None else self._batches_per_request(size * (steps or 1), ahead)
+        group = 1 if seed is not None else self._batches_per_request(size * (steps or 1), ahead, t)
 
         def requests(batch_seed: int | None) -> list[Callable[[int], P.Request]]:
             if steps is None:
-                return self._sample_requests(size * group, batch_seed)
-            return self._window_requests(size * group, steps, batch_seed) or []
+                return self._sample_requests(size * group, batch_seed, t)
+            return self._window_requests(size * group, steps, batch_seed, t) or []
 
         parts = len(requests(None))
-        kind = ("rows",) if steps is None else ("windows", steps)
-        pipelined = self._pipelined(lambda k: requests(_seed(seed, k * parts)), -(-ahead // group), with_info, group,
-                                    kind)
-        if not self._consuming:
+        kind = (("rows",) if steps is None else ("windows", steps)) + t.kind
+        pipelined = self._pipelined(lambda k: requests(_seed(seed, k * parts)), -(-ahead // group), with_info, t,
+                                    group, kind)
+        if not t.consuming:
             return pipelined
         return self._kept_first(kind, one_batch, pipelined)
 
@@ -485,31 +506,31 @@ class LearnerClient:
             k += 1
         yield from then
 
-    def _batches_per_request(self, rows: int, ahead: int) -> int:
+    def _batches_per_request(self, rows: int, ahead: int, t: TableDraws) -> int:
         """How many batches of `rows` rows one request of `batches` may carry: 1 when the writer
         draws (a rate limit counts, or rows are removed, as each batch is asked for), else up to
         half of `ahead` (two requests or more stay in flight), within one message and 1 MiB."""
-        if self._samples is not self._reads:
+        if t.samples is not self._reads:
             return 1
         fit = min(self.rows_per_message // rows, _REQUEST_BYTES // max(1, rows * int(self.schema.row_bytes)))
         return int(max(1, min(ahead // 2, fit)))
 
     def _pipelined(
         self, group_requests: Callable[[int], list[Callable[[int], P.Request]]], ahead: int, with_info: bool,
-        group: int = 1, kind: Any = ("rows",),
+        t: TableDraws, group: int = 1, kind: Any = ("rows",),
     ) -> Iterator[Any]:
         """The batches the replies to `group_requests(k)` carry, `group` batches each, with
         `ahead` groups' requests in flight. From a server whose draws change its state, no reply
         is given up on: when one fails, or the loop is left, the requests still in flight are
         cancelled where they wait for the rate limit, and what was drawn is kept (`num_kept`)."""
-        conn = self._samples
+        conn = t.samples
         timeout = None if conn is self._reads else self.config.timeout + self.config.rate_limit_timeout
         in_flight: collections.deque[list[int]] = collections.deque()
         try:
             for k in itertools.count():
                 while len(in_flight) < ahead:
                     in_flight.append([conn.send(request) for request in group_requests(k + len(in_flight))])
-                if self._consuming:
+                if t.consuming:
                     parts, error = self._draws.collect(in_flight.popleft(), cancel=False,
                                                  timeout=typing.cast(float, timeout))
                     if error is not None:
@@ -525,7 +546,7 @@ class LearnerClient:
                         self._observe(reply)
                 yield from self._split(replies, group, with_info)
         finally:
-            if self._consuming and in_flight and not conn.closed:
+            if t.consuming and in_flight and not conn.closed:
                 parts, _ = self._draws.collect([rid for ids in in_flight for rid in ids], cancel=True,
                                          timeout=typing.cast(float, timeout))
                 self._kept.put(kind, parts)
@@ -544,13 +565,16 @@ class LearnerClient:
             yield (batch, info.slice(lo, lo + size)) if info is not None else batch
 
     @overload
-    def update_priorities(self, row_ids: Any, priorities: Any, *, wait: Literal[True] = True) -> int: ...
+    def update_priorities(self, row_ids: Any, priorities: Any, *, wait: Literal[True] = True,
+                          table: str | None = None) -> int: ...
     @overload
-    def update_priorities(self, row_ids: Any, priorities: Any, *, wait: Literal[False]) -> None: ...
+    def update_priorities(self, row_ids: Any, priorities: Any, *, wait: Literal[False],
+                          table: str | None = None) -> None: ...
     @overload
-    def update_priorities(self, row_ids: Any, priorities: Any, *, wait: bool) -> int | None: ...
+    def update_priorities(self, row_ids: Any, priorities: Any, *, wait: bool, table: str | None = None) -> int | None: ...
 
-    def update_priorities(self, row_ids: Any, priorities: Any, *, wait: bool = True) -> int | None:
+    def update_priorities(self, row_ids: Any, priorities: Any, *, wait: bool = True,
+                          table: str | None = None) -> int | None:
         """Set the priorities of rows by id (a prioritized server), e.g. to |TD error| after a
         learning step. Ids no longer held are ignored (and counted by the server). Blocks until
         the writer has applied them and published them (durable, shown to every reader) at the
@@ -571,28 +595,33 @@ class LearnerClient:
         call). Only updates whose ids this client has seen in a reply are merged: a merged
         message can then be refused only for what would refuse each of its parts (an update
         naming an id never committed travels alone). Over several servers, updates are always
-        waited for.
+        waited for. `table`: the prioritized table whose priorities these are (None: the
+        server's only table).
 
         Returns:
             How many ids were ignored (None with wait=False).
 
         Raises:
-            ConfigError: the server's sampler keeps no priorities, or a priority is negative, NaN
-                or infinite, or the counts differ (nothing is changed).
+            ConfigError: the table keeps no priorities (or is not the server's), or a priority is
+                negative, NaN or infinite, or the counts differ (nothing is changed).
             IndexError: an id was never committed (nothing of that message is changed).
         """
         if self._router is not None:
-            return self._router.update_priorities(row_ids, priorities)
+            return self._router.update_priorities(row_ids, priorities, table=table)
         ids = _integer_array(row_ids, "row ids")
-        values = check_priorities(priorities, ids.shape[0], sampler=self._sampler)
+        t = self._table(table)
+        if t.keeps_priorities is False:
+            raise ConfigError(f"table {t.name!r} samples by {self._table_figure(t, 'sampler')}, not by priority: only "
+                              "a Prioritized sampler keeps priorities")
+        values = check_priorities(priorities, ids.shape[0], sampler=t.sampler)
         if ids.size and int(ids.min()) < 0:
             raise IndexError(f"row id {int(ids.min())} is negative; row ids count from 0")
         updates = self._updates
         if not wait:
             with updates.lock:
-                updates.send(ids, values, self._view.end if self._view is not None else 0)
+                updates.send(ids, values, self._view.end if self._view is not None else 0, t.asked)
             return None
-        replies = self._read_many(updates.requests(ids, values), self._conn, updates.timeout)
+        replies = self._read_many(updates.requests(ids, values, t.asked), self._conn, updates.timeout)
         updates.seen_seq = max(updates.seen_seq, *(int(r.seq) for r in replies))
         return sum(int(r.ignored) for r in replies)
 

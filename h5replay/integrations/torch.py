@@ -28,6 +28,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without torch
     raise ImportError("h5replay.integrations.torch needs PyTorch: pip install 'h5replay[torch]'") from exc
 
 from h5replay.errors import ConfigError, NotEnoughDataError
+from h5replay.sampling import check_table_name
 
 __all__ = ["H5ReplayDataset", "to_tensors"]
 
@@ -67,6 +68,7 @@ class H5ReplayDataset(IterableDataset[Any]):  # type: ignore[misc,unused-ignore]
             one with no episode long enough for `sequence_length`) is waited for before
             NotEnoughDataError.
         secret_key, server_key: CURVE certificate files for a server started with --auth.
+        table: the table to sample (None: the server's only table).
     """
 
     def __init__(
@@ -80,6 +82,7 @@ class H5ReplayDataset(IterableDataset[Any]):  # type: ignore[misc,unused-ignore]
         timeout: float = 30.0,
         secret_key: str | os.PathLike[str] | None = None,
         server_key: str | os.PathLike[str] | None = None,
+        table: str | None = None,
     ) -> None:
         if batch_size < 1:
             raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
@@ -99,6 +102,7 @@ class H5ReplayDataset(IterableDataset[Any]):  # type: ignore[misc,unused-ignore]
         self.timeout = timeout
         self.secret_key = secret_key
         self.server_key = server_key
+        self.table = None if table is None else check_table_name(table)
 
     def __len__(self) -> int:
         """`num_batches`; a dataset that samples forever has no length (TypeError)."""
@@ -164,7 +168,7 @@ class H5ReplayDataset(IterableDataset[Any]):  # type: ignore[misc,unused-ignore]
                 while not stop.is_set() and (count is None or produced < count):
                     try:
                         for batch in client.batches(self.batch_size, prefetch=self.prefetch,
-                                                    sequence_length=self.sequence_length):
+                                                    sequence_length=self.sequence_length, table=self.table):
                             empty_since = None
                             _put(batches, to_tensors(batch), stop)
                             produced += 1

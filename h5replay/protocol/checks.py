@@ -17,6 +17,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from h5replay.errors import ConfigError, LimitExceededError, ProtocolError
+from h5replay.sampling import check_table_name
 
 __all__ = [
     "ROLES", "IDEMPOTENCY_KEY_BYTES", "ROWS_MESSAGE_OVERHEAD", "ID_BYTES", "SAMPLE_INFO_BYTES", "Limits", "DEFAULT_LIMITS",
@@ -202,6 +203,15 @@ def _limits(value: Any, name: str, limits: Limits) -> Limits:
     return Limits.from_json(value)
 
 
+def _table(value: Any, name: str, limits: Limits) -> str | None:
+    if value is None:
+        return None
+    try:
+        return check_table_name(value)
+    except ConfigError as exc:
+        raise ProtocolError(f"field {name!r}: {exc}") from None
+
+
 def _bool(value: Any, name: str, limits: Limits) -> bool:
     if type(value) is not bool:
         raise ProtocolError(f"field {name!r} must be a bool, got {_show(value)}")
@@ -216,11 +226,11 @@ _SCALAR_CHECKS: dict[str, Callable[[Any, str, Limits], Any]] = {
     "stats": _stats, "code": _text, "message": _text, "read_endpoint": _text, "replay_id": _text,
     "instance_id": _text, "min_seq": _uint, "seq": _uint, "generation": _uint, "begin": _uint, "end": _uint,
     "with_rows": _bool, "timeout": _seconds, "ignored": _uint, "sampling": _stats, "idempotency_key": _key,
-    "first_episode": _optional_uint, "max_episodes": _optional_uint,
+    "first_episode": _optional_uint, "max_episodes": _optional_uint, "table": _table,
 }
 # Fields added within version 3, which earlier version 3 peers leave out: decoded as the message's
 # default when absent. `encode` leaves one out only when it is None.
-_OPTIONAL_SCALARS = frozenset({"idempotency_key", "timeout", "first_episode", "max_episodes"})
+_OPTIONAL_SCALARS = frozenset({"idempotency_key", "timeout", "first_episode", "max_episodes", "table"})
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,7 @@ class Sample(Request):
     seed: int | None = None
     min_seq: int = 0
     timeout: float = 0.0  # seconds the rate limit may hold the sample back (writer-side sampling)
+    table: str | None = None  # the table to draw from (None: the server's only table)
 
     @property
     def num_drawn(self) -> int:
@@ -67,6 +68,7 @@ class SampleSequences(Request):
     min_seq: int = 0
     with_rows: bool = True  # False: only the windows' ids (the learner then fetches rows by id)
     timeout: float = 0.0
+    table: str | None = None
 
     @property
     def num_drawn(self) -> int:

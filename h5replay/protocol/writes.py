@@ -117,6 +117,7 @@ class UpdatePriorities(Request):
     KIND = Kind.UPDATE_PRIORITIES
     row_ids: Array
     priorities: Array
+    table: str | None = None  # the prioritized table (None: the server's only table)
 
     def _validate(self, limits: Limits) -> None:
         _check_rows_limit(len(self.row_ids), "row_ids", limits)

@@ -29,6 +29,7 @@ from h5replay.errors import (
     SegmentStateError,
     StorageError,
 )
+from h5replay.sampling import describe_tables
 from h5replay.server.disk import DiskReserve
 from h5replay.server.reads import read_reply, reply_rows
 from h5replay.server.sessions import Session, Stats
@@ -110,13 +111,16 @@ class Service:
             P.Heartbeat: self.heartbeat,
             P.Cancel: self.cancel,
         }
-        sampling = buffer.sampling
-        #: Whether samples change the buffer (a rate limit, or removals): only this service draws them.
-        self.writer_samples = sampling.writer_only is not None
-        self._limited = sampling.rate_limit.active or sampling.removes
+        tables = buffer.tables
+        #: The tables whose samples change the buffer (a rate limit, or removals): only this
+        #: service draws them.
+        self._writer_tables = {name for name, t in tables.items() if t.writer_only is not None}
+        #: Whether some table's samples are drawn here only.
+        self.writer_samples = bool(self._writer_tables)
+        self._limited = any(t.rate_limit.active or t.removes for t in tables.values())
         #: Samples and commits the rate limit holds back (see waiting.py).
         self.waiting: WaitingRoom[Parked] = WaitingRoom(
-            lambda side, rows: buffer.rate_limit_blocker(rows, sampling=side == "sample"),
+            lambda side, rows, table: buffer.rate_limit_blocker(rows, sampling=side == "sample", table=table),
             max_waiting=limits.max_clients * _WAITING_PER_CLIENT,
         )
         self._waiting_bytes = 0
@@ -129,15 +133,26 @@ class Service:
 
     # ------------------------------------------------------------------ the rate limit
 
-    def _gate(self, identity: bytes, request: P.Request) -> tuple[Side, int] | None:
-        """(side, rows) of a request the rate limit governs; None for any other."""
+    def _gate(self, identity: bytes, request: P.Request) -> tuple[Side, int, str | None] | None:
+        """(side, rows, table) of a request the rate limit governs; None for any other."""
         if not self._limited:
             return None
         if request.DRAWS:
-            return ("sample", request.num_drawn) if self.writer_samples else None  # type: ignore[attr-defined]
+            if not self._draws_here(request):
+                return None
+            return "sample", request.num_drawn, request.table  # type: ignore[attr-defined]
         inserts = self._inserts.get(type(request))
         rows = inserts(identity, request) if inserts is not None else 0
-        return ("insert", rows) if rows else None
+        return ("insert", rows, None) if rows else None
+
+    def _draws_here(self, request: P.Request) -> bool:
+        """Whether a draw changes the buffer (its table is rate-limited or removes rows), so
+        only this service may serve it.
+
+        Raises:
+            ConfigError: the request names no table of this buffer (or none where there are several).
+        """
+        return self.buffer.table_name(getattr(request, "table", None)) in self._writer_tables
 
     def _commit_rows(self, identity: bytes, request: P.Commit) -> int:
         session = self.sessions.get(identity)
@@ -165,14 +180,14 @@ class Service:
         gate = self._gate(identity, request)
         if gate is None:
             return self.handle(identity, request, granted_role, key)
-        side, rows = gate
+        side, rows, table = gate
         nbytes = sum(a.nbytes for a in request.arrays.values()) if request.CARRIES_ROWS else 0  # type: ignore[attr-defined]
-        if nbytes and self._waiting_bytes + nbytes > _WAITING_BYTES and self.waiting.queues["insert"]:
+        if nbytes and self._waiting_bytes + nbytes > _WAITING_BYTES and self.waiting.count("insert"):
             raise RateLimitedError(f"the rate limit holds inserts back and {self._waiting_bytes} bytes of episodes "
                                    "already wait in this server's memory; stream long episodes through segments")
         timeout = float(getattr(request, "timeout", 0.0))
         self.session(identity, key, granted_role)  # a client refused a session waits for nothing
-        status, why = self.waiting.admit(side, rows, timeout, (identity, request, granted_role, key))
+        status, why = self.waiting.admit(side, rows, timeout, (identity, request, granted_role, key), table)
         if status == "go":
             return self.handle(identity, request, granted_role, key)
         if status == "refused":
@@ -329,7 +344,7 @@ class Service:
         self.stats.requests += 1
         session = self.session(identity, key, granted_role)
         if request.READS:
-            if request.DRAWS and self.writer_samples:  # they change the buffer: drawn here
+            if request.DRAWS and self._draws_here(request):  # they change the buffer: drawn here
                 if self.write_failure is not None:
                     raise StorageError(f"this server stopped writing after a failed write ({self.write_failure}); "
                                        "samples change the buffer here (a rate limit, or removals), so none is served")
@@ -369,7 +384,7 @@ class Service:
         session.name = request.client_name
         session.claimed_role = request.role  # less than granted, never more: see Session.role
         buffer = self.buffer
-        sampling = {**buffer.sampling.describe(), "writer_samples": self.writer_samples,
+        sampling = {**describe_tables(buffer.tables, self._writer_tables),
                     "priority_publish_interval": self.priority_publish_interval}
         return P.HelloReply(
             request.request_id, buffer.space.to_json(), buffer.capacity, len(buffer), buffer.num_episodes,
@@ -558,7 +573,7 @@ class Service:
                                "reads until it is restarted")
         pending = self.updates_pending
         try:
-            ignored = self.buffer.update_priorities(request.row_ids, request.priorities)
+            ignored = self.buffer.update_priorities(request.row_ids, request.priorities, table=request.table)
         except StorageError as exc:  # a checkpoint or the log's write failed: as any failed write
             self.write_failure = str(exc)
             log.error("a write to the file failed: %s; refusing writes from now on, serving reads", exc)
@@ -661,8 +676,8 @@ class Service:
             "server_version": __version__,
             "sample_wait_s": round(self.waiting.waited_now("sample"), 6),
             "insert_wait_s": round(self.waiting.waited_now("insert"), 6),
-            "waiting_samples": len(self.waiting.queues["sample"]),
-            "waiting_inserts": len(self.waiting.queues["insert"]),
+            "waiting_samples": self.waiting.count("sample"),
+            "waiting_inserts": self.waiting.count("insert"),
             "writer_samples": self.writer_samples,
         }
         if self._extra_stats is not None:

@@ -95,7 +95,7 @@ def _get_rows(buffer: ReplayBuffer, request: P.GetRows, rng: np.random.Generator
 def _sample(buffer: ReplayBuffer, request: P.Sample, rng: np.random.Generator, limits: P.Limits) -> P.Reply:
     _check_reply_rows(buffer, request.batch_size, limits, request.batch_size * P.SAMPLE_INFO_BYTES)
     gen = rng if request.seed is None else np.random.default_rng(request.seed)
-    arrays, info = buffer.sample(request.batch_size, gen, with_info=True, decode=False)
+    arrays, info = buffer.sample(request.batch_size, gen, with_info=True, decode=False, table=request.table)
     return P.SampleReply(request.request_id, *_view(buffer), info.row_ids, info.episode_ids, info.probabilities, arrays)
 
 
@@ -105,7 +105,8 @@ def _sample_sequences(buffer: ReplayBuffer, request: P.SampleSequences, rng: np.
                       request.batch_size * P.SAMPLE_INFO_BYTES)
     gen = rng if request.seed is None else np.random.default_rng(request.seed)
     arrays, info = buffer.sample_sequences(
-        request.batch_size, request.length, gen, with_info=True, decode=False, rows=request.with_rows
+        request.batch_size, request.length, gen, with_info=True, decode=False, rows=request.with_rows,
+        table=request.table,
     )
     return P.SampleSequencesReply(
         request.request_id, *_view(buffer), info.row_ids, info.episode_ids, info.probabilities, arrays or {}

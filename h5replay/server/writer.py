@@ -39,7 +39,7 @@ import zmq
 from h5replay import protocol as P
 from h5replay.config import ServerConfig
 from h5replay.errors import AccessDeniedError, ConfigError
-from h5replay.sampling import SamplingConfig
+from h5replay.sampling import DEFAULT_TABLE, SamplingConfig
 from h5replay.server.auth import RefusalLog, RoleAuthenticator, handshake_failure, server_keys
 from h5replay.server.guard import MONITOR_EVENTS, Budgets, ConnectionGuard, max_connections, raise_descriptor_limit
 from h5replay.server.handlers import Service
@@ -81,8 +81,10 @@ def _open_buffer(config: ServerConfig) -> ReplayBuffer:
             **config.storage_kwargs,
         )
         differences = []
-        if config.sampling is not None and config.sampling != buffer.sampling:
-            differences.append(f"sampling {buffer.sampling.describe()}, not the {config.sampling.describe()} asked for")
+        asked = config.tables if config.tables is not None else (
+            {DEFAULT_TABLE: config.sampling} if config.sampling is not None else None)
+        if asked is not None and asked != buffer.tables:
+            differences.append(f"tables {_shown(buffer.tables)}, not the {_shown(asked)} asked for")
         if config.space is not None and config.space != buffer.space:
             differences.append(f"space {buffer.space!r}, not the {config.space!r} asked for")
         if config.capacity is not None and config.capacity != buffer.capacity:
@@ -98,14 +100,17 @@ def _open_buffer(config: ServerConfig) -> ReplayBuffer:
         return buffer
     if config.space is None:
         raise ConfigError(f"{config.path!r} does not exist; creating it needs a space (--space SPACE.json)")
-    sampling = config.sampling or SamplingConfig()
+    tables = config.tables if config.tables is not None else {DEFAULT_TABLE: config.sampling or SamplingConfig()}
     window: dict[str, Any] = {} if config.idempotency_window is None else {"idempotency_window": config.idempotency_window}
     return ReplayBuffer.create(
         config.space, config.capacity, config.path, multiprocessing=config.multiprocessing,
-        open_timeout=config.open_timeout, sampler=sampling.sampler, rate_limit=sampling.rate_limit,
-        max_times_sampled=sampling.max_times_sampled, check_bounds=config.check_bounds, **window,
+        open_timeout=config.open_timeout, tables=tables, check_bounds=config.check_bounds, **window,
         **config.storage_kwargs,
     )
+
+
+def _shown(tables: dict[str, SamplingConfig]) -> str:
+    return "{" + ", ".join(f"{name!r}: {table.to_json()}" for name, table in tables.items()) + "}"
 
 
 class Server:

@@ -47,6 +47,7 @@ FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "sampling": st.dictionaries(st.text(max_size=12), json_scalars, max_size=8),
     "idempotency_key": st.none() | st.binary(min_size=16, max_size=16),
     "first_episode": st.none() | u64, "max_episodes": st.none() | u64,
+    "table": st.none() | st.from_regex(r"[A-Za-z0-9_][A-Za-z0-9_-]{0,63}", fullmatch=True),
 }
 
 wire_dtypes = (

@@ -97,7 +97,8 @@ class RateLimitMachine(RuleBasedStateMachine):
                                       rate_limit=RateLimit(min_size, spi, error_buffer))
         self.now = 0.0
         self.room: WaitingRoom[int] = WaitingRoom(
-            lambda side, rows: self.rb.rate_limit_blocker(rows, sampling=side == "sample"), clock=lambda: self.now)
+            lambda side, rows, table: self.rb.rate_limit_blocker(rows, sampling=side == "sample", table=table),
+            clock=lambda: self.now)
         self.model = ReverbModel(min_size, spi, error_buffer)
         self.number = 0
         self.done: list[int] = []

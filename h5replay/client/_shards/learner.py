@@ -6,6 +6,7 @@ See the package's docstring (h5replay.client._shards) for the behaviour.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
@@ -286,9 +287,10 @@ class ShardedLearner(_Router[_L]):
         parts = {index: self._flat(batch) for index, batch in results.items()}
         return self._unflat(_scatter(parts, masks, local.shape[0]))
 
-    def update_priorities(self, row_ids: Any, priorities: Any) -> int:
-        """Set priorities by qualified id (as `get_rows` takes them), one call per shard, all at
-        once. Returns how many ids the shards ignored (no longer held).
+    def update_priorities(self, row_ids: Any, priorities: Any, *, table: str | None = None) -> int:
+        """Set priorities by qualified id (as `get_rows` takes them) in `table` (None: the
+        shards' only table), one call per shard, all at once. Returns how many ids the shards
+        ignored (no longer held).
 
         Raises:
             ServerUnavailableError: a shard named does not answer (the others may have taken theirs).
@@ -297,7 +299,7 @@ class ShardedLearner(_Router[_L]):
         with self._lock:
             masks, local = self._by_shard(row_ids)
             values = check_priorities(priorities, local.shape[0])
-            calls = {index: _prioritizer(local[mask], values[mask]) for index, mask in masks.items()}
+            calls = {index: _prioritizer(local[mask], values[mask], table) for index, mask in masks.items()}
             results = self._fan_out(calls)
             missing = sorted(set(calls) - set(results))
             if missing:
@@ -347,29 +349,43 @@ class ShardedLearner(_Router[_L]):
             raise ServerUnavailableError(f"shard {index} ({self.endpoints[index]}) is unavailable")
         return client  # type: ignore[no-any-return]
 
-    def sample(self, batch_size: int, seed: int | None = None, *, with_info: bool = False) -> Any:
+    def check_table(self, table: str | None) -> None:
+        """Raises ConfigError when a live shard has no such table (or several and none is named):
+        all shards must declare the same tables."""
+        for shard in self.shards:
+            if shard.client is not None:
+                shard.client._table(table)
+
+    def sample(self, batch_size: int, seed: int | None = None, *, with_info: bool = False,
+               table: str | None = None) -> Any:
         """`batch_size` rows drawn uniformly with replacement from all rows of all live shards:
         each batch position picks a shard with probability (its rows) / (all rows), as last seen,
-        and every shard draws its share in one request, all at once. `SampleInfo.probabilities` is
-        the chance of each row in that draw; `shard_ids` says where each came from."""
+        and every shard draws its share in one request, all at once, from `table` (None: the
+        shards' only one). `SampleInfo.probabilities` is the chance of each row in that draw;
+        `shard_ids` says where each came from."""
         size = _positive(batch_size, "batch_size")
-        return self._draw(size, seed, with_info, lambda c, n, s: c.sample(n, s, with_info=True), "rows", ("rows",))
+        return self._draw(size, seed, with_info, lambda c, n, s: c.sample(n, s, with_info=True, table=table), "rows",
+                          ("rows", table), table)
 
-    def sample_sequences(self, batch_size: int, length: int, seed: int | None = None, *, with_info: bool = False) -> Any:
+    def sample_sequences(self, batch_size: int, length: int, seed: int | None = None, *, with_info: bool = False,
+                         table: str | None = None) -> Any:
         """`batch_size` windows of `length` steps, each within one episode of one shard; shards are
         picked in proportion to their rows, as for `sample`. A shard holding no episode that long is
         left out of the draw."""
         size, steps = _positive(batch_size, "batch_size"), _positive(length, "length")
-        return self._draw(size, seed, with_info, lambda c, n, s: c.sample_sequences(n, steps, s, with_info=True),
-                          f"windows of {steps} steps", ("windows", steps))
+        return self._draw(size, seed, with_info,
+                          lambda c, n, s: c.sample_sequences(n, steps, s, with_info=True, table=table),
+                          f"windows of {steps} steps", ("windows", steps, table), table)
 
     def _draw(self, size: int, seed: int | None, with_info: bool, call: Callable[[Any, int, int | None], Any],
-              what: str, kind: Any) -> Any:
+              what: str, kind: Any, table: str | None = None) -> Any:
         rng = self._rng if seed is None else np.random.default_rng(seed)
         empty: set[int] = set()  # shards that had nothing to draw in this call
         with self._lock:
-            if self._kept.count(kind) or any(s.client is not None and s.client._consuming for s in self.shards):
-                return self._draw_consuming(size, rng, seed, with_info, call, what, kind)
+            self.check_table(table)
+            consuming = any(s.client is not None and s.client._table(table).consuming for s in self.shards)
+            if self._kept.count(kind) or consuming:
+                return self._draw_consuming(size, rng, seed, with_info, call, what, kind, table)
             for _ in range(2 * len(self.shards) + 2):  # each retry leaves a shard out, or learns its length
                 live = [i for i in self._live() if i not in empty]
                 unknown = [i for i in live if self._lengths[i] < 0]
@@ -409,7 +425,8 @@ class ShardedLearner(_Router[_L]):
         raise NotEnoughDataError(f"cannot sample {what}: the shards kept going down or emptying during the call")
 
     def _draw_consuming(self, size: int, rng: np.random.Generator, seed: int | None, with_info: bool,
-                        call: Callable[[Any, int, int | None], Any], what: str, kind: Any) -> Any:
+                        call: Callable[[Any, int, int | None], Any], what: str, kind: Any,
+                        table: str | None = None) -> Any:
         """A draw over shards whose draws change their state (queues, rate limits): what one
         shard could not give is asked of the others, and nothing drawn is ever dropped. When the
         batch cannot be filled, the rows drawn are kept for the next call (first in it) and the
@@ -426,7 +443,7 @@ class ShardedLearner(_Router[_L]):
                     break
                 unknown = [i for i in live if self._lengths[i] < 0]
                 if unknown:
-                    for index, n in self._fan_out({i: _drawable for i in unknown}).items():
+                    for index, n in self._fan_out({i: functools.partial(_drawable, table=table) for i in unknown}).items():
                         self._lengths[index] = n
                     continue
                 with_rows = [i for i in live if self._lengths[i] > 0] or live  # none seen: ask them all
@@ -446,7 +463,8 @@ class ShardedLearner(_Router[_L]):
                     client = self.shards[index].client
                     view = client.view if client is not None else None
                     if view is not None:  # rows left to draw there, as far as this draw tells
-                        self._lengths[index] = max(0, view.length - (len(info) if client._removes else 0))
+                        removes = client._table(table).removes
+                        self._lengths[index] = max(0, view.length - (len(info) if removes else 0))
         except BaseException:
             self._kept.give_back(kind, parts)
             raise
@@ -517,11 +535,17 @@ def _run_inline(call: Callable[[Any], Any], client: Any) -> cf.Future[Any]:
     return future
 
 
-def _drawable(client: Any) -> int:
-    """Rows a shard may still hand out: its length, less what `max_times_sampled` removed (the
-    writer counts those: its figures give them)."""
-    if client._removes:
-        return int(client.info().get("sampleable", 0) or 0)
+def _drawable(client: Any, table: str | None = None) -> int:
+    """Rows a shard's `table` may still hand out: its length, less what its `max_times_sampled`
+    removed (the writer counts those: its figures give them). Without a table on a shard of
+    several: its length."""
+    try:
+        draws = client._table(table)
+    except ConfigError:
+        return len(client)
+    if draws.removes:
+        info = client.info()
+        return int(info.get(f"table.{draws.name}.sampleable", info.get("sampleable", 0)) or 0)
     return len(client)
 
 
@@ -567,9 +591,9 @@ def _drawer(call: Callable[[Any, int, int | None], Any], count: int, seed: int |
     return draw
 
 
-def _prioritizer(ids: np.ndarray, values: np.ndarray) -> Callable[[Any], Any]:
+def _prioritizer(ids: np.ndarray, values: np.ndarray, table: str | None) -> Callable[[Any], Any]:
     def update(client: Any) -> Any:
-        return client.update_priorities(ids, values)
+        return client.update_priorities(ids, values, table=table)
 
     return update
 

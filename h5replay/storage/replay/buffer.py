@@ -234,6 +234,14 @@ class ReplayBuffer(Commits, Draws):
         """Each table's settings by name, as the file records them, in its order."""
         return self._tables.configs
 
+    def table_name(self, table: str | None) -> str:
+        """The name of the table a verb's `table=` means (None: the only one).
+
+        Raises:
+            ConfigError: no such table, or None with several (the message names them).
+        """
+        return self._tables.pick(table).name
+
     @property
     def _sampling(self) -> Sampling:
         """The only table's runtime (tests look inside it)."""
