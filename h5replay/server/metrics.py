@@ -32,6 +32,26 @@ _GAUGES = {
     "file_bytes": "size of the HDF5 file",
 }
 
+# Each table's figures (`table.<name>.<figure>` of the service's), labelled by table.
+_TABLE_COUNTERS = {
+    "sampled": ("table_sampled_rows", "rows the table handed out (what its rate limit counts)"),
+    "priority_updates": ("table_priority_updates", "priority updates the table applied"),
+}
+_TABLE_GAUGES = {"sampleable": ("table_sampleable_rows", "rows the table may still hand out")}
+
+
+def _table_families(figures: dict[str, Any], counter: Any, gauge: Any) -> Iterator[Any]:
+    """One family per table figure, a sample per table (label `table`)."""
+    names = [n for n in str(figures.get("tables", "")).split(",") if n]
+    for kinds, family in ((_TABLE_COUNTERS, counter), (_TABLE_GAUGES, gauge)):
+        for figure, (name, doc) in kinds.items():
+            metric = family(f"h5replay_{name}", doc, labels=["table"])
+            for table in names:
+                value = figures.get(f"table.{table}.{figure}")
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    metric.add_metric([table], float(value))
+            yield metric
+
 
 class Metrics:
     """Serves /metrics over HTTP from a daemon thread; `observe` records a request's latency."""
@@ -51,6 +71,7 @@ class Metrics:
                     yield CounterMetricFamily(f"h5replay_{name}", doc, value=float(figures.get(name, 0) or 0))
                 for name, doc in _GAUGES.items():
                     yield GaugeMetricFamily(f"h5replay_{name}", doc, value=float(figures.get(name, 0) or 0))
+                yield from _table_families(figures, CounterMetricFamily, GaugeMetricFamily)
 
         self._registry.register(_Figures())
         self._latency = prometheus_client.Histogram(

@@ -9,6 +9,7 @@ from typing import Any
 import h5py
 
 from h5replay.errors import ConfigError, StorageError
+from h5replay.sampling import table_description
 from h5replay.spaces import BinarySpace, BoxSpace, DictSpace, Space, TextSpace
 from h5replay.storage._h5file import DEFAULT_OPEN_TIMEOUT, opening
 from h5replay.storage.hdf5 import HDF5Storage
@@ -99,11 +100,23 @@ def _leaf_text(space: Space) -> str:
 
 
 def _sampling_lines(r: dict[str, Any]) -> list[str]:
-    """The sampler, its priorities and the rate limiter's counters, from `ReplayBuffer.info()`."""
+    """Each table's sampler, priorities and rate limiter's counters, from `ReplayBuffer.info()`."""
+    names = [n for n in str(r.get("tables", "")).split(",") if n]
+    if len(names) > 1:
+        lines = []
+        for name in names:
+            lines += [f"table     {name}", *(f"  {line}" for line in _table_lines(table_description(r, name)))]
+        return lines
+    return _table_lines(r)
+
+
+def _table_lines(r: dict[str, Any]) -> list[str]:
     if "sampler" not in r:
         return []
     sampler = r["sampler"]
-    if sampler == "prioritized":
+    if sampler in ("recency", "mixture"):
+        sampler += f" {r['sampler_settings']}"
+    if r["sampler"] == "prioritized":
         initial = r["initial_priority"] if r["initial_priority"] is not None else "the largest seen"
         sampler += (f" (exponent {r['priority_exponent']}, new rows get {initial}), priority sum "
                     f"{r['priority_sum']:.6g}, {r['priority_updates']} updates")

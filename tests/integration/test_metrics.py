@@ -63,3 +63,27 @@ def test_metrics_follow_the_service(tmp_path):
         assert _scrape(metrics_port)["h5replay_aborts_total"] == 1
     finally:
         assert server.stop() == 0
+
+
+@pytest.mark.timeout(60)
+def test_metrics_report_each_table(tmp_path):
+    from h5replay.sampling import Fifo, Table
+
+    metrics_port = _free_port()
+    config = ServerConfig(
+        path=str(tmp_path / "m.h5"), space=BoxSpace(0, 1, (4,)), capacity=1000,
+        bind="tcp://127.0.0.1:0", read_bind="tcp://127.0.0.1:0", metrics_port=metrics_port,
+        tables={"replay": Table(), "queue": Table(Fifo(), max_times_sampled=1)},
+    )
+    server = ServerProcess(config)
+    try:
+        with ActorClient(server.endpoint, timeout=10) as actor, LearnerClient(server.endpoint, timeout=10) as learner:
+            actor.push_episode(np.zeros((10, 4), np.float32))
+            learner.sample(3, table="queue")
+            learner.sample(5, table="replay")
+        after = _scrape(metrics_port)
+        assert after['h5replay_table_sampled_rows_total{table="queue"}'] == 3
+        assert after['h5replay_table_sampleable_rows{table="queue"}'] == 7
+        assert after['h5replay_table_sampleable_rows{table="replay"}'] == 10
+    finally:
+        server.stop()
