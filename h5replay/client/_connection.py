@@ -96,7 +96,11 @@ class Connection:
             self._sock.curve_secretkey = curve["secret_key"]
             self._sock.curve_publickey = curve["public_key"]
             self._sock.curve_serverkey = curve["server_key"]
-        self._sock.connect(endpoint)
+        try:
+            self._sock.connect(endpoint)
+        except zmq.ZMQError:  # an endpoint no socket can dial (a lying hello's): nothing to keep open
+            self._sock.close(0)
+            raise
 
     @property
     def closed(self) -> bool:

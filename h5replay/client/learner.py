@@ -109,7 +109,7 @@ class LearnerClient:
                 self._reads = Connection(read_endpoint, self.config, curve=curve)
                 self._reads.limits = hello.limits
         except BaseException:
-            self.close()
+            self._conn.close()  # nothing else is open yet (close() would look for what is not made)
             raise
         self.limits = hello.limits
         self.space = space_from_json(hello.space)

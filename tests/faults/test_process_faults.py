@@ -295,3 +295,46 @@ def test_an_actor_keeps_a_bounded_number_of_appends_in_flight():
     finally:
         stalling.done.set()
         stalling.join(5)
+
+
+class _BadReadEndpointServer(threading.Thread):
+    """A server whose hello names a read endpoint no socket can dial."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__(daemon=True)
+        self.where = where
+        self.ready = threading.Event()
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        from service_helpers import EPISODE_SPACE
+
+        sock = zmq.Context.instance().socket(zmq.ROUTER)
+        sock.linger = 0
+        sock.bind(self.where)
+        self.ready.set()
+        try:
+            while not self.done.is_set():
+                if not sock.poll(50):
+                    continue
+                identity, *frames = sock.recv_multipart()
+                request = P.decode(frames, expect=P.Request)
+                if isinstance(request, P.Hello):
+                    reply = P.HelloReply(request.request_id, EPISODE_SPACE.to_json(), 1000, 0, 0, "lying",
+                                         P.PROTOCOL_VERSION, P.DEFAULT_LIMITS, "nonsense://here", "", "")
+                    sock.send_multipart([identity, *P.encode(reply)])
+        finally:
+            sock.close(0)
+
+
+@pytest.mark.timeout(30)
+def test_a_learner_told_an_undialable_read_endpoint_raises_that_error_not_its_own():
+    lying = _BadReadEndpointServer(endpoint())
+    lying.start()
+    try:
+        assert lying.ready.wait(5)
+        with pytest.raises(zmq.ZMQError):  # was: AttributeError from close() in __init__, hiding it
+            LearnerClient(lying.where, timeout=2.0)
+    finally:
+        lying.done.set()
+        lying.join(5)
