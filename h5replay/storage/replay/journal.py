@@ -2,8 +2,13 @@
 which it reaches the file, so that every reader and every restart sees an exact buffer.
 
 In the file, under `/_h5replay/replay/`:
-  * `journal`: one row of 16 int64, the published state (see `State`), ending in a CRC-32 of the
-    rest, so a reader never acts on a torn or zero-filled row.
+  * `journal`: the published state (`state.py`): a row of 16 int64 for the ring and one per
+    table, in one chunk written at once, each row ending in a CRC-32 of the rest and each table
+    row naming the ring row's publish, so a reader never acts on a torn or zero-filled state.
+  * attribute `tables`: the tables' names, in the journal's order; each table's settings and
+    datasets in `tables/<name>/` (`table_file.py`). A file made before tables keeps its one
+    table's in the replay group itself, with a journal of one row (layout 2): read as it is, as
+    the table "default", and upgraded by the first writable open.
   * `episodes`: one (first row id, length) record per episode, in ring slots (episode id modulo
     the capacity; an unbounded buffer grows the table instead).
   * `commit_keys`: the idempotency keys of recent commits (`keys.py`), for the writer only.

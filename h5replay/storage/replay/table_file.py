@@ -1,7 +1,9 @@
-"""The sampling datasets of a replay buffer's file: its sampling settings, the priorities, the
-priority log, and how often each row was sampled. File I/O only; the logic is in `table.py`.
+"""The sampling datasets of one table of a replay buffer's file: its settings, the priorities,
+the priority log, and how often each row was sampled; and where the tables live. File I/O only;
+the logic is in `table.py`.
 
-Under `/_h5replay/replay/` (made with the file, only those the settings need):
+Under `/_h5replay/replay/tables/<name>/` (layout 3; a file made before tables: the replay group
+itself, for its one table "default"), made with the file, only those the settings need:
   * attributes `sampler`, `rate_limit` (JSON) and `max_times_sampled`: fixed at creation.
   * `priorities` (float64, one per physical row): the priority a row was committed with, and every
     update up to the last checkpoint. NaN: none recorded (the row takes the default).
