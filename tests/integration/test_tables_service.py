@@ -183,3 +183,30 @@ def test_recency_and_a_mixture_draw_by_their_laws_over_the_wire(start_server: An
         probabilities = np.concatenate([d.probabilities for d in draws])
         assert chi_square_p(np.bincount(ids - begin, minlength=held.size), expected * ids.size) > 1e-4
         np.testing.assert_allclose(probabilities, expected[ids - begin], rtol=1e-9)
+
+
+def test_over_shards_a_table_goes_to_every_shard_and_the_queue_hands_each_row_out_once(start_server: Any) -> None:
+    from h5replay.config import ClientConfig
+
+    tables = {"replay": Table(Prioritized(1.0)), "queue": Table(Fifo(), max_times_sampled=1)}
+    a = start_server("a.h5", capacity=1000, tables=tables)
+    b = start_server("b.h5", capacity=1000, tables=tables)
+    for server, first in ((a, 0), (b, 1000)):
+        with ActorClient(server.endpoint, timeout=10) as actor:
+            batch = episode_rows(1, 0, 40)
+            batch["step"] = np.arange(first, first + 40, dtype=np.int32)
+            actor.push_episode(batch)
+    config = ClientConfig(endpoint="tcp://127.0.0.1:1", timeout=10, name="learner", rate_limit_timeout=0.5)
+    with LearnerClient(config=config, endpoints=[a.endpoint, b.endpoint]) as learner:
+        with pytest.raises(ConfigError, match="name one with table="):
+            learner.sample(1)
+        with pytest.raises(ConfigError, match="no table 'nope'"):
+            learner.sample(1, table="nope")
+        got = learner.sample(50, table="queue")["step"].tolist() + learner.sample(30, table="queue")["step"].tolist()
+        assert sorted(got) == [*range(40), *range(1000, 1040)], "every committed row exactly once, over both shards"
+        replay = learner.sample(400, seed=3, table="replay")["step"]  # the queue's rows stay in the replay
+        assert set(replay.tolist()) <= set(got) and len(set(replay.tolist())) > 60
+        _, info = learner.sample(2, table="replay", with_info=True)
+        assert learner.update_priorities(info.row_ids, [5.0, 6.0], table="replay") == 0
+        with pytest.raises(ConfigError, match="table 'queue' samples by fifo"):
+            learner.update_priorities(info.row_ids, [5.0, 6.0], table="queue")
