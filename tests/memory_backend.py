@@ -280,6 +280,10 @@ class MemoryJournal:
     def sync(self, table: EpisodeTable, old: State, new: State) -> None:
         self.load(table, new)
 
+    def read_only_keys(self) -> None:
+        """No key table: the buffer remembers keys in memory."""
+        return None
+
 
 def memory_replay_buffer(space: Space, capacity: int | None) -> ReplayBuffer:
     """A ReplayBuffer over memory: no file, no process, the buffer logic all the same."""

@@ -78,7 +78,7 @@ class FileIdentity(NamedTuple):
         Raises:
             StorageError: the open file cannot be looked at.
         """
-        return cls(*buffer.storage.file_identity(), buffer.replay_id)
+        return cls(*buffer.file_storage.file_identity(), buffer.replay_id)
 
     def describe(self) -> str:
         return f"device {os.major(self.device)}:{os.minor(self.device)} inode {self.inode}, replay_id {self.replay_id}"

@@ -69,7 +69,7 @@ def open_buffer(config: ServerConfig) -> ReplayBuffer:
         ConfigError: the file exists with another space or capacity than the config gives.
     """
     buffer = _open_buffer(config)
-    buffer.storage.segment_memory_bytes = config.staging_memory_bytes
+    buffer.file_storage.segment_memory_bytes = config.staging_memory_bytes
     return buffer
 
 

@@ -131,8 +131,9 @@ def _same_chunks(buffer: ReplayBuffer, capacity: int | None, asked: dict[str, An
     if any(asked.get(name) is not None for name in ("chunks", "compression", "compression_level")):
         return {}
     shapes: dict[str, Any] = {}
-    for path, _ in buffer.storage.leaves:
-        chunks = buffer.storage.dataset(path).chunks
+    storage = buffer.file_storage
+    for path, _ in storage.leaves:
+        chunks = storage.dataset(path).chunks
         if chunks is not None and capacity is not None:
             chunks = (min(chunks[0], capacity), *chunks[1:])
         shapes[path] = chunks
@@ -165,7 +166,7 @@ def _spans(buffer: ReplayBuffer) -> list[Span]:
 def _readable_run(buffer: ReplayBuffer, spans: list[Span]) -> tuple[int, int]:
     """The [lo, hi) of the longest run of consecutive spans whose rows all lie within the file,
     for a file cut short (the newest run of the longest length); all spans for a whole file."""
-    storage = buffer.storage
+    storage = buffer.file_storage
     path = storage.filename
     if path is None or not storage.multiprocessing:
         return 0, len(spans)  # a plain open of a cut file fails; only an SWMR reader sees it at all

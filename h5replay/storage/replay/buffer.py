@@ -46,6 +46,7 @@ from h5replay.storage.replay.episodes import EpisodeTable
 from h5replay.storage.replay.journal import Journal, JournalStore, RecordsMoved
 from h5replay.storage.replay.keys import DEFAULT_KEY_WINDOW, KeyTable
 from h5replay.storage.replay.ring import Ring, as_row_ids, check_held
+from h5replay.storage.replay.rows import RowStore
 from h5replay.storage.replay.state import Counters, State
 from h5replay.storage.replay.table import Sampling
 from h5replay.storage.replay.tables import Tables
@@ -59,12 +60,23 @@ _READ_RETRIES = 20
 _T = TypeVar("_T")
 
 
+def in_file(storage: RowStore) -> HDF5Storage:
+    """`storage` as the HDF5Storage it is.
+
+    Raises:
+        ConfigError: it is another storage (the file's journal, exports, servers need a file).
+    """
+    if not isinstance(storage, HDF5Storage):
+        raise ConfigError(f"this needs a buffer whose rows are in an HDF5 file, not in a {type(storage).__name__}")
+    return storage
+
+
 class ReplayBuffer(Commits, Draws):
     """A ring buffer of rows over an HDF5Storage, with episodes, and sampling of rows and windows
     by the sampler its file records (uniform, prioritized, fifo, lifo), under its rate limit."""
 
     def __init__(
-        self, storage: HDF5Storage, *, raw: bool = False, journal: JournalStore | None = None,
+        self, storage: RowStore, *, raw: bool = False, journal: JournalStore | None = None,
         sampling: Table | None = None, tables: dict[str, Table] | None = None,
     ) -> None:
         """A buffer over `storage` whose bookkeeping is `journal` (by default the journal in the
@@ -84,7 +96,7 @@ class ReplayBuffer(Commits, Draws):
             end = len(storage)
             self._state = self._published = State(end=end, open_start=end)
         else:
-            self._journal = journal if journal is not None else Journal(storage)
+            self._journal = journal if journal is not None else Journal(in_file(storage))
             self._state = self._published = self._load_episodes(self._journal)
         key_file = self._journal.keys if self._journal is not None else None
         self._keys = KeyTable(key_file.window if key_file is not None else DEFAULT_KEY_WINDOW, key_file)
@@ -233,6 +245,15 @@ class ReplayBuffer(Commits, Draws):
     def tables(self) -> dict[str, Table]:
         """Each table's settings by name, as the file records them, in its order."""
         return self._tables.configs
+
+    @property
+    def file_storage(self) -> HDF5Storage:
+        """The HDF5Storage of this buffer's file: what only a file has (its datasets, its identity).
+
+        Raises:
+            ConfigError: this buffer's rows are not in an HDF5 file (the tests' in-memory backend).
+        """
+        return in_file(self.storage)
 
     def table_name(self, table: str | None) -> str:
         """The name of the table a verb's `table=` means (None: the only one).

@@ -18,10 +18,10 @@ import numpy as np
 from h5replay.errors import ConfigError, LimitExceededError, RateLimitedError, SegmentStateError
 from h5replay.records import Receipt
 from h5replay.storage import _h5file
-from h5replay.storage.hdf5 import HDF5Storage
 from h5replay.storage.replay.episodes import EpisodeTable
-from h5replay.storage.replay.journal import REPLAY_GROUP
+from h5replay.storage.replay.journal import JournalStore
 from h5replay.storage.replay.keys import KeyFile, KeyTable, check_key
+from h5replay.storage.replay.rows import RowStore
 from h5replay.storage.replay.state import Counters, State
 from h5replay.storage.replay.tables import Tables
 from h5replay.storage.segment import SegmentWriter
@@ -34,7 +34,7 @@ class Commits:
     their commits, idempotency keys, and clear."""
 
     # What this mixin uses of ReplayBuffer (set in its __init__, defined in buffer.py).
-    storage: HDF5Storage
+    storage: RowStore
     _raw: bool
     _state: State
     _published: State
@@ -42,6 +42,7 @@ class Commits:
     _keys: KeyTable
     _tables: Tables
     _limit_inserts: bool
+    _journal: JournalStore | None
 
     if TYPE_CHECKING:
 
@@ -57,6 +58,11 @@ class Commits:
         def _record_episode(self, start: int, length: int, key: bytes | None = None) -> tuple[int, tuple[int, int]]: ...
         def _publish(self, fsync: bool = False) -> None: ...
         def _roll_back(self, before: State, undo: list[tuple[int, int]] | None) -> None: ...
+
+    @property
+    def _own_target(self) -> object:
+        """This buffer's storage, as a segment writer names the storage it streams into."""
+        return self.storage
 
     def append(self, sample: Any, priority: Any = None) -> None:
         """Add one row at the tail, to the open episode (ended by `end_episode`), with its
@@ -151,10 +157,9 @@ class Commits:
     def _read_only_keys(self) -> KeyFile | None:
         """The key table of a file opened read-only (not as an SWMR reader, which leaves it to
         the writer), opened on demand; None otherwise."""
-        if self.storage.is_mutable or self._raw or self._is_reader:
+        if self.storage.is_mutable or self._raw or self._is_reader or self._journal is None:
             return None
-        with _h5file.h5_errors("opening the idempotency key table"):
-            return KeyFile.of(self.storage.file[REPLAY_GROUP])
+        return self._journal.read_only_keys()
 
     def receipt_for(self, idempotency_key: bytes | None, length: int | None = None) -> Receipt | None:
         """The receipt of the episode committed with `idempotency_key`, if it is one of the last
@@ -192,7 +197,7 @@ class Commits:
             StorageError: HDF5 failed; nothing of the segment is visible.
         """
         self._require_writable("commit a segment")
-        if writer.storage is not self.storage:
+        if writer.storage is not self._own_target:
             raise SegmentStateError("this segment writer belongs to another storage")
         key = check_key(idempotency_key)
         known = None if key is None else self._keys.find(key, len(writer), self._state.ep_end)
@@ -231,7 +236,7 @@ class Commits:
             StorageError: HDF5 failed; nothing of the episodes is visible.
         """
         self._require_writable("commit episodes")
-        if writer.storage is not self.storage:
+        if writer.storage is not self._own_target:
             raise SegmentStateError("this segment writer belongs to another storage")
         if writer.state != "open":
             raise SegmentStateError(f"cannot commit a segment writer that was {writer.state}")

@@ -18,9 +18,9 @@ import numpy as np
 from h5replay.errors import ConfigError, NotEnoughDataError, RateLimitedError, ReadOnlyError
 from h5replay.records import SampleInfo
 from h5replay.sampling import check_priorities
-from h5replay.storage.hdf5 import HDF5Storage
 from h5replay.storage.replay.episodes import EpisodeTable
 from h5replay.storage.replay.ring import as_row_ids
+from h5replay.storage.replay.rows import RowStore
 from h5replay.storage.replay.state import State
 from h5replay.storage.replay.table import Sampling
 from h5replay.storage.replay.tables import Tables
@@ -41,7 +41,7 @@ class Draws:
     limit asked, and the sampling counters an export carries over."""
 
     # What this mixin uses of ReplayBuffer (set in its __init__, defined in buffer.py).
-    storage: HDF5Storage
+    storage: RowStore
     _state: State
     _published: State
     _episodes: EpisodeTable

@@ -135,6 +135,7 @@ class JournalStore(Protocol):
     def record(self, episode_id: int, slot: int, start: int, length: int) -> None: ...
     def load(self, table: EpisodeTable, state: State) -> None: ...
     def sync(self, table: EpisodeTable, old: State, new: State) -> None: ...
+    def read_only_keys(self) -> KeyFile | None: ...  # the key table, opened for a read-only buffer
 
 
 def _check_replay_id(replay_id: str | None) -> None:
@@ -312,6 +313,11 @@ class Journal:
                                    f"{len(self.tables)}: the file is damaged")
             self._last_state, self._last_raw = state, raw
         return self._last_state
+
+    def read_only_keys(self) -> KeyFile | None:
+        """The file's idempotency key table, opened for a buffer opened read-only."""
+        with h5_errors("opening the idempotency key table"):
+            return KeyFile.of(self.storage.file[REPLAY_GROUP])
 
     def close(self) -> None:
         """Release the state row's memory map (the file is the storage's to close)."""
