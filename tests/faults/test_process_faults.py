@@ -242,9 +242,10 @@ def test_a_server_that_does_not_answer(client_class):
 class _StallingServer(threading.Thread):
     """Answers hello and open_segment like a server, then reads appends without answering them."""
 
-    def __init__(self, where: str) -> None:
+    def __init__(self, where: str, read_endpoint: str | None = None) -> None:
         super().__init__(daemon=True)
         self.where = where
+        self.read_endpoint = read_endpoint or where  # what its hello names (a lying one: any string)
         self.appends = 0
         self.ready = threading.Event()
         self.done = threading.Event()
@@ -265,7 +266,7 @@ class _StallingServer(threading.Thread):
                 if isinstance(request, P.Hello):
                     reply: P.Reply = P.HelloReply(
                         request.request_id, EPISODE_SPACE.to_json(), 1000, 0, 0, "stalling",
-                        P.PROTOCOL_VERSION, P.DEFAULT_LIMITS, self.where, "", "")
+                        P.PROTOCOL_VERSION, P.DEFAULT_LIMITS, self.read_endpoint, "", "")
                 elif isinstance(request, P.OpenSegment):
                     reply = P.OpenSegmentReply(request.request_id, 1)
                 else:
@@ -297,39 +298,9 @@ def test_an_actor_keeps_a_bounded_number_of_appends_in_flight():
         stalling.join(5)
 
 
-class _BadReadEndpointServer(threading.Thread):
-    """A server whose hello names a read endpoint no socket can dial."""
-
-    def __init__(self, where: str) -> None:
-        super().__init__(daemon=True)
-        self.where = where
-        self.ready = threading.Event()
-        self.done = threading.Event()
-
-    def run(self) -> None:
-        from service_helpers import EPISODE_SPACE
-
-        sock = zmq.Context.instance().socket(zmq.ROUTER)
-        sock.linger = 0
-        sock.bind(self.where)
-        self.ready.set()
-        try:
-            while not self.done.is_set():
-                if not sock.poll(50):
-                    continue
-                identity, *frames = sock.recv_multipart()
-                request = P.decode(frames, expect=P.Request)
-                if isinstance(request, P.Hello):
-                    reply = P.HelloReply(request.request_id, EPISODE_SPACE.to_json(), 1000, 0, 0, "lying",
-                                         P.PROTOCOL_VERSION, P.DEFAULT_LIMITS, "nonsense://here", "", "")
-                    sock.send_multipart([identity, *P.encode(reply)])
-        finally:
-            sock.close(0)
-
-
 @pytest.mark.timeout(30)
 def test_a_learner_told_an_undialable_read_endpoint_raises_that_error_not_its_own():
-    lying = _BadReadEndpointServer(endpoint())
+    lying = _StallingServer(endpoint(), read_endpoint="nonsense://here")
     lying.start()
     try:
         assert lying.ready.wait(5)

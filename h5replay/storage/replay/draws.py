@@ -65,7 +65,7 @@ class Draws:
         """Readers may sample only when sampling changes nothing (see Table.writer_only)."""
         why = sampling.config.writer_only
         if why is not None and not self.is_mutable:
-            raise ReadOnlyError(f"cannot sample from a read-only buffer: {self._tables._named(sampling, why)}, so only "
+            raise ReadOnlyError(f"cannot sample from a read-only buffer: {self._tables.named(sampling, why)}, so only "
                                 "the writer samples (through the server, learners' samples go to it)")
 
     def rate_limit_blocker(self, rows: int, *, sampling: bool, table: str | None = None) -> tuple[str | None, bool]:

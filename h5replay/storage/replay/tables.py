@@ -142,13 +142,14 @@ class Tables:
             held, counters = t.sampleable(state), t.counters(state)
             never = t.limiter.never(rows, False, state.inserted, counters.sampled, held)
             if never is not None:
-                return self._named(t, never), True
+                return self.named(t, never), True
             reason = t.limiter.insert_blocker(rows, state.inserted, counters.sampled, held)
             if reason is not None and waiting is None:
-                waiting = self._named(t, reason)
+                waiting = self.named(t, reason)
         return waiting, False
 
-    def _named(self, table: Sampling, reason: str) -> str:
+    def named(self, table: Sampling, reason: str) -> str:
+        """`reason`, naming its table when there are several."""
         return reason if len(self.all) == 1 else f"table {table.name!r}: {reason}"
 
     def sample_blocker(self, table: Sampling, rows: int, state: State, capacity: int | None) -> tuple[str | None, bool]:
@@ -156,16 +157,16 @@ class Tables:
         held, counters = table.sampleable(state), table.counters(state)
         never = table.limiter.never(rows, True, state.inserted, counters.sampled, held)
         if never is not None:
-            return self._named(table, never), True
+            return self.named(table, never), True
         config = table.config
         without_replacement = config.ordered or config.removes
         if capacity is not None and without_replacement and rows > capacity:
-            return self._named(table, f"a sample of {rows} rows without replacement can never be served by a buffer "
+            return self.named(table, f"a sample of {rows} rows without replacement can never be served by a buffer "
                                       f"of capacity {capacity}: sample at most {capacity} rows at a time"), True
         reason = table.limiter.sample_blocker(rows, state.inserted, counters.sampled, held)
         if reason is None and without_replacement and rows > held:
             reason = f"only {held} rows may still be sampled; {rows} were asked for without replacement"
-        return (None if reason is None else self._named(table, reason)), False
+        return (None if reason is None else self.named(table, reason)), False
 
     # ------------------------------------------------------------------ the file
 
