@@ -42,19 +42,15 @@ from h5replay.samplers import (
     sampler_from_json,
     sampler_to_json,
 )
-from h5replay.samplers.prioritized import over_limit
+from h5replay.samplers.prioritized import over_limit, positive_finite
 
 __all__ = ["Uniform", "Prioritized", "Fifo", "Lifo", "Recency", "Mixture", "Sampler", "RateLimit", "RateLimiter", "SamplingConfig",
            "sampler_from_json", "sampler_to_json", "rate_limit_from_json", "rate_limit_to_json", "check_priorities",
            "rows_at_once", "MAX_WEIGHT", "Table", "DEFAULT_TABLE", "MAX_TABLES",
            "check_table_name", "check_tables", "table_from_json", "describe_tables",
-           "table_description", "table_from_settings", "tables_from_settings", "SETTINGS"]
+           "table_description", "described_tables", "table_from_settings", "tables_from_settings", "SETTINGS"]
 
 _UNIFORM = Uniform()
-
-
-def _positive_finite(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
 @dataclass(frozen=True)
@@ -80,9 +76,9 @@ class RateLimit:
             if self.error_buffer is not None:
                 raise ConfigError("error_buffer goes with samples_per_insert; give both or neither")
             return
-        if not _positive_finite(self.samples_per_insert):
+        if not positive_finite(self.samples_per_insert):
             raise ConfigError(f"samples_per_insert must be a finite number > 0, got {self.samples_per_insert!r}")
-        if self.error_buffer is None or not _positive_finite(self.error_buffer):
+        if self.error_buffer is None or not positive_finite(self.error_buffer):
             raise ConfigError(f"samples_per_insert needs an error_buffer, a finite number > 0, got {self.error_buffer!r}")
         if self.error_buffer < max(1.0, self.samples_per_insert):
             raise ConfigError(f"error_buffer {self.error_buffer} is below max(1, samples_per_insert="
@@ -112,7 +108,7 @@ def rows_at_once(description: Any, *, sampling: bool) -> int | None:
     theirs; a sample, the table's own (give `table_description(...)`)."""
     if not isinstance(description, dict):
         return None
-    names = [n for n in str(description.get("tables", "")).split(",") if n]
+    names = described_tables(description)
     if len(names) > 1 and not sampling:
         bounds = [rows_at_once(table_description(description, name), sampling=False) for name in names]
         known = [b for b in bounds if b is not None]
@@ -445,6 +441,12 @@ def describe_tables(tables: Mapping[str, Table], writer_only: set[str] | frozens
     return out
 
 
+def described_tables(described: Mapping[str, Any]) -> list[str]:
+    """The table names a `describe_tables(...)` (a server's hello, a buffer's info) lists, in
+    order; none from a server that names no tables."""
+    return [name for name in str(described.get("tables", "")).split(",") if name]
+
+
 def table_description(described: Mapping[str, Any], table: str | None) -> dict[str, Any]:
     """One table's figures from `describe_tables(...)` (a server's hello): by its plain names.
     A server that names no tables has one, described by plain names.
@@ -452,7 +454,7 @@ def table_description(described: Mapping[str, Any], table: str | None) -> dict[s
     Raises:
         ConfigError: no such table, or none named where there are several (names them).
     """
-    names = [n for n in str(described.get("tables", "")).split(",") if n]
+    names = described_tables(described)
     if not names:
         return dict(described)
     if table is None:

@@ -15,7 +15,7 @@ import numpy as np
 from h5replay import protocol as P
 from h5replay.errors import ConfigError
 from h5replay.records import SampleInfo
-from h5replay.sampling import Prioritized, Sampler, rows_at_once, table_description
+from h5replay.sampling import Prioritized, Sampler, described_tables, rows_at_once, table_description
 
 __all__ = ["View", "sample_info"]
 
@@ -116,7 +116,7 @@ def table_draws(described: dict[str, Any], table: str | None, writer: Any, reads
         ConfigError: no such table, or none named where the server has several.
     """
     figures = table_description(described, table)
-    names = [n for n in str(described.get("tables", "")).split(",") if n]
+    names = described_tables(described)
     name = table if table is not None else (names[0] if names else "")
     consuming = bool(figures.get("writer_samples"))
     sampler: Sampler | None = None

@@ -12,7 +12,7 @@ import numpy as np
 from h5replay.errors import ConfigError, NotEnoughDataError
 from h5replay.samplers.base import Rows, Sampler, empty, register, without_replacement
 
-__all__ = ["Prioritized", "MAX_WEIGHT", "over_limit"]
+__all__ = ["Prioritized", "MAX_WEIGHT", "over_limit", "positive_finite"]
 
 #: The largest weight (priority ** exponent) a row may have. 2**63 rows at this weight (more than
 #: an int64 row id can name) still add up to 1e299, below float64's largest (1.8e308): the sum
@@ -21,7 +21,8 @@ __all__ = ["Prioritized", "MAX_WEIGHT", "over_limit"]
 MAX_WEIGHT = 1e280
 
 
-def _positive_finite(value: Any) -> bool:
+def positive_finite(value: Any) -> bool:
+    """A finite number > 0 (not a bool)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
@@ -43,7 +44,7 @@ class Prioritized(Sampler):
     def __post_init__(self) -> None:
         if not isinstance(self.exponent, (int, float)) or not 0 <= self.exponent <= 10 or isinstance(self.exponent, bool):
             raise ConfigError(f"Prioritized exponent must be a number in [0, 10], got {self.exponent!r}")
-        if self.initial_priority is not None and not _positive_finite(self.initial_priority):
+        if self.initial_priority is not None and not positive_finite(self.initial_priority):
             raise ConfigError(f"Prioritized initial_priority must be a finite number > 0, got {self.initial_priority!r}")
         if self.initial_priority is not None and self.initial_priority > self.priority_limit:
             raise ConfigError(f"Prioritized initial_priority {self.initial_priority!r}: {over_limit(self)}")

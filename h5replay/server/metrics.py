@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from h5replay.errors import ConfigError
+from h5replay.sampling import described_tables
 
 __all__ = ["Metrics"]
 
@@ -42,7 +43,7 @@ _TABLE_GAUGES = {"sampleable": ("table_sampleable_rows", "rows the table may sti
 
 def _table_families(figures: dict[str, Any], counter: Any, gauge: Any) -> Iterator[Any]:
     """One family per table figure, a sample per table (label `table`)."""
-    names = [n for n in str(figures.get("tables", "")).split(",") if n]
+    names = described_tables(figures)
     for kinds, family in ((_TABLE_COUNTERS, counter), (_TABLE_GAUGES, gauge)):
         for figure, (name, doc) in kinds.items():
             metric = family(f"h5replay_{name}", doc, labels=["table"])

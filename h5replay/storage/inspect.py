@@ -9,7 +9,7 @@ from typing import Any
 import h5py
 
 from h5replay.errors import ConfigError, StorageError
-from h5replay.sampling import table_description
+from h5replay.sampling import described_tables, table_description
 from h5replay.spaces import BinarySpace, BoxSpace, DictSpace, Space, TextSpace
 from h5replay.storage._h5file import DEFAULT_OPEN_TIMEOUT, opening
 from h5replay.storage.hdf5 import HDF5Storage
@@ -101,7 +101,7 @@ def _leaf_text(space: Space) -> str:
 
 def _sampling_lines(r: dict[str, Any]) -> list[str]:
     """Each table's sampler, priorities and rate limiter's counters, from `ReplayBuffer.info()`."""
-    names = [n for n in str(r.get("tables", "")).split(",") if n]
+    names = described_tables(r)
     if len(names) > 1:
         lines = []
         for name in names:

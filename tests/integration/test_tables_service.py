@@ -5,7 +5,6 @@ by their stated laws over the wire too (chi-square, as tests/unit/test_samplers.
 from __future__ import annotations
 
 import json
-import math
 import signal
 import subprocess
 from pathlib import Path
@@ -15,6 +14,7 @@ import numpy as np
 import pytest
 from fault_helpers import cli_command, cli_server
 from service_helpers import EPISODE_SPACE, episode_rows, free_port
+from stats_helpers import chi_square_p
 
 from h5replay.client import ActorClient, LearnerClient
 from h5replay.errors import ConfigError
@@ -25,19 +25,6 @@ pytestmark = pytest.mark.timeout(120)
 
 TABLES = {"replay": Table(Prioritized(1.0)), "queue": Table(Fifo(), max_times_sampled=1),
           "limited": Table(rate_limit=RateLimit(1, 1.0, 1000.0))}
-
-
-def chi_square_p(observed: np.ndarray, expected: np.ndarray) -> float:
-    """Pearson's chi-square p-value (Wilson-Hilferty; bins of expected count < 5 pooled)."""
-    order = np.argsort(expected)
-    obs, exp = observed[order].astype(float), expected[order].astype(float)
-    small = np.cumsum(exp) < 5.0
-    if small.any():
-        cut = int(small.sum()) + 1
-        obs, exp = np.concatenate([[obs[:cut].sum()], obs[cut:]]), np.concatenate([[exp[:cut].sum()], exp[cut:]])
-    stat, df = float(((obs - exp) ** 2 / exp).sum()), len(exp) - 1
-    z = ((stat / df) ** (1 / 3) - (1 - 2 / (9 * df))) / math.sqrt(2 / (9 * df))
-    return 0.5 * math.erfc(z / math.sqrt(2))
 
 
 def push(endpoint: str, episodes: int, length: int = 10) -> None:

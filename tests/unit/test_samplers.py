@@ -4,11 +4,11 @@ and readers, and refuse settings they cannot work with."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import numpy as np
 import pytest
+from stats_helpers import chi_square_p
 
 from h5replay.errors import ConfigError
 from h5replay.samplers import (
@@ -29,22 +29,6 @@ pytestmark = pytest.mark.timeout(60)
 
 SPACE = BoxSpace(0, 2**40, (), np.int64)  # every row holds its own id
 DRAWS = 200_000
-
-
-def chi_square_p(observed: np.ndarray, expected: np.ndarray) -> float:
-    """The p-value of Pearson's chi-square test (bins of expected count < 5 pooled), by the
-    Wilson-Hilferty approximation of the chi-square law (no scipy here)."""
-    order = np.argsort(expected)
-    obs, exp = observed[order].astype(float), expected[order].astype(float)
-    small = np.cumsum(exp) < 5.0
-    if small.any():
-        cut = int(small.sum()) + 1
-        obs = np.concatenate([[obs[:cut].sum()], obs[cut:]])
-        exp = np.concatenate([[exp[:cut].sum()], exp[cut:]])
-    stat = float(((obs - exp) ** 2 / exp).sum())
-    df = len(exp) - 1
-    z = ((stat / df) ** (1 / 3) - (1 - 2 / (9 * df))) / math.sqrt(2 / (9 * df))
-    return 0.5 * math.erfc(z / math.sqrt(2))
 
 
 def recency_law(held: np.ndarray, end: int, half_life: float) -> np.ndarray:
