@@ -197,3 +197,15 @@ def test_over_shards_a_table_goes_to_every_shard_and_the_queue_hands_each_row_ou
         assert learner.update_priorities(info.row_ids, [5.0, 6.0], table="replay") == 0
         with pytest.raises(ConfigError, match="table 'queue' samples by fifo"):
             learner.update_priorities(info.row_ids, [5.0, 6.0], table="queue")
+
+
+def test_a_tables_sample_split_over_several_messages_is_whole_and_in_order(start_server: Any) -> None:
+    from h5replay import protocol as P
+
+    server = start_server(capacity=1000, tables=TABLES, limits=P.Limits(max_rows_per_message=16))
+    push(server.endpoint, 6)
+    with LearnerClient(server.endpoint, timeout=10) as learner:
+        _, info = learner.sample(50, with_info=True, table="queue")  # four messages
+        assert info.row_ids.tolist() == list(range(50))
+        _, info = learner.sample(40, seed=2, with_info=True, table="replay")
+        assert len(info.row_ids) == 40 and learner.info()["table.queue.sampled"] == 50
