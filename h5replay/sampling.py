@@ -27,8 +27,6 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import numpy as np
-
 from h5replay.errors import ConfigError
 from h5replay.samplers import (
     MAX_WEIGHT,
@@ -42,13 +40,13 @@ from h5replay.samplers import (
     sampler_from_json,
     sampler_to_json,
 )
-from h5replay.samplers.prioritized import over_limit, positive_finite
+from h5replay.samplers.prioritized import positive_finite
 
 __all__ = ["Uniform", "Prioritized", "Fifo", "Lifo", "Recency", "Mixture", "Sampler", "RateLimit", "RateLimiter", "SamplingConfig",
-           "sampler_from_json", "sampler_to_json", "rate_limit_from_json", "rate_limit_to_json", "check_priorities",
+           "sampler_from_json", "sampler_to_json", "rate_limit_from_json", "rate_limit_to_json",
            "rows_at_once", "MAX_WEIGHT", "Table", "DEFAULT_TABLE", "MAX_TABLES",
            "check_table_name", "check_tables", "table_from_json", "describe_tables",
-           "table_description", "described_tables", "table_from_settings", "tables_from_settings", "SETTINGS"]
+           "table_description", "described_tables", "described_samplers", "table_from_settings", "tables_from_settings", "SETTINGS"]
 
 _UNIFORM = Uniform()
 
@@ -447,6 +445,21 @@ def described_tables(described: Mapping[str, Any]) -> list[str]:
     return [name for name in str(described.get("tables", "")).split(",") if name]
 
 
+def described_samplers(described: Mapping[str, Any]) -> dict[str, Sampler] | None:
+    """Every table's sampler, by name, from `describe_tables(...)` (a server's hello); None when
+    the description does not say (a server that names no tables): then the server checks alone."""
+    out = {}
+    for name in described_tables(described):
+        settings = described.get(f"table.{name}.sampler_settings")
+        try:
+            out[name] = sampler_from_json(settings) if isinstance(settings, str) else None
+        except ConfigError:
+            out[name] = None
+        if out[name] is None:
+            return None
+    return out or None  # type: ignore[return-value]
+
+
 def table_description(described: Mapping[str, Any], table: str | None) -> dict[str, Any]:
     """One table's figures from `describe_tables(...)` (a server's hello): by its plain names.
     A server that names no tables has one, described by plain names.
@@ -466,31 +479,3 @@ def table_description(described: Mapping[str, Any], table: str | None) -> dict[s
         raise ConfigError(f"no table {str(table)[:80]!r}: this server's tables are {', '.join(map(repr, names))}")
     prefix = f"table.{table}."
     return {key[len(prefix):]: value for key, value in described.items() if key.startswith(prefix)}
-
-
-def check_priorities(values: object, n: int, *, missing_ok: bool = False, sampler: Sampler | None = None) -> np.ndarray:
-    """Priorities as a float64 array of `n` finite values >= 0 (`missing_ok`: NaN too, for a
-    row given no priority of its own), each within `sampler`'s `priority_limit` when it is
-    `Prioritized` (None: the sampler is not known yet; the buffer checks again).
-
-    Raises:
-        ConfigError: wrong count, not numbers, negative, NaN, infinite, or a weight beyond
-            MAX_WEIGHT (names the first bad one).
-    """
-    try:
-        arr = np.asarray(values, dtype=np.float64).reshape(-1)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"priorities must be numbers: {exc}") from exc
-    if arr.shape[0] != n:
-        raise ConfigError(f"got {arr.shape[0]} priorities for {n} rows")
-    bad = (np.isinf(arr) | (arr < 0)) if missing_ok else (~np.isfinite(arr) | (arr < 0))
-    if bad.any():
-        i = int(np.argmax(bad))
-        raise ConfigError(f"priority {i} is {float(arr[i])!r}: priorities must be finite and >= 0")
-    part = sampler.prioritized_part if sampler is not None else None
-    if part is not None:
-        over = arr > part.priority_limit  # NaN (none given) compares False
-        if over.any():
-            i = int(np.argmax(over))
-            raise ConfigError(f"priority {i} is {float(arr[i])!r}: {over_limit(part)}")
-    return arr

@@ -18,18 +18,10 @@ import numpy as np
 
 from h5replay import protocol as P
 from h5replay.client._connection import Connection, Retried
+from h5replay.priorities import Given, join_priorities
 from h5replay.records import Receipt
-from h5replay.sampling import check_priorities
 
 __all__ = ["PendingCommit"]
-
-
-_NO_PRIORITIES = np.zeros(0, dtype=np.float64)
-
-
-def _check_priorities(priorities: Any, n: int) -> np.ndarray:
-    """Priorities for n steps as sent (empty: none given), checked here before anything leaves."""
-    return _NO_PRIORITIES if priorities is None else check_priorities(priorities, n)
 
 
 def _receipt(reply: Any) -> Receipt:
@@ -43,23 +35,23 @@ def _receipt(reply: Any) -> Receipt:
 Settled = Callable[[Receipt | None, Exception | None], None]
 
 
-#: An episode ready to go in a message: (rows by leaf, length, priorities or empty, idempotency key).
-Ready = tuple[dict[str, np.ndarray], int, np.ndarray, bytes]
+#: An episode ready to go in a message: (rows by leaf, length, priorities or None, idempotency key).
+Ready = tuple[dict[str, np.ndarray], int, Given | None, bytes]
 
 
 def _push_request(episodes: Sequence[Ready], limit: float) -> Callable[[int], P.Request]:
     """request_id -> the message that commits `episodes`: a push for one, push_episodes (their
     rows one after another, NaN priorities for steps given none) for several."""
     if len(episodes) == 1:
-        rows, n, priorities, key = episodes[0]
-        return lambda rid: P.PushEpisode(rid, n, rows, limit, priorities, key)
+        rows, n, given, key = episodes[0]
+        every, tables, by_table = P.priorities_to_wire(given)
+        return lambda rid: P.PushEpisode(rid, n, rows, limit, every, key, tables, by_table)
     lengths = np.array([n for _, n, _, _ in episodes], dtype=np.int64)
     total = int(lengths.sum())
     arrays = {path: np.concatenate([rows[path] for rows, _, _, _ in episodes]) for path in episodes[0][0]}
-    given = np.concatenate([p if len(p) else np.full(n, np.nan) for _, n, p, _ in episodes]) \
-        if any(len(p) for _, _, p, _ in episodes) else _NO_PRIORITIES
+    every, tables, by_table = P.priorities_to_wire(join_priorities([(p, n) for _, n, p, _ in episodes]))
     keys = np.frombuffer(b"".join(key for _, _, _, key in episodes), dtype=np.uint8).reshape(len(episodes), -1)
-    return lambda rid: P.PushEpisodes(rid, total, lengths, keys, arrays, limit, given)
+    return lambda rid: P.PushEpisodes(rid, total, lengths, keys, arrays, limit, every, tables, by_table)
 
 
 def _receipts(reply: Any) -> list[Receipt]:

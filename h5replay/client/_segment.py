@@ -12,15 +12,17 @@ import collections
 import contextlib
 import os
 import time
+from collections.abc import Mapping
 from typing import Any, Literal, Protocol, overload
 
 import numpy as np
 
 from h5replay import protocol as P
-from h5replay.client._commits import _NO_PRIORITIES, PendingCommit, Settled, _check_priorities, _Flight
+from h5replay.client._commits import PendingCommit, Settled, _Flight, _push_request
 from h5replay.client._connection import Connection, NotSentError
 from h5replay.config import ClientConfig
 from h5replay.errors import ClosedError, DiskFullError, RateLimitedError, SegmentStateError, ServerUnavailableError
+from h5replay.priorities import Given, PriorityColumns, one_row_priorities
 from h5replay.records import Receipt
 from h5replay.spaces import Schema
 
@@ -41,9 +43,11 @@ class SegmentClient(Protocol):
 
     def encode_batch(self, batch: Any) -> tuple[dict[str, np.ndarray], int]: ...
 
+    def check_priorities(self, priorities: Any, n: int) -> Given | None: ...
+
     def _send_commit(self, request: Any, *, track: bool, settled: Settled | None = None) -> _Flight: ...
 
-    def _queue_commit(self, rows: dict[str, np.ndarray], n: int, priorities: np.ndarray, key: bytes,
+    def _queue_commit(self, rows: dict[str, np.ndarray], n: int, priorities: Given | None, key: bytes,
                       settled: Settled) -> PendingCommit: ...
 
 
@@ -67,7 +71,7 @@ class ActorSegment:
         self._batch: dict[str, np.ndarray] | None = None
         self._columns: list[np.ndarray] = []  # the batch's arrays, in the schema's leaf order
         self._put_exact_row = client.schema.put_exact_row
-        self._priorities: np.ndarray | None = None  # per buffered row (NaN: none given), once one is
+        self._priorities: PriorityColumns | None = None  # per buffered row, once one is given one
         self._buffered_rows = 0
         self._buffered_since = 0.0
         self.length = 0
@@ -87,8 +91,9 @@ class ActorSegment:
         if self._state != "open":
             raise SegmentStateError(f"cannot {what} a segment that was {self._state}")
 
-    def append(self, step: Any, priority: float | None = None) -> None:
-        """Add one step (with its priority, for a prioritized server); checked against the space
+    def append(self, step: Any, priority: float | Mapping[str, float] | None = None) -> None:
+        """Add one step (with its priority for every prioritized table of the server, or by table
+        name: `{"replay": 2.0}`); checked against the space
         now, sent in a batch soon. A step of exactly the stored dtypes and shapes (a dict of
         ndarrays) is copied straight into the batch."""
         self._require_open("append to")
@@ -100,22 +105,23 @@ class ActorSegment:
                 if self._batch_due():
                     self._send_buffered()
                 return
-        given = _check_priorities(None if priority is None else [priority], 1)
+        given = self._client.check_priorities(None if priority is None else one_row_priorities(priority), 1)
         self._add(self._client.encode_one(step), 1, given)
 
     def extend(self, batch: Any, priorities: Any = None) -> None:
-        """Add a batch of steps (a leading axis on every leaf), with one priority per step if given."""
+        """Add a batch of steps (a leading axis on every leaf), with one priority per step if given
+        (an array for every prioritized table, or {table: array})."""
         self._require_open("extend")
         encoded, n = self._client.encode_batch(batch)
-        self.extend_encoded(encoded, n, _check_priorities(priorities, n))
+        self.extend_encoded(encoded, n, self._client.check_priorities(priorities, n))
 
-    def extend_encoded(self, encoded: dict[str, np.ndarray], n: int, priorities: np.ndarray | None = None) -> None:
+    def extend_encoded(self, encoded: dict[str, np.ndarray], n: int, priorities: Given | None = None) -> None:
         """Add rows already checked and in storage form (from `ActorClient.encode_batch`), with
-        priorities already checked (empty or None: none given)."""
+        priorities already checked (`check_priorities`; None: none given)."""
         self._require_open("extend")
-        self._add(encoded, n, priorities if priorities is not None else _NO_PRIORITIES)
+        self._add(encoded, n, priorities)
 
-    def _add(self, encoded: dict[str, np.ndarray], n: int, priorities: np.ndarray) -> None:
+    def _add(self, encoded: dict[str, np.ndarray], n: int, priorities: Given | None) -> None:
         offset = 0
         while offset < n:
             if self._batch is None:
@@ -129,10 +135,10 @@ class ActorSegment:
             first = self._buffered_rows
             for path, arr in encoded.items():  # a copy: the caller may reuse its arrays at once
                 self._batch[path][first : first + take] = arr[offset : offset + take]
-            if len(priorities) or self._priorities is not None:
+            if priorities or self._priorities is not None:
                 if self._priorities is None:
-                    self._priorities = np.full(self._batch_capacity, np.nan)
-                self._priorities[first : first + take] = priorities[offset : offset + take] if len(priorities) else np.nan
+                    self._priorities = PriorityColumns()
+                self._priorities.put(first, take, priorities and {t: p[offset : offset + take] for t, p in priorities.items()})
             self._buffered_rows += take
             self.length += take
             offset += take
@@ -152,13 +158,13 @@ class ActorSegment:
             self.segment_id = int(reply.segment_id)  # type: ignore[attr-defined]
         n = self._buffered_rows
         arrays = {path: batch[:n] for path, batch in self._batch.items()}
-        priorities = self._priorities[:n] if self._priorities is not None else _NO_PRIORITIES
+        every, tables, by_table = P.priorities_to_wire(None if self._priorities is None else self._priorities.rows(n))
         # The message owns these arrays until it is sent (frames leave without a copy).
         self._batch, self._priorities, self._buffered_rows = None, None, 0
         while len(self._pending) >= self._config.max_in_flight:
             self._settle_oldest()
         segment_id = self.segment_id
-        self._pending.append(self._conn.send(lambda rid: P.Append(rid, segment_id, n, arrays, priorities)))
+        self._pending.append(self._conn.send(lambda rid: P.Append(rid, segment_id, n, arrays, every, tables, by_table)))
 
     def _settle_oldest(self) -> None:
         request_id = self._pending.popleft()
@@ -263,12 +269,12 @@ class ActorSegment:
             self.receipt = Receipt(-1, -1, 0)
             return self.receipt if wait else PendingCommit.done_with(self.receipt, self.key)
         arrays = {path: rows[:n] for path, rows in batch.items()}
-        priorities = self._priorities[:n] if self._priorities is not None else _NO_PRIORITIES
+        given = None if self._priorities is None else self._priorities.rows(n)
         limit, key = self._config.rate_limit_timeout, self.key
         if not wait:  # it may share a message with the next episodes committed so (see _queue_commit)
             self._state = "committing"
-            return self._client._queue_commit(arrays, n, priorities, key, self._settled)
-        return self._conclude(lambda rid: P.PushEpisode(rid, n, arrays, limit, priorities, key), wait)
+            return self._client._queue_commit(arrays, n, given, key, self._settled)
+        return self._conclude(_push_request([(arrays, n, given, key)], limit), wait)
 
     def abort(self) -> None:
         """Drop the episode: nothing of it becomes visible. Safe to call twice."""

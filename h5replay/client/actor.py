@@ -22,14 +22,15 @@ from typing import Any, Literal, overload
 import numpy as np
 
 from h5replay import protocol as P
-from h5replay.client._commits import PendingCommit, Settled, _check_priorities, _Flight, _push_request, _Queue
+from h5replay.client._commits import PendingCommit, Settled, _Flight, _push_request, _Queue
 from h5replay.client._connection import Connection, curve_keys, say_hello
 from h5replay.client._segment import ActorSegment
 from h5replay.client._shards import InDoubt, ShardedActor, ShardedSegment
 from h5replay.config import DEFAULT_ENDPOINT, ClientConfig, process_name
 from h5replay.errors import ConfigError
+from h5replay.priorities import Given, check_by_table, check_given_priorities
 from h5replay.records import Receipt
-from h5replay.sampling import rows_at_once
+from h5replay.sampling import described_samplers, rows_at_once
 from h5replay.spaces import Schema, Space, space_from_json
 
 __all__ = ["ActorClient", "ActorSegment", "PendingCommit", "Receipt"]
@@ -94,6 +95,7 @@ class ActorClient:
         self.server_version = hello.server_version
         self.replay_id: str = hello.replay_id
         self.instance_id: str = hello.instance_id
+        self._samplers = described_samplers(hello.sampling)  # the server's tables (None: it does not say)
         #: Seconds a commit or push may take in all: `commit_attempts` sends, each waiting `timeout`
         #: for its reply, and the rate limit's hold when the server has one (else it holds none).
         #: Seconds the server may hold a commit back (its rate limit), 0 when it has none.
@@ -132,6 +134,19 @@ class ActorClient:
         self.schema, self._row_bytes, self.rows_per_message = shard.schema, shard._row_bytes, shard.rows_per_message
         self.rows_per_push = shard.rows_per_push
         self.commit_timeout, self.commit_hold = shard.commit_timeout, shard.commit_hold
+        self._samplers = shard._samplers
+
+    def check_priorities(self, priorities: Any, n: int) -> Given | None:
+        """Priorities for n steps (an array for every prioritized table, or {table: array}),
+        checked against the server's tables before anything leaves (None: none given).
+
+        Raises:
+            ConfigError: a bad value or count, a table the server does not have or that keeps
+                no priorities, a value beyond its table's bound (names the table).
+        """
+        if self._samplers is None:
+            return check_given_priorities(priorities, n)
+        return check_by_table(priorities, n, self._samplers, whose="server")
 
     @property
     def shard(self) -> int:
@@ -176,7 +191,8 @@ class ActorClient:
 
     def push_episode(self, batch: Any, priorities: Any = None, *, wait: bool = True) -> Receipt | PendingCommit:
         """Send one whole episode (a leading axis on every leaf), with one priority per step if
-        given (a prioritized server), and wait for its commit. Returns the global ids the server
+        given (an array for every prioritized table of the server, or {table: array}), and wait
+        for its commit. Returns the global ids the server
         gave it; an empty episode records nothing: Receipt(-1, -1, 0). Blocks at most
         `commit_timeout`: a push whose reply does not come within `timeout` is sent again with the
         same idempotency key (`commit_attempts` sends in all, plus `rate_limit_timeout` when the
@@ -199,9 +215,9 @@ class ActorClient:
             receipt = self._router.push_episode(batch, priorities)
             return receipt if wait else PendingCommit.done_with(receipt)
         encoded, n = self.encode_batch(batch)
-        return self._push_encoded(encoded, n, _check_priorities(priorities, n), wait, batch)
+        return self._push_encoded(encoded, n, self.check_priorities(priorities, n), wait, batch)
 
-    def _push_encoded(self, encoded: dict[str, np.ndarray], n: int, given: np.ndarray, wait: bool,
+    def _push_encoded(self, encoded: dict[str, np.ndarray], n: int, given: Given | None, wait: bool,
                       batch: Any = None) -> Receipt | PendingCommit:
         """`push_episode` of checked rows; `batch`: the caller's, whose arrays `encoded` may share."""
         if n == 0:
@@ -209,9 +225,10 @@ class ActorClient:
             return empty if wait else PendingCommit.done_with(empty)
         if n <= self.rows_per_message:
             if not wait:  # the message (and its retries) must not borrow arrays the caller may reuse
-                encoded, given = _own_copies(encoded, self.schema.flatten(batch)), given.copy()
+                encoded = _own_copies(encoded, self.schema.flatten(batch))
+                given = given and {table: values.copy() for table, values in given.items()}
             limit, key = self.config.rate_limit_timeout, os.urandom(P.IDEMPOTENCY_KEY_BYTES)
-            pending = PendingCommit(self._send_commit(lambda rid: P.PushEpisode(rid, n, encoded, limit, given, key),
+            pending = PendingCommit(self._send_commit(_push_request([(encoded, n, given, key)], limit),
                                                       track=not wait), key)
             return pending.result() if wait else pending
         seg = ActorSegment(self)
@@ -244,7 +261,7 @@ class ActorClient:
         together): as many as fit go in one message (`rows_per_push` rows), each episode with
         its own idempotency key, so the server's work and the round trips are shared. Every
         episode is checked before any leaves. `priorities`: one entry per episode, None or one
-        per step. Returns one receipt per episode, in order (an empty one records nothing:
+        per step (or by table, as `push_episode` takes them). Returns one receipt per episode, in order (an empty one records nothing:
         Receipt(-1, -1, 0)); with `wait=False`, one `PendingCommit` per episode, as
         `push_episode` does. The server checks a message's episodes before it writes any of them.
         Over several servers, each episode is pushed as by `push_episode`.
@@ -267,7 +284,7 @@ class ActorClient:
         episodes = []  # (encoded, rows, priorities given or empty, batch): all checked before anything leaves
         for batch, given in zip(batches, each):
             encoded, n = self.encode_batch(batch)
-            episodes.append((encoded, n, _check_priorities(given, n), batch))
+            episodes.append((encoded, n, self.check_priorities(given, n), batch))
         pending: list[PendingCommit | None] = [None] * len(episodes)
         group: list[int] = []  # episodes that go in the next message, in order
         rows = 0  # theirs
@@ -292,7 +309,7 @@ class ActorClient:
             commit._flight.settle()
         return [commit.result() for commit in commits]
 
-    def _push_group(self, episodes: list[tuple[dict[str, np.ndarray], int, np.ndarray, Any]],
+    def _push_group(self, episodes: list[tuple[dict[str, np.ndarray], int, Given | None, Any]],
                     group: list[int], pending: list[PendingCommit | None]) -> None:
         """Send episodes (indices into `episodes`, checked) in one message; their commits in flight
         go to `pending` at the same indices."""
@@ -328,7 +345,7 @@ class ActorClient:
             self._in_flight.append(flight)
             return flight
 
-    def _queue_commit(self, rows: dict[str, np.ndarray], n: int, priorities: np.ndarray, key: bytes,
+    def _queue_commit(self, rows: dict[str, np.ndarray], n: int, priorities: Given | None, key: bytes,
                       settled: Settled) -> PendingCommit:
         """Commit an episode that never left (a segment's, `wait=False`) in this client's next
         message: it leaves at once while fewer than `max_in_flight` messages are unacknowledged;

@@ -47,8 +47,8 @@ from h5replay.client._reads import (
 from h5replay.client._shards import ShardedLearner
 from h5replay.config import DEFAULT_ENDPOINT, ClientConfig, process_name
 from h5replay.errors import ConfigError, ProtocolError
+from h5replay.priorities import check_priorities
 from h5replay.records import Episode
-from h5replay.sampling import check_priorities
 from h5replay.spaces import Schema, Space, space_from_json
 
 log = logging.getLogger("h5replay.client")

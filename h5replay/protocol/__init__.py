@@ -93,6 +93,13 @@ version 3 server refuses it as an unknown kind (``bad_request``).
 many episodes from that id on: a list longer than a message is read in pages. Without them the
 whole list comes in one reply, or is refused when it would not fit one.
 
+``priority_tables`` (a list of table names) with ``table_priorities`` (float64, one row per table
+named, one value per row of the message; NaN: none given) on append, push_episode and push_episodes
+give priorities by table (an actor's ``priorities={"replay": p}``), beside ``priorities`` for every
+prioritized table; a table named here overrides ``priorities`` where it gives a value. The server
+refuses a name that is not one of its prioritized tables (``bad_request``) before it stores any row
+of the message. Added within version 3; both are left out when none are given.
+
 ``cancel`` drops the client's own samples that still wait for the rate limit (a learner leaving a
 ``batches`` loop, or giving up on the rest of a split sample), so that no row is drawn for a
 caller that no longer waits; the others are served as usual. Added within version 3.
@@ -151,6 +158,8 @@ from h5replay.protocol.writes import (
     PushEpisodesReply,
     UpdatePriorities,
     UpdatePrioritiesReply,
+    priorities_from_wire,
+    priorities_to_wire,
 )
 
 __all__ = [
@@ -165,4 +174,5 @@ __all__ = [
     "ErrorReply", "ReadReply",
     "Array", "Arrays",
     "encode", "decode", "peek_request_id", "error_to_exception", "exception_to_error",
+    "priorities_to_wire", "priorities_from_wire",
 ]

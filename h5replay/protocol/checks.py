@@ -17,7 +17,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from h5replay.errors import ConfigError, LimitExceededError, ProtocolError
-from h5replay.sampling import check_table_name
+from h5replay.sampling import MAX_TABLES, check_table_name
 
 __all__ = [
     "ROLES", "IDEMPOTENCY_KEY_BYTES", "ROWS_MESSAGE_OVERHEAD", "ID_BYTES", "SAMPLE_INFO_BYTES", "Limits", "DEFAULT_LIMITS",
@@ -203,13 +203,26 @@ def _limits(value: Any, name: str, limits: Limits) -> Limits:
     return Limits.from_json(value)
 
 
-def _table(value: Any, name: str, limits: Limits) -> str | None:
-    if value is None:
-        return None
+def _table_name(value: Any, name: str) -> str:
     try:
         return check_table_name(value)
     except ConfigError as exc:
         raise ProtocolError(f"field {name!r}: {exc}") from None
+
+
+def _table(value: Any, name: str, limits: Limits) -> str | None:
+    return None if value is None else _table_name(value, name)
+
+
+def _tables(value: Any, name: str, limits: Limits) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if type(value) not in (list, tuple) or not 1 <= len(value) <= MAX_TABLES:
+        raise ProtocolError(f"field {name!r} must be a list of 1 to {MAX_TABLES} table names, got {_show(value)}")
+    names = tuple(_table_name(item, name) for item in value)
+    if len(set(names)) != len(names):
+        raise ProtocolError(f"field {name!r} names a table twice: {list(names)}")
+    return names
 
 
 def _bool(value: Any, name: str, limits: Limits) -> bool:
@@ -226,11 +239,12 @@ _SCALAR_CHECKS: dict[str, Callable[[Any, str, Limits], Any]] = {
     "stats": _stats, "code": _text, "message": _text, "read_endpoint": _text, "replay_id": _text,
     "instance_id": _text, "min_seq": _uint, "seq": _uint, "generation": _uint, "begin": _uint, "end": _uint,
     "with_rows": _bool, "timeout": _seconds, "ignored": _uint, "sampling": _stats, "idempotency_key": _key,
-    "first_episode": _optional_uint, "max_episodes": _optional_uint, "table": _table,
+    "first_episode": _optional_uint, "max_episodes": _optional_uint, "table": _table, "priority_tables": _tables,
 }
 # Fields added within version 3, which earlier version 3 peers leave out: decoded as the message's
 # default when absent. `encode` leaves one out only when it is None.
-_OPTIONAL_SCALARS = frozenset({"idempotency_key", "timeout", "first_episode", "max_episodes", "table"})
+_OPTIONAL_SCALARS = frozenset({"idempotency_key", "timeout", "first_episode", "max_episodes", "table",
+                               "priority_tables"})
 
 
 @dataclass(frozen=True)
@@ -248,6 +262,7 @@ _ARRAY_FIELDS: dict[str, _ArrayField] = {
     "episode_ids": _ArrayField(np.dtype("<u8"), 1),
     "probabilities": _ArrayField(np.dtype("<f8"), 1),
     "priorities": _ArrayField(np.dtype("<f8"), 1, optional=True),
+    "table_priorities": _ArrayField(np.dtype("<f8"), 2, optional=True),  # (tables, rows)
     "episodes": _ArrayField(np.dtype("<i8"), 2, 3),
     "lengths": _ArrayField(np.dtype("<i8"), 1),
     "keys": _ArrayField(np.dtype("|u1"), 2, IDEMPOTENCY_KEY_BYTES),
@@ -258,11 +273,25 @@ _ARRAY_FIELDS: dict[str, _ArrayField] = {
 
 _NO_PRIORITIES: Array = np.zeros(0, dtype=np.float64)
 _NO_PRIORITIES.flags.writeable = False
+_NO_TABLE_PRIORITIES: Array = np.zeros((0, 0), dtype=np.float64)
+_NO_TABLE_PRIORITIES.flags.writeable = False
+#: What an optional array left out of a message decodes as.
+_LEFT_OUT: dict[str, Array] = {"priorities": _NO_PRIORITIES, "table_priorities": _NO_TABLE_PRIORITIES}
 
 
-def _check_priorities(priorities: Array, num_rows: int) -> None:
+def _check_priorities(priorities: Array, num_rows: int, tables: tuple[str, ...] | None = None,
+                      by_table: Array = _NO_TABLE_PRIORITIES) -> None:
+    """Priorities for every prioritized table (`priorities`) and by table (`tables`, one row of
+    `by_table` each): empty (none given) or one per row."""
     if len(priorities) not in (0, num_rows):
         raise ProtocolError(f"priorities must be empty (none given) or one per row ({num_rows}), got {len(priorities)}")
+    if tables is None:
+        if by_table.size:
+            raise ProtocolError("table_priorities needs priority_tables: the table each of its rows is for")
+        return
+    if by_table.shape != (len(tables), num_rows) and (num_rows or by_table.size):  # (none for no rows)
+        raise ProtocolError(f"table_priorities must be (tables, rows) = ({len(tables)}, {num_rows}) for "
+                            f"priority_tables {list(tables)}, got {by_table.shape}")
 
 
 def _check_info(row_ids: Array, episode_ids: Array, probabilities: Array) -> None:

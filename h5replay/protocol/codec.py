@@ -23,8 +23,8 @@ from h5replay.protocol.admin import Cancel, CancelReply, Heartbeat, HeartbeatRep
 from h5replay.protocol.base import ErrorReply, Kind, Message, Reply, Request
 from h5replay.protocol.checks import (
     _ARRAY_FIELDS,
+    _LEFT_OUT,
     _MAX_NDIM,
-    _NO_PRIORITIES,
     _OPTIONAL_SCALARS,
     _SCALAR_CHECKS,
     _U64_MAX,
@@ -161,6 +161,8 @@ def _pack(header: dict[str, Any]) -> bytes:
 
 
 def _field_to_wire(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return list(value)
     return value.to_json() if isinstance(value, Limits) else value
 
 
@@ -358,7 +360,7 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS, *, expect: ty
                             f"may be left out), got {[name for name, _ in arrays[:num_fixed]]}")
     for name in layout.array_fields:
         if name not in present:
-            values[name] = _NO_PRIORITIES  # the one optional own array (read-only, like every decoded one)
+            values[name] = _LEFT_OUT[name]  # empty, read-only like every decoded array
     for name, arr in arrays[:num_fixed]:
         spec = _ARRAY_FIELDS[name]
         if arr.dtype.newbyteorder("<") != spec.dtype or arr.ndim != spec.ndim or (

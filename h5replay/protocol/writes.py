@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -10,6 +12,7 @@ from h5replay.errors import ProtocolError
 from h5replay.protocol.base import Kind, Reply, Request
 from h5replay.protocol.checks import (
     _NO_PRIORITIES,
+    _NO_TABLE_PRIORITIES,
     Array,
     Arrays,
     Limits,
@@ -19,7 +22,7 @@ from h5replay.protocol.checks import (
 )
 
 __all__ = [
-    "OpenSegment", "Append", "Commit", "Abort", "PushEpisode", "PushEpisodes", "UpdatePriorities",
+    "priorities_to_wire", "priorities_from_wire", "OpenSegment", "Append", "Commit", "Abort", "PushEpisode", "PushEpisodes", "UpdatePriorities",
     "OpenSegmentReply", "AppendReply", "CommitReply", "AbortReply", "PushEpisodeReply", "PushEpisodesReply",
     "UpdatePrioritiesReply",
 ]
@@ -40,10 +43,14 @@ class Append(Request):
     num_rows: int
     arrays: Arrays
     priorities: Array = field(default_factory=lambda: _NO_PRIORITIES)  # one per row (NaN: the default), or none
+    # Priorities by table: one row of `table_priorities` for each table of `priority_tables`
+    # (NaN: none given), beside `priorities` for every prioritized table.
+    priority_tables: tuple[str, ...] | None = None
+    table_priorities: Array = field(default_factory=lambda: _NO_TABLE_PRIORITIES)
 
     def _validate(self, limits: Limits) -> None:
         _check_leading(self.arrays, self.num_rows)
-        _check_priorities(self.priorities, self.num_rows)
+        _check_priorities(self.priorities, self.num_rows, self.priority_tables, self.table_priorities)
 
 
 @dataclass(frozen=True, eq=False, repr=False)
@@ -72,10 +79,14 @@ class PushEpisode(Request):
     timeout: float = 0.0
     priorities: Array = field(default_factory=lambda: _NO_PRIORITIES)
     idempotency_key: bytes | None = None
+    # Priorities by table: one row of `table_priorities` for each table of `priority_tables`
+    # (NaN: none given), beside `priorities` for every prioritized table.
+    priority_tables: tuple[str, ...] | None = None
+    table_priorities: Array = field(default_factory=lambda: _NO_TABLE_PRIORITIES)
 
     def _validate(self, limits: Limits) -> None:
         _check_leading(self.arrays, self.num_rows)
-        _check_priorities(self.priorities, self.num_rows)
+        _check_priorities(self.priorities, self.num_rows, self.priority_tables, self.table_priorities)
 
 
 @dataclass(frozen=True, eq=False, repr=False)
@@ -92,10 +103,14 @@ class PushEpisodes(Request):
     arrays: Arrays
     timeout: float = 0.0
     priorities: Array = field(default_factory=lambda: _NO_PRIORITIES)
+    # Priorities by table: one row of `table_priorities` for each table of `priority_tables`
+    # (NaN: none given), beside `priorities` for every prioritized table.
+    priority_tables: tuple[str, ...] | None = None
+    table_priorities: Array = field(default_factory=lambda: _NO_TABLE_PRIORITIES)
 
     def _validate(self, limits: Limits) -> None:
         _check_leading(self.arrays, self.num_rows)
-        _check_priorities(self.priorities, self.num_rows)
+        _check_priorities(self.priorities, self.num_rows, self.priority_tables, self.table_priorities)
         k = len(self.lengths)
         if k == 0:
             raise ProtocolError("push_episodes needs at least one episode")
@@ -174,3 +189,32 @@ class UpdatePrioritiesReply(Reply):
     ACKNOWLEDGES = True
     ignored: int  # ids no longer held (evicted, cleared or removed): ignored, as Reverb does
     seq: int  # the publish that makes the new priorities durable and visible to readers (may follow the reply)
+
+
+# ------------------------------------------------------------------ priorities given with rows
+
+#: The fields that carry the priorities given with rows: (priorities, priority_tables, table_priorities).
+PriorityFields = tuple[Array, "tuple[str, ...] | None", Array]
+
+
+def priorities_to_wire(given: Mapping[str | None, np.ndarray] | None) -> PriorityFields:
+    """Priorities given with a message's rows, by table (None: every prioritized table, one value
+    per row, NaN where none was given), as the message's fields."""
+    if not given:
+        return _NO_PRIORITIES, None, _NO_TABLE_PRIORITIES
+    every = given.get(None)
+    named = tuple(table for table in given if table is not None)
+    by_table = np.stack([np.asarray(given[table], dtype=np.float64) for table in named]) if named \
+        else _NO_TABLE_PRIORITIES
+    return (_NO_PRIORITIES if every is None else every), (named or None), by_table
+
+
+def priorities_from_wire(msg: Any) -> dict[str | None, np.ndarray] | None:
+    """The priorities an append or push carries, by table (None: every prioritized table); None
+    when it carries none. The inverse of `priorities_to_wire`."""
+    given: dict[str | None, np.ndarray] = {}
+    if len(msg.priorities):
+        given[None] = msg.priorities
+    if msg.priority_tables:
+        given.update(zip(msg.priority_tables, msg.table_priorities))
+    return given or None

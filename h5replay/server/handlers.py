@@ -445,19 +445,20 @@ class Service:
                 "rows, so it could never be committed; commit episodes of at most the capacity"
             )
 
-    def _add_rows(self, writer: SegmentWriter, num_rows: int, arrays: P.Arrays, priorities: np.ndarray,
-                  borrow: bool = False) -> None:
+    def _add_rows(self, writer: SegmentWriter, request: P.Append | P.PushEpisode, borrow: bool = False) -> None:
+        num_rows = request.num_rows
         self._check_segment_rows(len(writer) + num_rows)
-        checked = self.buffer.schema.validate_stored(arrays, num_rows)
+        checked = self.buffer.schema.validate_stored(request.arrays, num_rows)
         self.room_on_disk(num_rows * self.buffer.storage.row_bytes, f"stage {num_rows} rows")
-        writer.extend_stored(checked, num_rows, priorities if len(priorities) else None, borrow=borrow)
+        # The priorities are checked against the tables before any row is kept.
+        writer.extend_stored(checked, num_rows, P.priorities_from_wire(request), borrow=borrow)
         self.stats.rows_in += num_rows
         self.stats.bytes_in += sum(a.nbytes for a in checked.values())
 
     def append(self, request: P.Append, session: Session) -> P.AppendReply:
         writer = self._writer(session, request.segment_id)
         try:
-            self._add_rows(writer, request.num_rows, request.arrays, request.priorities)
+            self._add_rows(writer, request)
         except BaseException:
             if writer.state != "open":  # the file refused the rows: the segment is gone
                 session.segments.pop(request.segment_id, None)
@@ -510,7 +511,7 @@ class Service:
         writer = self.buffer.open_segment_writer()
         try:
             # Committed at once: the writer may keep the received arrays, uncopied, until then.
-            self._add_rows(writer, request.num_rows, request.arrays, request.priorities, borrow=True)
+            self._add_rows(writer, request, borrow=True)
             return P.PushEpisodeReply(request.request_id, *self._commit(writer, request.idempotency_key))
         finally:
             if writer.state == "open":
@@ -539,16 +540,16 @@ class Service:
             if receipt is not None:
                 receipts[i] = receipt
         if new:
-            rows, priorities = checked, request.priorities
+            rows, priorities = checked, P.priorities_from_wire(request)
             if len(new) < len(lengths):  # a retry of which some episodes were applied: the others alone
                 starts = np.concatenate([[0], np.cumsum(lengths)])
                 pick = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in new])
                 rows = {path: arr[pick] for path, arr in checked.items()}
-                priorities = priorities[pick] if len(priorities) else priorities
+                priorities = None if priorities is None else {t: p[pick] for t, p in priorities.items()}
             writer = self.buffer.open_segment_writer()
             try:
                 # Committed at once: the writer may keep the received arrays, uncopied, until then.
-                writer.extend_stored(rows, new_rows, priorities if len(priorities) else None, borrow=True)
+                writer.extend_stored(rows, new_rows, priorities, borrow=True)
                 placed = self.buffer.commit_episodes(writer, [lengths[i] for i in new], [keys[i] for i in new],
                                                      publish=False)
             finally:

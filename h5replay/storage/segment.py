@@ -18,14 +18,14 @@ reopen, and need not.
 from __future__ import annotations
 
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import h5py
 import numpy as np
 
 from h5replay.errors import SegmentStateError, SpaceMismatchError, StorageError
-from h5replay.sampling import Sampler, check_priorities
+from h5replay.priorities import Given, PriorityColumns, check_given_priorities, one_row_priorities
 from h5replay.spaces import LeafSpace, Schema
 from h5replay.storage._h5file import h5_errors
 from h5replay.storage._rowio import read_slice, write_rows
@@ -192,10 +192,11 @@ class SegmentWriter:
         self._finished = False
         self._state = "open"  # open | committed | aborted | invalid
         self._why_invalid = ""
-        self._priorities: np.ndarray | None = None  # per row, NaN where none was given
-        #: The sampler of the buffer this writer will commit to (`ReplayBuffer.open_segment_writer`
-        #: sets it): priorities are checked against its bound as they come. None: only at commit.
-        self.sampler: Sampler | None = None
+        self._priorities: PriorityColumns | None = None  # once a row is given one
+        #: How the buffer this writer will commit to splits priorities by table and checks each
+        #: table's bound (`ReplayBuffer.open_segment_writer` sets it), so they are checked as they
+        #: come. None: counts and values now, the tables at commit.
+        self.split_priorities: Callable[[Any, int, bool], Mapping[str, np.ndarray]] | None = None
 
     def __len__(self) -> int:
         return self.length
@@ -218,29 +219,27 @@ class SegmentWriter:
         return f"<SegmentWriter {self._state}, {self.length} rows>"
 
     @property
-    def priorities(self) -> np.ndarray | None:
-        """The priority given with each row (NaN: none, the buffer's default), or None if no row
-        was given one. A prioritized buffer uses them at commit; others ignore them."""
-        return None if self._priorities is None else self._priorities[: self.length]
+    def priorities(self) -> Given | None:
+        """The priorities given with the rows, by table (None: every prioritized table), one per
+        row (NaN: none, the table's default); None if no row was given one. A prioritized table
+        uses them at commit; others ignore them."""
+        return None if self._priorities is None else self._priorities.rows(self.length)
 
-    def _note_priorities(self, priorities: Any, n: int, missing_ok: bool = False) -> np.ndarray | None:
+    def _note_priorities(self, priorities: Any, n: int, missing_ok: bool = False) -> Mapping[str | None, np.ndarray] | None:
         """Check `priorities` for the next n rows, before anything is stored (None: none given)."""
         if priorities is None:
             return None
-        return check_priorities(priorities, n, missing_ok=missing_ok, sampler=self.sampler)
+        if self.split_priorities is not None:
+            return self.split_priorities(priorities, n, missing_ok) or None  # type: ignore[return-value]
+        return check_given_priorities(priorities, n, missing_ok=missing_ok)
 
-    def _keep_priorities(self, first: int, values: np.ndarray | None, n: int) -> None:
-        if values is None and self._priorities is None:
+    def _keep_priorities(self, first: int, values: Mapping[str | None, np.ndarray] | None, n: int) -> None:
+        if not values and self._priorities is None:
             return
-        need = first + n
-        if self._priorities is None or self._priorities.shape[0] < need:
-            size = max(need, 2 * (0 if self._priorities is None else self._priorities.shape[0]), 64)
-            grown = np.full(size, np.nan)
-            if self._priorities is not None:
-                grown[: first] = self._priorities[:first]
-            self._priorities = grown
+        if self._priorities is None:
+            self._priorities = PriorityColumns()
             self._reset_fast_stop()  # rows with priorities take the long way from now on
-        self._priorities[first:need] = np.nan if values is None else values
+        self._priorities.put(first, n, values)
 
     @property
     def state(self) -> str:
@@ -254,8 +253,9 @@ class SegmentWriter:
 
     # ------------------------------------------------------------------ adding rows
 
-    def append(self, value: Any, priority: float | None = None) -> None:
-        """Add one sample (with its `priority`, for a prioritized buffer). Its keys, dtypes and
+    def append(self, value: Any, priority: float | Mapping[str, float] | None = None) -> None:
+        """Add one sample (with its `priority` for every prioritized table, or by table name:
+        `{"replay": 2.0}`). Its keys, dtypes and
         shapes are checked before anything is stored; its Box values with the block's (see the
         class). Samples of exactly the stored dtypes and shapes (a dict of ndarrays) take the fast
         path: no conversion, a row copy per leaf.
@@ -278,12 +278,12 @@ class SegmentWriter:
                 return
         self._append(value, priority)
 
-    def _append(self, value: Any, priority: float | None) -> None:
+    def _append(self, value: Any, priority: float | Mapping[str, float] | None) -> None:
         """append's long way: checks the writer's state, converts, makes room, keeps priorities."""
         if self._state != "open" or self.is_finished:
             self._require_open("append to")
             raise SegmentStateError("cannot append to a finished segment writer")
-        given = None if priority is None else self._note_priorities([priority], 1)
+        given = None if priority is None else self._note_priorities(one_row_priorities(priority), 1)
         if self._borrowed is not None:
             self._copy_borrowed()
         row = self._buffered
@@ -343,9 +343,11 @@ class SegmentWriter:
             return
         self._borrowed = None
         self.length = 0
-        self._push(borrowed, n, None if self._priorities is None else self._priorities[:n].copy())
+        kept = self._priorities
+        self._push(borrowed, n, None if kept is None else {t: p.copy() for t, p in kept.rows(n).items()})
 
-    def _push(self, encoded: Mapping[str, np.ndarray], n: int, priorities: np.ndarray | None = None) -> None:
+    def _push(self, encoded: Mapping[str, np.ndarray], n: int,
+              priorities: Mapping[str | None, np.ndarray] | None = None) -> None:
         """Add rows whose values were checked (by encode_batch or validate_stored)."""
         if self._borrowed is not None:
             self._copy_borrowed()
@@ -531,3 +533,4 @@ class SegmentWriter:
     def __exit__(self, *exc: object) -> None:
         if self._state == "open":
             self.abort()
+

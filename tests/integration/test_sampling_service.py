@@ -12,13 +12,23 @@ from typing import Any
 
 import numpy as np
 import pytest
-from service_helpers import RawClient, endpoint, episode_rows, error_of, processes, row_problems, wait_until
+from service_helpers import (
+    EPISODE_SPACE,
+    RawClient,
+    endpoint,
+    episode_rows,
+    error_of,
+    processes,
+    row_problems,
+    wait_until,
+)
 
 from h5replay import protocol as P
 from h5replay.client import ActorClient, LearnerClient
 from h5replay.config import ClientConfig
 from h5replay.errors import ConfigError, LimitExceededError, ProtocolError, RateLimitedError, ServerUnavailableError
 from h5replay.sampling import Fifo, Prioritized, RateLimit, SamplingConfig
+from h5replay.spaces import Schema
 
 SPAWN = mp.get_context("spawn")
 pytestmark = pytest.mark.timeout(120)
@@ -211,10 +221,14 @@ def test_priorities_whose_weight_would_overflow_are_refused_before_anything_is_w
     words = r"priority 1 is 1e\+200: its weight priority \*\* exponent \(2\) would exceed 1e\+280"
     with ActorClient(server.endpoint, timeout=10) as actor, LearnerClient(server.endpoint, timeout=10) as learner:
         actor.push_episode(episode_rows(1, 0, 4), priorities=[1.0, 2.0, 3.0, 4.0])
-        with pytest.raises(ProtocolError, match=words):
+        with pytest.raises(ConfigError, match=words):  # the actor checks the server's bound: nothing is sent
             actor.push_episode(episode_rows(1, 1, 2), priorities=[1.0, 1e200])
-        with pytest.raises(ProtocolError, match=words.replace("priority 1", "priority 3")):
+        with pytest.raises(ConfigError, match=words):
             actor.push_episodes([episode_rows(1, 2, 2), episode_rows(1, 3, 2)], priorities=[[1.0, 1.0], [1.0, 1e200]])
+        with RawClient(server.endpoint) as raw:  # a push that skips the check is refused by the server
+            rows, _ = Schema(EPISODE_SPACE).encode_batch(episode_rows(1, 1, 2))
+            reply = raw.call(lambda rid: P.PushEpisode(rid, 2, rows, 0.0, np.array([1.0, 1e200]), bytes(16)))
+            assert isinstance(error_of(reply), ProtocolError) and re.search(words, str(error_of(reply)))
         with pytest.raises(ConfigError, match=words):  # the learner checks the server's bound too: nothing is sent
             learner.update_priorities([0, 1], [1.0, 1e200])
         with RawClient(server.endpoint) as raw:  # one that does not is refused by the server all the same

@@ -29,6 +29,8 @@ json_values = st.recursive(
     max_leaves=12,
 )
 
+table_names = st.from_regex(r"[A-Za-z0-9_][A-Za-z0-9_-]{0,63}", fullmatch=True)
+
 # One strategy per field name, as the protocol has one check per field name.
 FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "client_name": st.text(min_size=1, max_size=256),
@@ -47,7 +49,7 @@ FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "sampling": st.dictionaries(st.text(max_size=12), json_scalars, max_size=8),
     "idempotency_key": st.none() | st.binary(min_size=16, max_size=16),
     "first_episode": st.none() | u64, "max_episodes": st.none() | u64,
-    "table": st.none() | st.from_regex(r"[A-Za-z0-9_][A-Za-z0-9_-]{0,63}", fullmatch=True),
+    "table": st.none() | table_names,
 }
 
 wire_dtypes = (
@@ -91,6 +93,12 @@ def messages(draw: st.DrawFn, cls: type[P.Message]) -> P.Message:
         elif f.name == "priorities":  # one per row, or none (update_priorities: one per id)
             count = n if cls is P.UpdatePriorities else draw(st.sampled_from([0, n]))
             values[f.name] = draw(hnp.arrays(np.float64, (count,)))
+        elif f.name == "priority_tables":  # by table: a row of table_priorities each (none for no rows)
+            values[f.name] = draw(st.none() | st.lists(table_names, min_size=1, max_size=3, unique=True).map(tuple)) \
+                if n else None
+        elif f.name == "table_priorities":
+            k = len(values["priority_tables"] or ())
+            values[f.name] = draw(hnp.arrays(np.float64, (k, n))) if k else np.zeros((0, 0))
         elif f.name == "episodes":
             values[f.name] = draw(hnp.arrays(np.int64, (n, 3)))
         elif f.name == "lengths":  # push_episodes: n rows in episodes of >= 1 row each

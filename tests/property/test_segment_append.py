@@ -128,8 +128,8 @@ def test_append_paths_give_the_model_rows_and_copy_what_they_are_given(
             assert len(writer) == before + 1
         n = len(writer)
         assert n == len(priorities)
-        if writer.priorities is not None:
-            np.testing.assert_array_equal(writer.priorities, np.array(priorities))
+        if writer.priorities is not None:  # a writer of the storage: for every prioritized table
+            np.testing.assert_array_equal(writer.priorities[None], np.array(priorities))
         else:
             assert all(np.isnan(priorities))
         writer.commit(0)

@@ -442,7 +442,7 @@ def test_a_writer_may_borrow_the_rows_of_a_whole_episode_until_its_commit(tmp_pa
     got = s.get(slice(8, 19))
     assert np.allclose(got["obs"][:5], np.linspace(-1, 1, 15).reshape(5, 3)) and np.all(got["obs"][5] == 0)
     assert np.allclose(got["obs"][6:], np.linspace(-1, 1, 15).reshape(5, 3))
-    assert np.array_equal(more.priorities[:6], [0, 1, 2, 3, 4, 9])
+    assert np.array_equal(more.priorities[None][:6], [0, 1, 2, 3, 4, 9])
 
     dropped = s.open_segment_writer()
     dropped.extend_stored(rows, 5, borrow=True)

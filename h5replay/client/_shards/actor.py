@@ -27,9 +27,9 @@ from h5replay.errors import (
     SegmentStateError,
     ServerUnavailableError,
 )
+from h5replay.priorities import Given, PriorityColumns, one_row_priorities
 from h5replay.protocol import IDEMPOTENCY_KEY_BYTES
 from h5replay.records import Receipt
-from h5replay.sampling import check_priorities
 
 __all__ = ["InDoubt", "ShardedActor", "ShardedSegment", "ShardClient"]
 
@@ -88,18 +88,14 @@ class _Rows:
 
     def __init__(self) -> None:
         self._arrays: dict[str, np.ndarray] = {}
-        self._priorities: np.ndarray | None = None  # per row, NaN where none was given; once one is
+        self._priorities: PriorityColumns | None = None  # once a row is given one
         self.num_rows = 0
 
-    def add(self, encoded: Mapping[str, np.ndarray], n: int, priorities: np.ndarray | None = None) -> None:
-        given = priorities is not None and len(priorities) > 0
-        if given or self._priorities is not None:
-            if self._priorities is None or self._priorities.shape[0] < self.num_rows + n:  # doubling, as below
-                grown = np.full(max(64, 2 * self.num_rows, self.num_rows + n), np.nan)
-                if self._priorities is not None:
-                    grown[: self.num_rows] = self._priorities[: self.num_rows]
-                self._priorities = grown
-            self._priorities[self.num_rows : self.num_rows + n] = priorities if given else np.nan
+    def add(self, encoded: Mapping[str, np.ndarray], n: int, priorities: Given | None = None) -> None:
+        if priorities or self._priorities is not None:
+            if self._priorities is None:
+                self._priorities = PriorityColumns()
+            self._priorities.put(self.num_rows, n, priorities)
         if not self._arrays:
             self._arrays = {k: np.empty((max(n, 64), *v.shape[1:]), v.dtype) for k, v in encoded.items()}
         room = next(iter(self._arrays.values())).shape[0]
@@ -116,8 +112,8 @@ class _Rows:
     def view(self) -> dict[str, np.ndarray]:
         return {k: a[: self.num_rows] for k, a in self._arrays.items()}
 
-    def priorities(self) -> np.ndarray | None:
-        return None if self._priorities is None else self._priorities[: self.num_rows]
+    def priorities(self) -> Given | None:
+        return None if self._priorities is None else self._priorities.rows(self.num_rows)
 
 
 class _Parked:
@@ -401,7 +397,7 @@ class ShardedActor(_Router[_A]):
 
     def push_episode(self, batch: Any, priorities: Any = None) -> Receipt:
         encoded, n = self.codec.encode_batch(batch)
-        given = None if priorities is None else check_priorities(priorities, n)
+        given = self.codec.check_priorities(priorities, n)
         if n == 0:
             return Receipt(-1, -1, 0)
         seg = ShardedSegment(self)
@@ -451,24 +447,25 @@ class ShardedSegment:
         if self._state != "open":
             raise SegmentStateError(f"cannot {what} a segment that was {self._state}")
 
-    def append(self, step: Any, priority: float | None = None) -> None:
-        """Add one step (with its priority, for a prioritized server); checked now, sent soon."""
+    def append(self, step: Any, priority: float | Mapping[str, float] | None = None) -> None:
+        """Add one step (with its priority for every prioritized table, or by table name);
+        checked now, sent soon."""
         self._require_open("append to")
-        given = None if priority is None else check_priorities([priority], 1)
+        given = None if priority is None else self._actor.codec.check_priorities(one_row_priorities(priority), 1)
         self._add(self._actor.codec.encode_one(step), 1, given)
 
     def extend(self, batch: Any, priorities: Any = None) -> None:
         """Add a batch of steps (a leading axis on every leaf), with one priority per step if given."""
         self._require_open("extend")
         encoded, n = self._actor.codec.encode_batch(batch)
-        self._add(encoded, n, None if priorities is None else check_priorities(priorities, n))
+        self._add(encoded, n, self._actor.codec.check_priorities(priorities, n))
 
-    def extend_encoded(self, encoded: dict[str, np.ndarray], n: int, priorities: np.ndarray | None = None) -> None:
+    def extend_encoded(self, encoded: dict[str, np.ndarray], n: int, priorities: Given | None = None) -> None:
         """Add rows already checked and in storage form (from `ActorClient.encode_batch`)."""
         self._require_open("extend")
         self._add(encoded, n, priorities)
 
-    def _add(self, encoded: dict[str, np.ndarray], n: int, priorities: np.ndarray | None = None) -> None:
+    def _add(self, encoded: dict[str, np.ndarray], n: int, priorities: Given | None = None) -> None:
         if n == 0:
             return
         self._rows.add(encoded, n, priorities)

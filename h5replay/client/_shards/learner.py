@@ -24,8 +24,8 @@ from h5replay.errors import (
     RateLimitedError,
     ServerUnavailableError,
 )
+from h5replay.priorities import check_priorities
 from h5replay.records import Episode, SampleInfo, pack_ids, unpack_ids
-from h5replay.sampling import check_priorities
 from h5replay.spaces import Space, flatten_value, unflatten_value
 
 __all__ = ["ShardedLearner", "ShardLearner"]

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from h5replay.errors import ConfigError, LimitExceededError, RateLimitedError, SegmentStateError
+from h5replay.priorities import one_row_priorities
 from h5replay.records import Receipt
 from h5replay.storage import _h5file
 from h5replay.storage.replay.episodes import EpisodeTable
@@ -74,9 +75,7 @@ class Commits:
             ConfigError: a bad priority, or one for a table that is not prioritized or not there.
         """
         self._require_writable("append")
-        given = priority if priority is None or not isinstance(priority, dict) else \
-            {name: [value] for name, value in priority.items()}
-        priorities = self._tables.split(given if isinstance(given, dict) or given is None else [given], 1)
+        priorities = self._tables.split(None if priority is None else one_row_priorities(priority), 1)
         self._write_tail(self.storage.encode_one(sample), 1, priorities)
 
     def extend(self, batch: Any, priorities: Any = None) -> None:
@@ -128,10 +127,11 @@ class Commits:
 
     def open_segment_writer(self) -> SegmentWriter:
         """A streaming writer for one episode; publish it with `commit_segment`. It checks the
-        priorities it is given against this buffer's sampler as they come."""
+        priorities it is given against this buffer's tables as they come (a bare one for every
+        prioritized table, or by table name: `{"replay": p}`)."""
         self._require_writable("open a segment writer")
         writer = self.storage.open_segment_writer()
-        writer.sampler = self._tables.strictest()
+        writer.split_priorities = self._tables.split
         return writer
 
     @property

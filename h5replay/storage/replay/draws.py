@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from h5replay.errors import ConfigError, NotEnoughDataError, RateLimitedError, ReadOnlyError
+from h5replay.priorities import check_priorities
 from h5replay.records import SampleInfo
-from h5replay.sampling import check_priorities
 from h5replay.storage.replay.episodes import EpisodeTable
 from h5replay.storage.replay.ring import as_row_ids
 from h5replay.storage.replay.rows import RowStore

@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 
 from h5replay.errors import ConfigError
-from h5replay.sampling import Prioritized, Table, check_priorities
+from h5replay.priorities import check_by_table
+from h5replay.sampling import Table
 from h5replay.storage.replay.state import State
 from h5replay.storage.replay.table import Sampling
 from h5replay.storage.replay.table_file import SamplingFile
@@ -40,6 +41,7 @@ class Tables:
         }
         self.all = list(self.by_name.values())
         self.prioritized = [t for t in self.all if t.config.prioritized]
+        self.samplers = {name: t.config.sampler for name, t in self.by_name.items()}
         self.removing = [t for t in self.all if t.config.removes]
         #: Rows leave the ring early only when every table removes them.
         self.all_remove = len(self.removing) == len(self.all)
@@ -68,36 +70,26 @@ class Tables:
 
     # ------------------------------------------------------------------ priorities given with rows
 
-    def strictest(self) -> Prioritized | None:
-        """The prioritized sampler with the lowest priority bound (what a priority given with a
-        row must pass; None: no table keeps priorities)."""
-        samplers: list[Prioritized] = [t.config.sampler.prioritized_part for t in self.prioritized]
-        return min(samplers, key=lambda s: s.priority_limit) if samplers else None
-
     def split(self, priorities: Any, n: int, missing_ok: bool = False) -> dict[str, np.ndarray]:
         """Priorities given with `n` rows, by table: a bare array (or list) for every prioritized
-        table, or a mapping of table name to array; each checked against its table's bound.
+        table, or a mapping of table name to array (None among its names: every prioritized table,
+        the named ones overriding it where they give a value); each checked against its table's
+        bound. Tables given nothing are left out (their rows take their default).
 
         Raises:
             ConfigError: a name that is not a table, a table that keeps no priorities, or a bad
                 value (wrong count, negative, NaN, infinite, beyond the bound).
         """
-        if priorities is None:
+        given = check_by_table(priorities, n, self.samplers, missing_ok=missing_ok)
+        if not given:
             return {}
-        if isinstance(priorities, Mapping):
-            out = {}
-            for name, values in priorities.items():
-                table = self.pick(name) if isinstance(name, str) else self.pick(str(name))
-                if not table.config.prioritized:
-                    raise ConfigError(f"table {table.name!r} samples by {type(table.config.sampler).__name__}(), not "
-                                      "by priority: give priorities only to its prioritized tables")
-                out[table.name] = check_priorities(values, n, missing_ok=missing_ok, sampler=table.config.sampler)
-            return out
-        if not self.prioritized:  # priorities of a buffer that keeps none: checked, then unused
-            check_priorities(priorities, n, missing_ok=missing_ok)
-            return {}
-        values = check_priorities(priorities, n, missing_ok=missing_ok, sampler=self.strictest())
-        return {t.name: values for t in self.prioritized}
+        every = given.get(None)  # (a buffer that keeps no priorities: checked, then unused)
+        out = {t.name: every for t in self.prioritized} if every is not None else {}
+        for name, values in given.items():
+            if name is not None:  # a prioritized table's own: they win where given
+                base = out.get(name)
+                out[name] = values if base is None else np.where(np.isnan(values), base, values)
+        return out
 
     # ------------------------------------------------------------------ rows coming and going
 
