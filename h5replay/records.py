@@ -80,12 +80,15 @@ class SampleInfo:
             sample drew from).
         shard_ids: int64 index of the shard each row came from (its endpoint's position in a
             learner's `endpoints`); all zeros from a single server.
+        has_final: (transitions) bool, whether the row's episode has its final observation
+            (None for other samples).
     """
 
     row_ids: np.ndarray
     episode_ids: np.ndarray
     probabilities: np.ndarray
     shard_ids: np.ndarray | None = None
+    has_final: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.shard_ids is None:  # a single server: every row is of shard 0

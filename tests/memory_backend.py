@@ -9,7 +9,7 @@ name), the contract says so.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -153,6 +153,9 @@ class MemoryStorage:
         else:
             rows = {name: col[np.asarray(where)] for name, col in self._columns.items()}
         return self.schema.decode(rows) if decode else rows
+
+    def read_leaves(self, paths: Sequence[str], where: np.ndarray) -> dict[str, np.ndarray]:
+        return {path: self._columns[path][np.asarray(where)] for path in paths}
 
     # -- writing ---------------------------------------------------------------------------------
 

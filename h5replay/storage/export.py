@@ -89,7 +89,8 @@ def export_buffer(
         buffer.space, new_capacity, partial, first_row_id=first_row,
         first_episode_id=episode_ids[0] if episode_ids else view.ep_end, tables=tables,
         idempotency_window=buffer.idempotency_window, check_bounds=False,  # copy what is held
-        replay_id=None if new_replay or not buffer.replay_id else buffer.replay_id, **storage_kwargs,
+        replay_id=None if new_replay or not buffer.replay_id else buffer.replay_id, **_transition_keys(buffer),
+        **storage_kwargs,
     )
     same = {} if new_replay else {"seq": view.seq, "generation": view.generation}
     sampled = {name: counters.sampled for name, counters in zip(tables, view.tables)}
@@ -112,7 +113,8 @@ def export_buffer(
                     progress(done, total)
             if record is not None:
                 key = keys.get(Receipt(episode, first, stop - first)) if episode is not None else None
-                copy.end_episode(record=record, idempotency_key=key)
+                final = buffer.final_observation(episode) if episode is not None else None
+                copy.end_episode(record=record, idempotency_key=key, final=final)
         copy.carry_over(inserted=view.inserted, sampled=sampled, limit_inserts=True, **same)
         copy.close()
         os.replace(partial, target)
@@ -121,6 +123,15 @@ def export_buffer(
         with contextlib.suppress(OSError):
             os.unlink(partial)
         raise
+
+
+def _transition_keys(buffer: ReplayBuffer) -> dict[str, Any]:
+    """The `create` arguments that keep the source's observation keys (its finals go along)."""
+    keys = buffer.transition_keys
+    if keys is None:
+        return {}
+    return {"observation_keys": keys.observation, "reward_key": keys.reward, "terminated_key": keys.terminated,
+            "truncated_key": keys.truncated}
 
 
 def _same_chunks(buffer: ReplayBuffer, capacity: int | None, asked: dict[str, Any]) -> dict[str, Any]:

@@ -184,6 +184,14 @@ class HDF5Storage(_StorageFile):
         what the server sends over the wire.
         """
         self._ensure_open()
+        return self._read(kind, where, decode)
+
+    def read_leaves(self, paths: Sequence[str], where: np.ndarray) -> dict[str, np.ndarray]:
+        """Stored rows of some leaves (by path) at physical rows `where` (any shape)."""
+        self._ensure_open()
+        return {path: self._read_rows(path, "array", where) for path in paths}
+
+    def _read(self, kind: str, where: Any, decode: bool) -> Any:
         if kind == "int":
             one = np.array([where], dtype=np.int64)
             rows = {path: self._read_rows(path, "array", one)[0] for path, _ in self._leaves}

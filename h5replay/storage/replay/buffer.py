@@ -28,9 +28,10 @@ closing; the verbs that add rows are in `commits.py`, the sampling verbs in `dra
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+import h5py
 import numpy as np
 
 from h5replay.errors import ClosedError, ConfigError, ReadOnlyError, StorageError
@@ -43,13 +44,16 @@ from h5replay.storage.hdf5 import HDF5Storage
 from h5replay.storage.replay.commits import Commits
 from h5replay.storage.replay.draws import Draws
 from h5replay.storage.replay.episodes import EpisodeTable
-from h5replay.storage.replay.journal import Journal, JournalStore, RecordsMoved
+from h5replay.storage.replay.finals import FinalsFile
+from h5replay.storage.replay.journal import REPLAY_GROUP, Journal, JournalStore, RecordsMoved
 from h5replay.storage.replay.keys import DEFAULT_KEY_WINDOW, KeyTable
 from h5replay.storage.replay.ring import Ring, as_row_ids, check_held
 from h5replay.storage.replay.rows import RowStore
 from h5replay.storage.replay.state import Counters, State
 from h5replay.storage.replay.table import Sampling
 from h5replay.storage.replay.tables import Tables
+from h5replay.storage.replay.transition_draws import Transitions
+from h5replay.storage.replay.transitions import TransitionKeys
 
 __all__ = ["ReplayBuffer", "CommitInfo"]
 
@@ -71,7 +75,7 @@ def in_file(storage: RowStore) -> HDF5Storage:
     return storage
 
 
-class ReplayBuffer(Commits, Draws):
+class ReplayBuffer(Commits, Draws, Transitions):
     """A ring buffer of rows over an HDF5Storage, with episodes, and sampling of rows and windows
     by the sampler its file records (uniform, prioritized, fifo, lifo), under its rate limit."""
 
@@ -113,6 +117,14 @@ class ReplayBuffer(Commits, Draws):
         if not raw:
             journal_read = self._journal.read if self._journal is not None else None
             self._tables.load(self._state, None if storage.is_mutable else journal_read)
+        #: The episodes' final observations (None: the file keeps none, or the rows are not in a file).
+        self._finals: FinalsFile | None = None
+        if isinstance(self._journal, Journal):
+            file = in_file(storage)
+            reader = file.multiprocessing and not file.is_mutable
+            with _h5file.h5_errors("opening the final observations"):
+                self._finals = FinalsFile.of(file.file[REPLAY_GROUP], storage.single_instance_space, storage.capacity,
+                                             reader)
         self._ring = Ring(storage.capacity)
         self._limit_inserts = True
         #: The state the last read was answered from (readers: a published one).
@@ -126,7 +138,8 @@ class ReplayBuffer(Commits, Draws):
         first_episode_id: int = 0, sampler: Sampler | None = None, rate_limit: RateLimit | None = None,
         max_times_sampled: int | None = None, tables: dict[str, Table] | None = None,
         idempotency_window: int = DEFAULT_KEY_WINDOW, check_bounds: bool = True, replay_id: str | None = None,
-        **storage_kwargs: Any,
+        observation_keys: Sequence[str] | None = None, reward_key: str = "reward", terminated_key: str = "terminated",
+        truncated_key: str = "truncated", **storage_kwargs: Any,
     ) -> ReplayBuffer:
         """A new, empty buffer in a new file (`cache_path`, or `<cache_path>/storage.hdf5` when it is
         a directory). `storage_kwargs` go to `HDF5Storage.create` (multiprocessing, chunks, ...).
@@ -146,9 +159,20 @@ class ReplayBuffer(Commits, Draws):
         values outside the space's bounds, and NaN (`SpaceMismatchError`), as gymnasium's
         `contains` would; a setting of this open buffer (`buffer.storage.check_bounds`).
 
+        `observation_keys`: the keys of the space (a Dict space) that are the observation, so
+        that each episode may keep its final observation (`commit_segment(final=)`,
+        `end_episode(final=)`) and `sample_transitions` return n-step transitions; `reward_key`,
+        `terminated_key` and `truncated_key` name the leaves it reads (see
+        `h5replay.storage.replay.transitions`). Recorded in the file.
+
         Raises:
             ConfigError: an invalid setting (nothing is created).
         """
+        keys = None if observation_keys is None else \
+            TransitionKeys.checked(space, observation_keys, reward_key, terminated_key, truncated_key)
+        if keys is None and (reward_key, terminated_key, truncated_key) != ("reward", "terminated", "truncated"):
+            raise ConfigError("reward_key, terminated_key and truncated_key name transition leaves: give "
+                              "observation_keys= too")
         if tables is not None and (sampler is not None or rate_limit is not None or max_times_sampled is not None):
             raise ConfigError("give either tables= or sampler= / rate_limit= / max_times_sampled= (one table), not both")
         configs = check_tables(tables) if tables is not None else {
@@ -166,10 +190,14 @@ class ReplayBuffer(Commits, Draws):
             origin=first_row if capacity is None else 0, ep_origin=first_episode if capacity is None else 0,
             tables=tuple(Counters() for _ in configs),
         )
-        storage = HDF5Storage.create(
-            space, capacity, _h5file.file_path(cache_path), prepare=Journal.create_tables(capacity, initial, configs, idempotency_window, replay_id),
-            **storage_kwargs,
-        )
+        journal = Journal.create_tables(capacity, initial, configs, idempotency_window, replay_id)
+
+        def prepare(f: h5py.File) -> None:
+            journal(f)
+            if keys is not None:
+                FinalsFile.create(f[REPLAY_GROUP], keys, space, capacity)
+
+        storage = HDF5Storage.create(space, capacity, _h5file.file_path(cache_path), prepare=prepare, **storage_kwargs)
         return cls._around(storage, check_bounds)
 
     @classmethod
@@ -331,12 +359,16 @@ class ReplayBuffer(Commits, Draws):
         if cap is not None and end - self._state.begin > cap:
             self._move_begin(end - cap)
 
-    def _record_episode(self, start: int, length: int, key: bytes | None = None) -> tuple[int, tuple[int, int]]:
-        """Write an episode record (and its idempotency key, or that it has none); returns its id
-        and what its slot held before (for undo)."""
+    def _record_episode(self, start: int, length: int, key: bytes | None = None,
+                        final: dict[str, np.ndarray] | None = None) -> tuple[int, tuple[int, int]]:
+        """Write an episode record (and its idempotency key, or that it has none; its final
+        observation, encoded, or that it has none); returns its id and what its slot held before
+        (for undo)."""
         journal = self._journal_or_raise
         episode_id = self._state.ep_end
         slot = self._episodes.slot(episode_id)
+        if self._finals is not None:
+            self._finals.write(slot, final)
         journal.record(episode_id, slot, start, length)
         self._keys.put(key, Receipt(episode_id, start, length))
         undo = self._episodes.put(episode_id, start, length)

@@ -56,9 +56,12 @@ class Commits:
         def _phys(self, ids: Any, view: State) -> Any: ...
         def _evict(self, new_end: int) -> None: ...
         def _advance_end(self, n: int) -> None: ...
-        def _record_episode(self, start: int, length: int, key: bytes | None = None) -> tuple[int, tuple[int, int]]: ...
+        def _record_episode(self, start: int, length: int, key: bytes | None = None,
+                            final: dict[str, np.ndarray] | None = None) -> tuple[int, tuple[int, int]]: ...
         def _publish(self, fsync: bool = False) -> None: ...
         def _roll_back(self, before: State, undo: list[tuple[int, int]] | None) -> None: ...
+
+        def _encode_final(self, final: Any) -> dict[str, np.ndarray] | None: ...
 
     @property
     def _own_target(self) -> object:
@@ -107,20 +110,23 @@ class Commits:
             self._roll_back(before, None)
             raise
 
-    def end_episode(self, record: bool = True, idempotency_key: bytes | None = None) -> None:
+    def end_episode(self, record: bool = True, idempotency_key: bytes | None = None, *, final: Any = None) -> None:
         """Close the episode built by `append` / `extend`; it joins `episodes()` if whole.
         With `record=False` its rows stay but form no episode (e.g. a fragment).
         `idempotency_key`: the episode's key, as `commit_segment` records it (export keeps the
-        keys of the episodes it copies this way).
+        keys of the episodes it copies this way). `final`: the observation after its last step
+        (a sample of the observation part of the space; see `create(observation_keys=)`).
 
         Raises:
-            ConfigError: the key is not 16 bytes.
+            ConfigError: the key is not 16 bytes; a final for a buffer without observation keys.
+            SpaceMismatchError: the final does not fit the observation part of the space.
         """
         self._require_writable("end an episode")
         key = check_key(idempotency_key)
+        encoded = self._encode_final(final)
         s = self._state
         if record and s.begin <= s.open_start < s.end:
-            self._record_episode(s.open_start, s.end - s.open_start, key)
+            self._record_episode(s.open_start, s.end - s.open_start, key, encoded)
         self._state = self._state.replace(open_start=self._state.end)
 
     mark_segment_end = end_episode
@@ -174,7 +180,7 @@ class Commits:
         return None if key is None else self._keys.find(key, length, self._state.ep_end)
 
     def commit_segment(
-        self, writer: SegmentWriter, publish: bool = True, idempotency_key: bytes | None = None,
+        self, writer: SegmentWriter, publish: bool = True, idempotency_key: bytes | None = None, *, final: Any = None,
     ) -> Receipt:
         """Append the writer's rows at the tail as one episode, and publish it before returning.
 
@@ -186,6 +192,9 @@ class Commits:
         last `idempotency_window` episodes was committed with it, the writer is aborted and that
         episode's receipt returned: nothing is committed twice. The key is recorded in the file
         with the episode, so a reopen remembers it once the episode is published.
+
+        `final`: the observation after the episode's last step (see `create(observation_keys=)`),
+        kept with the episode, as durable as it and evicted with it.
 
         Raises:
             SegmentStateError: the writer belongs to another storage, was already committed or
@@ -207,6 +216,7 @@ class Commits:
             return known
         if writer.state != "open":
             raise SegmentStateError(f"cannot commit a segment writer that was {writer.state}")
+        encoded = self._encode_final(final)
         n = len(writer)
         if n == 0:
             writer.abort()
@@ -214,17 +224,18 @@ class Commits:
         if self.capacity is not None and n > self.capacity:
             writer.abort()
             raise SegmentStateError(f"cannot commit a {n}-row segment into a replay buffer of capacity {self.capacity}")
-        return self._place(writer, [n], [key], publish)[0]
+        return self._place(writer, [n], [key], publish, [encoded])[0]
 
     def commit_episodes(
         self, writer: SegmentWriter, lengths: Sequence[int], idempotency_keys: Sequence[bytes | None] | None = None,
-        publish: bool = True,
+        publish: bool = True, *, finals: Sequence[Any] | None = None,
     ) -> list[Receipt]:
         """Commit the writer's rows as several episodes, one after another: `lengths[i]` rows
         each (every one >= 1, adding up to the writer's length), with their keys. One write places
         them all, which is what makes many short episodes cheap; each gets its own record, id and
         key, as `commit_segment` would give it. Published before returning, or with
-        `publish=False` by the next `flush()` (see `commit_segment`).
+        `publish=False` by the next `flush()` (see `commit_segment`). `finals`: each episode's
+        final observation or None.
 
         Raises:
             SegmentStateError: the writer belongs to another storage or is not open; the lengths do
@@ -251,6 +262,10 @@ class Commits:
         if self.capacity is not None and sum(sizes) > self.capacity:
             raise SegmentStateError(f"cannot commit {sum(sizes)} rows at once into a replay buffer of capacity "
                                     f"{self.capacity}")
+        if finals is not None and len(finals) != len(sizes):
+            raise ConfigError(f"got {len(finals)} finals for {len(sizes)} episodes: give one per episode (or None)")
+        encoded: list[dict[str, np.ndarray] | None] = [self._encode_final(f) for f in finals] \
+            if finals is not None else [None] * len(sizes)
         given = [k for k in keys if k is not None]
         if len(set(given)) != len(given):
             raise ConfigError("two episodes of one commit have the same idempotency key")
@@ -258,11 +273,12 @@ class Commits:
             if key is not None and self._keys.find(key, n, self._state.ep_end) is not None:
                 raise SegmentStateError(f"idempotency key {key.hex()} is already an episode's: look keys up with "
                                         "receipt_for and leave those episodes out")
-        return self._place(writer, sizes, keys, publish)
+        return self._place(writer, sizes, keys, publish, encoded)
 
-    def _place(self, writer: SegmentWriter, lengths: list[int], keys: list[bytes | None], publish: bool) -> list[Receipt]:
+    def _place(self, writer: SegmentWriter, lengths: list[int], keys: list[bytes | None], publish: bool,
+               finals: list[dict[str, np.ndarray] | None]) -> list[Receipt]:
         """Write the writer's rows at the tail (one write) and record them as episodes of
-        `lengths` rows with `keys` (all checked); on failure, nothing of them stays."""
+        `lengths` rows with `keys` and `finals` (all checked); on failure, nothing of them stays."""
         n = sum(lengths)
         # (A writer opened on the storage itself has not checked them against the tables.)
         priorities = self._tables.split(writer.priorities, n, missing_ok=True)
@@ -280,8 +296,8 @@ class Commits:
             self._advance_end(n)
             self._tables.added(self._state, start, n, priorities)
             first = start
-            for length, key in zip(lengths, keys):
-                episode_id, held = self._record_episode(first, length, key)
+            for length, key, final in zip(lengths, keys, finals):
+                episode_id, held = self._record_episode(first, length, key, final)
                 undo.append(held)
                 receipts.append(Receipt(episode_id, first, length))
                 first += length

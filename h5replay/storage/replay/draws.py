@@ -25,12 +25,12 @@ from h5replay.storage.replay.state import State
 from h5replay.storage.replay.table import Sampling
 from h5replay.storage.replay.tables import Tables
 
-__all__ = ["Draws"]
+__all__ = ["Draws", "positive_int"]
 
 _T = TypeVar("_T")
 
 
-def _positive_int(value: Any, name: str) -> int:
+def positive_int(value: Any, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ConfigError(f"{name} must be a positive int, got {value!r}")
     return int(value)
@@ -58,6 +58,7 @@ class Draws:
         def _require_writable(self, what: str) -> None: ...
         def _phys(self, ids: Any, view: State) -> Any: ...
         def _move_begin(self, begin: int) -> None: ...
+
         def _publish(self, fsync: bool = False) -> None: ...
         def _consistent(self, attempt: Callable[[State], tuple[_T, int]]) -> _T: ...
 
@@ -158,7 +159,7 @@ class Draws:
             RateLimitedError: (writer) the rate limit holds samples back until more rows are inserted.
             ReadOnlyError: a reader of a table whose sampling only the writer may do.
         """
-        size = _positive_int(batch_size, "batch_size")
+        size = positive_int(batch_size, "batch_size")
         sampling = self._tables.pick(table)
         rng = rng if rng is not None else np.random.default_rng()
         self._check_sampler(sampling)
@@ -184,8 +185,8 @@ class Draws:
         With `with_info=True` returns (batch, SampleInfo) (ids of each window's first row).
         `rows=False` draws the windows without reading them (batch is None). Counts
         batch_size * length rows sampled."""
-        size = _positive_int(batch_size, "batch_size")
-        steps = _positive_int(length, "length")
+        size = positive_int(batch_size, "batch_size")
+        steps = positive_int(length, "length")
         sampling = self._tables.pick(table)
         rng = rng if rng is not None else np.random.default_rng()
         self._check_sampler(sampling)

@@ -112,8 +112,14 @@ class EpisodeTable:
 
     def find(self, row_ids: np.ndarray) -> np.ndarray:
         """The episode id of each row (NO_EPISODE for rows outside every recorded episode)."""
+        return self.locate(row_ids)[0]
+
+    def locate(self, row_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(episode id, its first row id, its length) of each row; (NO_EPISODE, the row, 1)
+        for rows outside every recorded episode."""
         out = np.full(row_ids.shape, NO_EPISODE, dtype=np.uint64)
         rows = row_ids.astype(np.int64, copy=False)
+        first_rows, lengths_of = rows.copy(), np.ones(rows.shape, dtype=np.int64)
         for first_id, slot, count in self._pieces():
             starts = self._starts[slot : slot + count]
             lengths = self._lengths[slot : slot + count]
@@ -122,4 +128,5 @@ class EpisodeTable:
             kk = np.where(inside, k, 0)
             inside &= rows < starts[kk] + lengths[kk]
             out[inside] = (first_id + kk[inside]).astype(np.uint64)
-        return out
+            first_rows[inside], lengths_of[inside] = starts[kk[inside]], lengths[kk[inside]]
+        return out, first_rows, lengths_of

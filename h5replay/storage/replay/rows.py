@@ -8,7 +8,7 @@ reached through `ReplayBuffer.file_storage`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -44,6 +44,7 @@ class RowStore(Protocol):
 
     def __len__(self) -> int: ...
     def read(self, kind: str, where: Any, decode: bool = True) -> Any: ...
+    def read_leaves(self, paths: Sequence[str], where: np.ndarray) -> dict[str, np.ndarray]: ...  # stored form
     def write_ring(self, start: int, encoded: Mapping[str, np.ndarray]) -> None: ...
     def encode_one(self, sample: Any) -> dict[str, np.ndarray]: ...
     def encode_batch(self, batch: Any, num_rows: int | None = None) -> tuple[dict[str, np.ndarray], int]: ...

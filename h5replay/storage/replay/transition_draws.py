@@ -1,0 +1,166 @@
+"""Transitions: each episode's final observation, kept and read back, and n-step transitions
+drawn from a table (`sample_transitions`). A mixin of `ReplayBuffer`: the file's layout lives in
+`finals.py`, the n-step arithmetic in `transitions.py`, the draw in a table (`table.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import numpy as np
+
+from h5replay.errors import ConfigError, EvictedError
+from h5replay.records import NO_EPISODE, SampleInfo
+from h5replay.spaces import Schema
+from h5replay.storage.replay.draws import positive_int
+from h5replay.storage.replay.episodes import EpisodeTable
+from h5replay.storage.replay.finals import FinalsFile
+from h5replay.storage.replay.rows import RowStore
+from h5replay.storage.replay.state import State
+from h5replay.storage.replay.table import Sampling
+from h5replay.storage.replay.tables import Tables
+from h5replay.storage.replay.transitions import DISCOUNT, NEXT, TransitionKeys, check_n_step, plan_n_step
+
+__all__ = ["Transitions"]
+
+_T = TypeVar("_T")
+
+
+class Transitions:
+    """ReplayBuffer's verbs of final observations and transitions."""
+
+    # What this mixin uses of ReplayBuffer (set in its __init__, defined in buffer.py and draws.py).
+    storage: RowStore
+    _episodes: EpisodeTable
+    _tables: Tables
+    _finals: FinalsFile | None
+
+    if TYPE_CHECKING:
+
+        def _check_open(self) -> None: ...
+        def _phys(self, ids: Any, view: State) -> Any: ...
+        def _consistent(self, attempt: Callable[[State], tuple[_T, int]]) -> _T: ...
+        def _check_sampler(self, sampling: Sampling) -> None: ...
+        def _check_sample(self, sampling: Sampling, rows: int) -> None: ...
+        def _count_sampled(self, sampling: Sampling, row_ids: np.ndarray, rows: int) -> None: ...
+
+    @property
+    def transition_keys(self) -> TransitionKeys | None:
+        """The observation keys and reward / end-flag leaves the file was created with (None:
+        it keeps no final observations)."""
+        return None if self._finals is None else self._finals.keys
+
+    def _encode_final(self, final: Any) -> dict[str, np.ndarray] | None:
+        """A final observation in storage form, checked before anything is written (None: none):
+        the value of the one observation key, or a dict of the observation keys when there are
+        several.
+
+        Raises:
+            ConfigError: the file was created without observation keys.
+            SpaceMismatchError: it is not a sample of the observation part of the space.
+        """
+        if final is None:
+            return None
+        if self._finals is None:
+            raise ConfigError("this buffer keeps no final observations: create it with observation_keys= "
+                              "(serve --observation-keys) to give episodes a final")
+        keys = self._finals.keys.observation
+        return self._finals.schema.encode_one({keys[0]: final} if len(keys) == 1 else final)
+
+    def final_observation(self, episode_id: int) -> Any:
+        """The final observation an episode held was committed with (as `final=` took it), or
+        None when it has none (or the file keeps none).
+
+        Raises:
+            EvictedError / IndexError: the episode is not held (never committed, or evicted).
+        """
+        self._check_open()
+        episode = int(episode_id)
+        finals = self._finals
+
+        def attempt(view: State) -> tuple[Any, int]:
+            if not view.ep_begin <= episode < view.ep_end:
+                if episode >= view.ep_end or episode < 0:
+                    raise IndexError(f"episode {episode} was never committed: the next episode id is {view.ep_end}")
+                raise EvictedError(f"episode {episode} is no longer held (the oldest held is {view.ep_begin})")
+            last = self._episodes.start_of(episode) + self._episodes.length_of(episode) - 1
+            if finals is None:
+                return None, last
+            has, rows = finals.read(np.array([self._episodes.slot(episode)], dtype=np.int64))
+            if not has[0]:
+                return None, last
+            value = finals.schema.decode_one({path: arr[0] for path, arr in rows.items()})
+            keys = finals.keys.observation
+            return (value[keys[0]] if len(keys) == 1 else value), last
+
+        return self._consistent(attempt)
+
+    def sample_transitions(
+        self, batch_size: int, *, n_step: int = 1, gamma: float = 0.99, with_info: bool = False,
+        rng: np.random.Generator | None = None, decode: bool = True, table: str | None = None,
+    ) -> Any:
+        """`batch_size` n-step transitions, each from a step drawn by `table`'s sampler (by the
+        priority of that step when it is prioritized): the step's leaves, with `reward` the
+        discounted sum of the next `k = min(n_step, steps left in its episode)` rewards,
+        `discount` = gamma ** k, `terminated` / `truncated` those of the last step summed, and
+        `next` the observation leaves `n_step` steps later, or the episode's final observation
+        when it ends sooner. An episode without a final (or not yet ended) gives its last steps
+        `discount` 0 and `truncated` set: `reward + discount * (1 - terminated) * V(next)` is the
+        target of every transition. `with_info=True`: (batch, SampleInfo) with `has_final`.
+
+        Raises:
+            ConfigError: the file was created without observation keys, or lacks the reward /
+                end-flag leaves; a bad n_step or gamma; no such table.
+            NotEnoughDataError / RateLimitedError / ReadOnlyError: as `sample`.
+        """
+        keys = self.transition_keys
+        if keys is None or self._finals is None:
+            raise ConfigError("sample_transitions needs a buffer created with observation_keys= (serve "
+                              "--observation-keys): the keys of the space that are the observation")
+        n, discount_rate = check_n_step(n_step, gamma)
+        keys.check_sampling(self.storage.single_instance_space)
+        size = positive_int(batch_size, "batch_size")
+        sampling = self._tables.pick(table)
+        rng = rng if rng is not None else np.random.default_rng()
+        self._check_sampler(sampling)
+        self._check_sample(sampling, size)
+        finals = self._finals
+        observed = [path for path, _ in finals.schema.leaves]
+
+        def attempt(view: State) -> tuple[tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray, np.ndarray], int]:
+            g, probabilities = sampling.draw(view, size, rng)
+            episode_ids, starts, lengths = self._episodes.locate(g)
+            recorded = episode_ids != NO_EPISODE
+            open_tail = ~recorded & (g >= view.open_start)  # the episode being appended: to the tail
+            lasts = np.where(recorded, starts + lengths - 1, np.where(open_tail, view.end - 1, g))
+            plan = plan_n_step(g, lasts, n, discount_rate)
+            out: dict[str, np.ndarray] = self.storage.read("array", self._phys(g, view), False)
+            ends = self.storage.read_leaves([keys.terminated, keys.truncated], self._phys(plan.last_ids, view))
+            rewards = self.storage.read_leaves([keys.reward], self._phys(plan.reward_ids, view))[keys.reward]
+            to_final = plan.next_ids < 0
+            nexts = self.storage.read_leaves(observed, self._phys(np.where(to_final, g, plan.next_ids), view))
+            has = np.zeros(size, dtype=bool)
+            if recorded.any():
+                slots = np.array([self._episodes.slot(int(e)) for e in episode_ids[recorded]], dtype=np.int64)
+                has[recorded], held = finals.read(slots)
+                for path in observed:
+                    nexts[path][recorded & to_final] = held[path][to_final[recorded]]
+            cut = to_final & ~has  # nothing to bootstrap from
+            for path in observed:
+                nexts[path][cut] = 0
+            discount = np.where(cut, 0.0, plan.discount(discount_rate)).astype(np.float32)
+            out[keys.reward] = plan.reward(rewards).astype(out[keys.reward].dtype)
+            terminated, truncated = ends[keys.terminated], ends[keys.truncated]
+            truncated[cut & (terminated.reshape(size, -1) == 0).all(axis=1)] = 1  # (an ended episode needs none)
+            out[keys.terminated], out[keys.truncated] = terminated, truncated
+            out.update({f"{NEXT}/{path}": nexts[path] for path in observed})
+            out[DISCOUNT] = discount
+            return (out, g, probabilities, episode_ids, has), int(g.min())
+
+        out, g, probabilities, episode_ids, has = self._consistent(attempt)
+        self._count_sampled(sampling, g, size)
+        batch = Schema(keys.transition_space(self.storage.single_instance_space)).decode(out) if decode else out
+        if not with_info:
+            return batch
+        return batch, SampleInfo(g.astype(np.uint64), episode_ids, probabilities, has_final=has)
