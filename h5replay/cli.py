@@ -156,6 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument("--priority-publish-interval", type=_seconds_or_zero, default=0.0, metavar="S",
                           help="let priority updates wait up to S seconds for a publish (fewer flushes, e.g. "
                                "with --fsync; a SIGKILL loses at most that long of them; default 0: every pass)")
+    serve.add_argument("--observation-keys", nargs="+", metavar="KEY", help="a new file: the space's observation "
+                       "keys (episodes keep a final observation; learners draw n-step transitions)")
     serve.add_argument("--idempotency-window", type=_positive_int, metavar="N",
                        help="a new file remembers the idempotency keys of its last N episodes (default 65536): a "
                             "commit retried later than N episodes is stored again; an existing file keeps its own")
@@ -309,6 +311,14 @@ def _load_space(path: str) -> Any:
         raise ConfigError(f"{path!r} is not valid JSON: {exc}") from exc
 
 
+def _observation_keys(args: argparse.Namespace) -> tuple[str, ...] | None:
+    """`--observation-keys`, else those the --space file declares (None: neither)."""
+    from h5replay.transitions import declared_observation_keys
+
+    given = tuple(args.observation_keys or ())
+    return given or (declared_observation_keys(args.space) if args.space else None)
+
+
 def _describe_existing(path: str, open_timeout: float) -> dict[str, Any] | None:
     """What `info` says of an existing file, or None when it cannot be read before a server opens it
     (a file a killed server left behind is recovered by the server itself, and the server says
@@ -406,6 +416,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         sampling=_sampling_config(args), tables=_tables_config(args),
         check_bounds=args.check_bounds,
         idempotency_window=args.idempotency_window,
+        observation_keys=_observation_keys(args),
     )
     return Server(config).run()
 

@@ -178,6 +178,10 @@ class ServerConfig:
     # Refuse Box values outside the space's bounds, and NaN, as gymnasium's `contains` would
     # (`serve --no-check-bounds` turns it off: then the server stores what fits the dtype and shape).
     check_bounds: bool = True
+    # The keys of the space that are the observation, for a new file (`serve --observation-keys
+    # obs`): episodes then keep their final observation and learners draw n-step transitions.
+    # An existing file keeps its own (when given, they must be the file's).
+    observation_keys: tuple[str, ...] | None = None
     # How many of the latest episodes keep their idempotency keys, for a new file (None: 65,536);
     # an existing file keeps its own (when given, it must be the file's).
     idempotency_window: int | None = None

@@ -129,4 +129,6 @@ class SampleInfo:
             np.concatenate([self.episode_ids, other.episode_ids]),
             np.concatenate([self.probabilities, other.probabilities]),
             np.concatenate([self.shard_ids, other.shard_ids]),
+            None if self.has_final is None or other.has_final is None
+            else np.concatenate([self.has_final, other.has_final]),
         )

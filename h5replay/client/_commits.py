@@ -12,7 +12,7 @@ import dataclasses
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -35,23 +35,33 @@ def _receipt(reply: Any) -> Receipt:
 Settled = Callable[[Receipt | None, Exception | None], None]
 
 
-#: An episode ready to go in a message: (rows by leaf, length, priorities or None, idempotency key).
-Ready = tuple[dict[str, np.ndarray], int, Given | None, bytes]
+class Ready(NamedTuple):
+    """An episode ready to go in a message."""
+
+    rows: dict[str, np.ndarray]  # by leaf, in storage form
+    n: int
+    priorities: Given | None
+    key: bytes  # its idempotency key
+    final: dict[str, np.ndarray] | None = None  # its final observation, one row a leaf (None: none)
 
 
 def _push_request(episodes: Sequence[Ready], limit: float) -> Callable[[int], P.Request]:
     """request_id -> the message that commits `episodes`: a push for one, push_episodes (their
     rows one after another, NaN priorities for steps given none) for several."""
     if len(episodes) == 1:
-        rows, n, given, key = episodes[0]
-        every, tables, by_table = P.priorities_to_wire(given)
-        return lambda rid: P.PushEpisode(rid, n, rows, limit, every, key, tables, by_table)
-    lengths = np.array([n for _, n, _, _ in episodes], dtype=np.int64)
+        one = episodes[0]
+        every, tables, by_table = P.priorities_to_wire(one.priorities)
+        return lambda rid: P.PushEpisode(rid, one.n, one.rows, limit, every, one.key, tables, by_table, one.final or {})
+    lengths = np.array([e.n for e in episodes], dtype=np.int64)
     total = int(lengths.sum())
-    arrays = {path: np.concatenate([rows[path] for rows, _, _, _ in episodes]) for path in episodes[0][0]}
-    every, tables, by_table = P.priorities_to_wire(join_priorities([(p, n) for _, n, p, _ in episodes]))
-    keys = np.frombuffer(b"".join(key for _, _, _, key in episodes), dtype=np.uint8).reshape(len(episodes), -1)
-    return lambda rid: P.PushEpisodes(rid, total, lengths, keys, arrays, limit, every, tables, by_table)
+    arrays = {path: np.concatenate([e.rows[path] for e in episodes]) for path in episodes[0].rows}
+    every, tables, by_table = P.priorities_to_wire(join_priorities([(e.priorities, e.n) for e in episodes]))
+    keys = np.frombuffer(b"".join(e.key for e in episodes), dtype=np.uint8).reshape(len(episodes), -1)
+    with_final = [e.final for e in episodes if e.final is not None]
+    has_final = np.array([e.final is not None for e in episodes], dtype=np.uint8) if with_final else np.zeros(0, np.uint8)
+    finals = {path: np.concatenate([f[path] for f in with_final]) for path in with_final[0]} if with_final else {}
+    return lambda rid: P.PushEpisodes(rid, total, lengths, keys, arrays, limit, every, tables, by_table, has_final,
+                                      finals)
 
 
 def _receipts(reply: Any) -> list[Receipt]:

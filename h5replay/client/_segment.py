@@ -18,7 +18,7 @@ from typing import Any, Literal, Protocol, overload
 import numpy as np
 
 from h5replay import protocol as P
-from h5replay.client._commits import PendingCommit, Settled, _Flight, _push_request
+from h5replay.client._commits import PendingCommit, Ready, Settled, _Flight, _push_request
 from h5replay.client._connection import Connection, NotSentError
 from h5replay.config import ClientConfig
 from h5replay.errors import ClosedError, DiskFullError, RateLimitedError, SegmentStateError, ServerUnavailableError
@@ -48,7 +48,9 @@ class SegmentClient(Protocol):
     def _send_commit(self, request: Any, *, track: bool, settled: Settled | None = None) -> _Flight: ...
 
     def _queue_commit(self, rows: dict[str, np.ndarray], n: int, priorities: Given | None, key: bytes,
-                      settled: Settled) -> PendingCommit: ...
+                      settled: Settled, final: dict[str, np.ndarray] | None = None) -> PendingCommit: ...
+
+    def encode_final(self, final: Any) -> dict[str, np.ndarray] | None: ...
 
 
 class ActorSegment:
@@ -72,6 +74,7 @@ class ActorSegment:
         self._columns: list[np.ndarray] = []  # the batch's arrays, in the schema's leaf order
         self._put_exact_row = client.schema.put_exact_row
         self._priorities: PriorityColumns | None = None  # per buffered row, once one is given one
+        self._final: dict[str, np.ndarray] | None = None  # the episode's final observation, once given
         self._buffered_rows = 0
         self._buffered_since = 0.0
         self.length = 0
@@ -188,14 +191,29 @@ class ActorSegment:
         except Exception:  # the server may already have dropped it; it is gone either way
             pass
 
-    @overload
-    def commit(self, *, wait: Literal[True] = True) -> Receipt: ...
-    @overload
-    def commit(self, *, wait: Literal[False]) -> PendingCommit: ...
-    @overload
-    def commit(self, *, wait: bool) -> Receipt | PendingCommit: ...
+    def set_final(self, final: Any) -> None:
+        """The observation after the episode's last step (the value of the server's one
+        observation key, or a dict of its observation keys), sent with the commit. Checked now.
 
-    def commit(self, *, wait: bool = True) -> Receipt | PendingCommit:
+        Raises:
+            ConfigError: the server keeps no final observations (`serve --observation-keys`).
+            SpaceMismatchError: it is not the observation part of the server's space.
+        """
+        self._require_open("set the final observation of")
+        self._final = self._client.encode_final(final)
+
+    def set_final_encoded(self, final: dict[str, np.ndarray] | None) -> None:
+        """`set_final` of a final already checked and in storage form (`encode_final`)."""
+        self._final = final
+
+    @overload
+    def commit(self, *, wait: Literal[True] = True, final: Any = None) -> Receipt: ...
+    @overload
+    def commit(self, *, wait: Literal[False], final: Any = None) -> PendingCommit: ...
+    @overload
+    def commit(self, *, wait: bool, final: Any = None) -> Receipt | PendingCommit: ...
+
+    def commit(self, *, wait: bool = True, final: Any = None) -> Receipt | PendingCommit:
         """Send what is buffered, wait for every append, then commit. Returns after the server has
         the episode in the file, flushed. Raises and aborts if any part was refused. A commit
         whose reply does not come is sent again with the episode's key (see `_conclude`); the
@@ -210,18 +228,22 @@ class ActorSegment:
         there is room: at the client's next commit, push, `flush()` or `close()`, or a
         PendingCommit's `done()` or `result()`. Call `flush()` before leaving the client idle.
 
+        `final`: the episode's final observation, as `set_final` takes it.
+
         Raises:
             RateLimitedError: the server's rate limit held the commit back for the client's
                 `rate_limit_timeout`; the segment stays open on the server: call commit again.
         """
         self._require_open("commit")
+        if final is not None:
+            self.set_final(final)
         if self.segment_id is None:
             return self._push_whole(wait)
         self._send_buffered()
         while self._pending:
             self._settle_oldest()
-        segment_id, limit, key = self.segment_id, self._config.rate_limit_timeout, self.key
-        return self._conclude(lambda rid: P.Commit(rid, segment_id, limit, key), wait)
+        segment_id, limit, key, finals = self.segment_id, self._config.rate_limit_timeout, self.key, self._final or {}
+        return self._conclude(lambda rid: P.Commit(rid, segment_id, limit, key, finals), wait)
 
     def _conclude(self, request: Any, wait: bool) -> Receipt | PendingCommit:
         """Send the request that commits the episode, again with the same key when no reply comes
@@ -273,8 +295,8 @@ class ActorSegment:
         limit, key = self._config.rate_limit_timeout, self.key
         if not wait:  # it may share a message with the next episodes committed so (see _queue_commit)
             self._state = "committing"
-            return self._client._queue_commit(arrays, n, given, key, self._settled)
-        return self._conclude(_push_request([(arrays, n, given, key)], limit), wait)
+            return self._client._queue_commit(arrays, n, given, key, self._settled, self._final)
+        return self._conclude(_push_request([Ready(arrays, n, given, key, self._final)], limit), wait)
 
     def abort(self) -> None:
         """Drop the episode: nothing of it becomes visible. Safe to call twice."""

@@ -22,7 +22,7 @@ from typing import Any, Literal, overload
 import numpy as np
 
 from h5replay import protocol as P
-from h5replay.client._commits import PendingCommit, Settled, _Flight, _push_request, _Queue
+from h5replay.client._commits import PendingCommit, Ready, Settled, _Flight, _push_request, _Queue
 from h5replay.client._connection import Connection, curve_keys, say_hello
 from h5replay.client._segment import ActorSegment
 from h5replay.client._shards import InDoubt, ShardedActor, ShardedSegment
@@ -32,6 +32,7 @@ from h5replay.priorities import Given, check_by_table, check_given_priorities
 from h5replay.records import Receipt
 from h5replay.sampling import described_samplers, rows_at_once
 from h5replay.spaces import Schema, Space, space_from_json
+from h5replay.transitions import final_schema
 
 __all__ = ["ActorClient", "ActorSegment", "PendingCommit", "Receipt"]
 
@@ -96,6 +97,7 @@ class ActorClient:
         self.replay_id: str = hello.replay_id
         self.instance_id: str = hello.instance_id
         self._samplers = described_samplers(hello.sampling)  # the server's tables (None: it does not say)
+        self._final_schema = final_schema(self.space, hello.sampling)  # None: the server keeps no finals
         #: Seconds a commit or push may take in all: `commit_attempts` sends, each waiting `timeout`
         #: for its reply, and the rate limit's hold when the server has one (else it holds none).
         #: Seconds the server may hold a commit back (its rate limit), 0 when it has none.
@@ -135,6 +137,28 @@ class ActorClient:
         self.rows_per_push = shard.rows_per_push
         self.commit_timeout, self.commit_hold = shard.commit_timeout, shard.commit_hold
         self._samplers = shard._samplers
+        self._final_schema = shard._final_schema
+
+    @property
+    def keeps_finals(self) -> bool:
+        """Whether the server keeps episodes' final observations (`serve --observation-keys`)."""
+        return self._final_schema is not None
+
+    def encode_final(self, final: Any) -> dict[str, np.ndarray] | None:
+        """An episode's final observation (the value of the server's one observation key, or a
+        dict of its observation keys) in storage form, checked before it leaves (None: none).
+
+        Raises:
+            ConfigError: the server keeps no final observations (`serve --observation-keys`).
+            SpaceMismatchError: it is not the observation part of the server's space.
+        """
+        if final is None:
+            return None
+        if self._final_schema is None:
+            raise ConfigError("this server keeps no final observations: serve a file created with "
+                              "--observation-keys (observation_keys=) to give episodes a final")
+        schema, keys = self._final_schema
+        return schema.encode_one({keys[0]: final} if len(keys) == 1 else final)
 
     def check_priorities(self, priorities: Any, n: int) -> Given | None:
         """Priorities for n steps (an array for every prioritized table, or {table: array}),
@@ -183,13 +207,17 @@ class ActorClient:
         return ActorSegment(self)
 
     @overload
-    def push_episode(self, batch: Any, priorities: Any = None, *, wait: Literal[True] = True) -> Receipt: ...
+    def push_episode(self, batch: Any, priorities: Any = None, *, wait: Literal[True] = True,
+                     final: Any = None) -> Receipt: ...
     @overload
-    def push_episode(self, batch: Any, priorities: Any = None, *, wait: Literal[False]) -> PendingCommit: ...
+    def push_episode(self, batch: Any, priorities: Any = None, *, wait: Literal[False],
+                     final: Any = None) -> PendingCommit: ...
     @overload
-    def push_episode(self, batch: Any, priorities: Any = None, *, wait: bool) -> Receipt | PendingCommit: ...
+    def push_episode(self, batch: Any, priorities: Any = None, *, wait: bool,
+                     final: Any = None) -> Receipt | PendingCommit: ...
 
-    def push_episode(self, batch: Any, priorities: Any = None, *, wait: bool = True) -> Receipt | PendingCommit:
+    def push_episode(self, batch: Any, priorities: Any = None, *, wait: bool = True,
+                     final: Any = None) -> Receipt | PendingCommit:
         """Send one whole episode (a leading axis on every leaf), with one priority per step if
         given (an array for every prioritized table of the server, or {table: array}), and wait
         for its commit. Returns the global ids the server
@@ -212,13 +240,14 @@ class ActorClient:
                 again: the actor keeps the episode and settles it there (`in_doubt`, `settle`).
         """
         if self._router is not None:
-            receipt = self._router.push_episode(batch, priorities)
+            receipt = self._router.push_episode(batch, priorities, final=final)
             return receipt if wait else PendingCommit.done_with(receipt)
         encoded, n = self.encode_batch(batch)
-        return self._push_encoded(encoded, n, self.check_priorities(priorities, n), wait, batch)
+        return self._push_encoded(encoded, n, self.check_priorities(priorities, n), wait, batch,
+                                  self.encode_final(final))
 
     def _push_encoded(self, encoded: dict[str, np.ndarray], n: int, given: Given | None, wait: bool,
-                      batch: Any = None) -> Receipt | PendingCommit:
+                      batch: Any = None, final: dict[str, np.ndarray] | None = None) -> Receipt | PendingCommit:
         """`push_episode` of checked rows; `batch`: the caller's, whose arrays `encoded` may share."""
         if n == 0:
             empty = Receipt(-1, -1, 0)
@@ -228,12 +257,13 @@ class ActorClient:
                 encoded = _own_copies(encoded, self.schema.flatten(batch))
                 given = given and {table: values.copy() for table, values in given.items()}
             limit, key = self.config.rate_limit_timeout, os.urandom(P.IDEMPOTENCY_KEY_BYTES)
-            pending = PendingCommit(self._send_commit(_push_request([(encoded, n, given, key)], limit),
+            pending = PendingCommit(self._send_commit(_push_request([Ready(encoded, n, given, key, final)], limit),
                                                       track=not wait), key)
             return pending.result() if wait else pending
         seg = ActorSegment(self)
         try:
             seg.extend_encoded(encoded, n, given)
+            seg.set_final_encoded(final)
             if wait:
                 return seg.commit()
             seg.abandon_on_failure = True  # the caller holds the episode, not this segment
@@ -247,21 +277,22 @@ class ActorClient:
 
     @overload
     def push_episodes(self, batches: Sequence[Any], priorities: Sequence[Any] | None = None, *,
-                      wait: Literal[True] = True) -> list[Receipt]: ...
+                      wait: Literal[True] = True, finals: Sequence[Any] | None = None) -> list[Receipt]: ...
     @overload
     def push_episodes(self, batches: Sequence[Any], priorities: Sequence[Any] | None = None, *,
-                      wait: Literal[False]) -> list[PendingCommit]: ...
+                      wait: Literal[False], finals: Sequence[Any] | None = None) -> list[PendingCommit]: ...
     @overload
     def push_episodes(self, batches: Sequence[Any], priorities: Sequence[Any] | None = None, *,
-                      wait: bool) -> list[Receipt] | list[PendingCommit]: ...
+                      wait: bool, finals: Sequence[Any] | None = None) -> list[Receipt] | list[PendingCommit]: ...
 
     def push_episodes(self, batches: Sequence[Any], priorities: Sequence[Any] | None = None, *,
-                      wait: bool = True) -> list[Receipt] | list[PendingCommit]:
+                      wait: bool = True, finals: Sequence[Any] | None = None) -> list[Receipt] | list[PendingCommit]:
         """Push several whole episodes (short ones, or those a vectorized environment ends
         together): as many as fit go in one message (`rows_per_push` rows), each episode with
         its own idempotency key, so the server's work and the round trips are shared. Every
         episode is checked before any leaves. `priorities`: one entry per episode, None or one
-        per step (or by table, as `push_episode` takes them). Returns one receipt per episode, in order (an empty one records nothing:
+        per step (or by table, as `push_episode` takes them). `finals`: one entry per episode, its
+        final observation or None. Returns one receipt per episode, in order (an empty one records nothing:
         Receipt(-1, -1, 0)); with `wait=False`, one `PendingCommit` per episode, as
         `push_episode` does. The server checks a message's episodes before it writes any of them.
         Over several servers, each episode is pushed as by `push_episode`.
@@ -277,24 +308,29 @@ class ActorClient:
         if priorities is not None and len(priorities) != len(batches):
             raise ConfigError(f"push_episodes got {len(priorities)} priority entries for {len(batches)} episodes: "
                               "give one per episode (None, or one per step)")
+        if finals is not None and len(finals) != len(batches):
+            raise ConfigError(f"push_episodes got {len(finals)} finals for {len(batches)} episodes: give one per "
+                              "episode (None, or its final observation)")
         each = priorities if priorities is not None else [None] * len(batches)
+        ends = finals if finals is not None else [None] * len(batches)
         if self._router is not None:
-            receipts = [self._router.push_episode(batch, given) for batch, given in zip(batches, each)]
+            receipts = [self._router.push_episode(batch, given, final=final)
+                        for batch, given, final in zip(batches, each, ends)]
             return receipts if wait else [PendingCommit.done_with(r) for r in receipts]
-        episodes = []  # (encoded, rows, priorities given or empty, batch): all checked before anything leaves
-        for batch, given in zip(batches, each):
+        episodes = []  # (encoded, rows, priorities given, batch, final): all checked before anything leaves
+        for batch, given, final in zip(batches, each, ends):
             encoded, n = self.encode_batch(batch)
-            episodes.append((encoded, n, self.check_priorities(given, n), batch))
+            episodes.append((encoded, n, self.check_priorities(given, n), batch, self.encode_final(final)))
         pending: list[PendingCommit | None] = [None] * len(episodes)
         group: list[int] = []  # episodes that go in the next message, in order
         rows = 0  # theirs
-        for i, (encoded, n, given, batch) in enumerate(episodes):
+        for i, (encoded, n, given, batch, final) in enumerate(episodes):
             if n == 0:  # records nothing, sends nothing
                 pending[i] = PendingCommit.done_with(Receipt(-1, -1, 0))
             elif n > self.rows_per_message:  # streamed through a segment of its own, after those before it
                 self._push_group(episodes, group, pending)
                 group, rows = [], 0
-                pending[i] = typing.cast(PendingCommit, self._push_encoded(encoded, n, given, False, batch))
+                pending[i] = typing.cast(PendingCommit, self._push_encoded(encoded, n, given, False, batch, final))
             else:
                 if rows + n > self.rows_per_push:
                     self._push_group(episodes, group, pending)
@@ -309,20 +345,21 @@ class ActorClient:
             commit._flight.settle()
         return [commit.result() for commit in commits]
 
-    def _push_group(self, episodes: list[tuple[dict[str, np.ndarray], int, Given | None, Any]],
+    def _push_group(self, episodes: list[tuple[dict[str, np.ndarray], int, Given | None, Any, Any]],
                     group: list[int], pending: list[PendingCommit | None]) -> None:
         """Send episodes (indices into `episodes`, checked) in one message; their commits in flight
         go to `pending` at the same indices."""
         if not group:
             return
         if len(group) == 1:
-            encoded, n, given, batch = episodes[group[0]]
-            pending[group[0]] = typing.cast(PendingCommit, self._push_encoded(encoded, n, given, False, batch))
+            encoded, n, given, batch, final = episodes[group[0]]
+            pending[group[0]] = typing.cast(PendingCommit, self._push_encoded(encoded, n, given, False, batch, final))
             return
-        ready = [(episodes[i][0], episodes[i][1], episodes[i][2], os.urandom(P.IDEMPOTENCY_KEY_BYTES)) for i in group]
+        ready = [Ready(episodes[i][0], episodes[i][1], episodes[i][2], os.urandom(P.IDEMPOTENCY_KEY_BYTES), episodes[i][4])
+                 for i in group]
         flight = self._send_commit(_push_request(ready, self.config.rate_limit_timeout), track=True)
         for j, i in enumerate(group):
-            pending[i] = PendingCommit(flight, ready[j][3], j)
+            pending[i] = PendingCommit(flight, ready[j].key, j)
 
     def _send_commit(self, request: Any, *, track: bool, settled: Settled | None = None) -> _Flight:
         """Send a commit (or push) that is sent again with its key while no reply comes; with
@@ -346,7 +383,7 @@ class ActorClient:
             return flight
 
     def _queue_commit(self, rows: dict[str, np.ndarray], n: int, priorities: Given | None, key: bytes,
-                      settled: Settled) -> PendingCommit:
+                      settled: Settled, final: dict[str, np.ndarray] | None = None) -> PendingCommit:
         """Commit an episode that never left (a segment's, `wait=False`) in this client's next
         message: it leaves at once while fewer than `max_in_flight` messages are unacknowledged;
         else it waits, with the episodes committed after it, for the next of this client's commits
@@ -360,7 +397,7 @@ class ActorClient:
             if queue is None:
                 queue = self._queue = _Queue(_Flight(self._conn, None, [], self._failures, client=self))
             flight = queue.flight
-            queue.episodes.append((rows, n, priorities, key))
+            queue.episodes.append(Ready(rows, n, priorities, key, final))
             typing.cast("list[Settled | None]", flight.settled).append(settled)
             queue.rows += n
             self._pump()

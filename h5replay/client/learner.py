@@ -45,6 +45,7 @@ from h5replay.client._reads import (
     table_draws,
 )
 from h5replay.client._shards import ShardedLearner
+from h5replay.client._transitions import TransitionReads
 from h5replay.config import DEFAULT_ENDPOINT, ClientConfig, process_name
 from h5replay.errors import ConfigError, ProtocolError
 from h5replay.priorities import check_priorities
@@ -58,7 +59,7 @@ __all__ = ["LearnerClient", "View"]
 _REQUEST_BYTES = 1 << 20  # rows one request of `batches` carries for several batches, at most
 
 
-class LearnerClient:
+class LearnerClient(TransitionReads):
     """Reads from a server. Calls are serialised by a lock; one per thread is fastest.
 
     Args:
@@ -372,7 +373,7 @@ class LearnerClient:
         return self._sampled(self._read_many(self._sample_requests(size, seed, t)), with_info)
 
     def _consume(self, kind: Any, size: int, requests: Callable[[int], list[Callable[[int], P.Request]]],
-                 with_info: bool) -> Any:
+                 with_info: bool, schema: Schema | None = None) -> Any:
         """`size` rows (windows) of a draw that changes the server's state: those kept first,
         then `requests(rest)`; when one of those fails, everything drawn is kept, in order."""
         parts = self._kept.take(kind, size)
@@ -383,8 +384,9 @@ class LearnerClient:
             if error is not None:
                 self._kept.give_back(kind, parts)
                 raise kept_error(error, sum(len(info) for _, info in parts))
-        arrays, info = join_parts(parts, self.schema.names)
-        batch = self._decode(arrays)
+        schema = schema or self.schema
+        arrays, info = join_parts(parts, schema.names)
+        batch = schema.decode(arrays)
         return (batch, info) if with_info else batch
 
     def _sample_many(self, factories: Sequence[Callable[[int], P.Request]], t: TableDraws) -> list[Any]:

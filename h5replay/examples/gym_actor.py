@@ -109,7 +109,8 @@ def space_json(env_id: str = "CartPole-v1", *, pixels: bool = False) -> dict[str
     """The JSON form of `gym_row_space` for `env_id`, as `serve --space` reads it."""
     env = make_env(env_id, pixels=pixels)
     try:
-        return gym_row_space(env).to_json()
+        # `serve --space` takes the observation keys from here: episodes keep their final observation.
+        return {**gym_row_space(env).to_json(), "observation_keys": ["obs"]}
     finally:
         env.close()
 
@@ -242,6 +243,8 @@ def _stream_episode(env: Any, client: Any, stop: threading.Event, seed: int | No
                 steps += 1
                 episode_return += float(reward)
                 if terminated or truncated:
+                    if client.keeps_finals:  # the observation after the last step, for bootstrapping
+                        seg.set_final(next_obs)
                     break
                 obs = next_obs
     except CommitInDoubtError as exc:

@@ -29,6 +29,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without torch
 
 from h5replay.errors import ConfigError, NotEnoughDataError
 from h5replay.sampling import check_table_name
+from h5replay.transitions import check_n_step
 
 __all__ = ["H5ReplayDataset", "to_tensors"]
 
@@ -69,6 +70,9 @@ class H5ReplayDataset(IterableDataset[Any]):  # type: ignore[misc,unused-ignore]
             NotEnoughDataError.
         secret_key, server_key: CURVE certificate files for a server started with --auth.
         table: the table to sample (None: the server's only table).
+        transitions: sample n-step transitions (`LearnerClient.sample_transitions`: the step's
+            leaves, `next`, `discount`, the summed `reward`) instead of rows; needs a server
+            with observation keys. `n_step`, `gamma`: theirs.
     """
 
     def __init__(
@@ -83,6 +87,9 @@ class H5ReplayDataset(IterableDataset[Any]):  # type: ignore[misc,unused-ignore]
         secret_key: str | os.PathLike[str] | None = None,
         server_key: str | os.PathLike[str] | None = None,
         table: str | None = None,
+        transitions: bool = False,
+        n_step: int = 1,
+        gamma: float = 0.99,
     ) -> None:
         if batch_size < 1:
             raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
@@ -103,6 +110,10 @@ class H5ReplayDataset(IterableDataset[Any]):  # type: ignore[misc,unused-ignore]
         self.secret_key = secret_key
         self.server_key = server_key
         self.table = None if table is None else check_table_name(table)
+        if transitions and sequence_length is not None:
+            raise ConfigError("give transitions=True or sequence_length, not both")
+        self.transitions = bool(transitions)
+        self.n_step, self.gamma = check_n_step(n_step, gamma)
 
     def __len__(self) -> int:
         """`num_batches`; a dataset that samples forever has no length (TypeError)."""
@@ -155,6 +166,14 @@ class H5ReplayDataset(IterableDataset[Any]):  # type: ignore[misc,unused-ignore]
                     pass
                 thread.join(_POLL)
 
+    def _draws(self, client: Any) -> Iterator[Any]:
+        """Batches without end from `client`: transitions, or rows / windows drawn ahead."""
+        if self.transitions:
+            return _transitions(self, client)
+        batches: Iterator[Any] = client.batches(self.batch_size, prefetch=self.prefetch,
+                                                sequence_length=self.sequence_length, table=self.table)
+        return batches
+
     def _produce(self, count: int | None, name: str, batches: queue.Queue[Any], stop: threading.Event) -> None:
         """The sampling thread: owns the client (made here, closed here) and fills the queue."""
         from h5replay.client import LearnerClient
@@ -167,8 +186,7 @@ class H5ReplayDataset(IterableDataset[Any]):  # type: ignore[misc,unused-ignore]
                 empty_since: float | None = None
                 while not stop.is_set() and (count is None or produced < count):
                     try:
-                        for batch in client.batches(self.batch_size, prefetch=self.prefetch,
-                                                    sequence_length=self.sequence_length, table=self.table):
+                        for batch in self._draws(client):
                             empty_since = None
                             _put(batches, to_tensors(batch), stop)
                             produced += 1
@@ -182,6 +200,12 @@ class H5ReplayDataset(IterableDataset[Any]):  # type: ignore[misc,unused-ignore]
         except BaseException as exc:  # handed to the consumer, who raises it
             end = _End(exc)
         _put(batches, end, stop)
+
+
+def _transitions(dataset: H5ReplayDataset, client: Any) -> Iterator[Any]:
+    while True:
+        yield client.sample_transitions(dataset.batch_size, n_step=dataset.n_step, gamma=dataset.gamma,
+                                        table=dataset.table)
 
 
 def _put(batches: queue.Queue[Any], item: Any, stop: threading.Event) -> None:

@@ -65,6 +65,9 @@ sample             learner      batch_size, seed (int|None),         view, row_i
 sample_sequences   learner      batch_size, length, seed, min_seq,   view, row_ids, episode_ids, probabilities
                                 with_rows (bool), timeout            (of each window's first row), leaf
                                                                      arrays (b, length, ...) when with_rows
+sample_transitions learner      batch_size, n_step, gamma, seed,     view, row_ids, episode_ids, probabilities,
+                                min_seq, timeout, table (optional)   has_final: uint8 (b,), leaf arrays (b, ...)
+                                                                     with next/<observation leaf> and discount
 episodes           learner      min_seq, first_episode (optional),   view, episodes: int64 (n, 3) of
                                 max_episodes (optional)              (episode_id, first_row_id, length)
 info               any client   -                                    stats: {name: scalar}
@@ -99,6 +102,13 @@ give priorities by table (an actor's ``priorities={"replay": p}``), beside ``pri
 prioritized table; a table named here overrides ``priorities`` where it gives a value. The server
 refuses a name that is not one of its prioritized tables (``bad_request``) before it stores any row
 of the message. Added within version 3; both are left out when none are given.
+
+Final observations (added within version 3, for a file with observation keys; the hello's
+``sampling.transition_keys`` names them): commit and push_episode may carry ``finals``, the
+episode's final observation as one row per observation leaf; push_episodes ``has_final``
+(uint8, one per episode) and ``finals`` with a row for each episode it marks. They travel as leaf
+arrays named ``/final/<leaf path>`` after the rows' own (no leaf path starts with ``/``). The
+server checks them against the observation part of its space before it writes anything.
 
 ``cancel`` drops the client's own samples that still wait for the rate limit (a learner leaving a
 ``batches`` loop, or giving up on the rest of a split sample), so that no row is drawn for a
@@ -142,6 +152,8 @@ from h5replay.protocol.reads import (
     SampleReply,
     SampleSequences,
     SampleSequencesReply,
+    SampleTransitions,
+    SampleTransitionsReply,
 )
 from h5replay.protocol.writes import (
     Abort,
@@ -165,12 +177,12 @@ from h5replay.protocol.writes import (
 __all__ = [
     "PROTOCOL_VERSION", "IDEMPOTENCY_KEY_BYTES", "ROWS_MESSAGE_OVERHEAD", "ID_BYTES", "SAMPLE_INFO_BYTES", "ROLES", "Kind", "ErrorCode", "ERROR_CLASSES", "Limits", "DEFAULT_LIMITS",
     "Message", "Request", "Reply", "Hello", "OpenSegment", "Append", "Commit", "Abort", "PushEpisode",
-    "PushEpisodes", "UpdatePriorities", "Get", "GetRows", "Sample", "SampleSequences", "Episodes", "Info", "Heartbeat", "Cancel",
+    "PushEpisodes", "UpdatePriorities", "Get", "GetRows", "Sample", "SampleSequences", "SampleTransitions", "Episodes", "Info", "Heartbeat", "Cancel",
     "HelloReply", "CancelReply",
     "OpenSegmentReply", "AppendReply", "CommitReply", "AbortReply", "PushEpisodeReply", "PushEpisodesReply",
     "UpdatePrioritiesReply",
     "GetReply",
-    "GetRowsReply", "SampleReply", "SampleSequencesReply", "EpisodesReply", "InfoReply", "HeartbeatReply",
+    "GetRowsReply", "SampleReply", "SampleSequencesReply", "SampleTransitionsReply", "EpisodesReply", "InfoReply", "HeartbeatReply",
     "ErrorReply", "ReadReply",
     "Array", "Arrays",
     "encode", "decode", "peek_request_id", "error_to_exception", "exception_to_error",

@@ -31,6 +31,7 @@ class Kind(str, Enum):
     GET_ROWS = "get_rows"
     SAMPLE = "sample"
     SAMPLE_SEQUENCES = "sample_sequences"
+    SAMPLE_TRANSITIONS = "sample_transitions"
     EPISODES = "episodes"
     INFO = "info"
     HEARTBEAT = "heartbeat"

@@ -190,6 +190,12 @@ def _seconds(value: Any, name: str, limits: Limits) -> float:
     return float(value)
 
 
+def _fraction(value: Any, name: str, limits: Limits) -> float:
+    if type(value) not in (int, float) or not 0 <= value <= 1:  # NaN fails both comparisons
+        raise ProtocolError(f"field {name!r} must be a number in [0, 1], got {_show(value)}")
+    return float(value)
+
+
 IDEMPOTENCY_KEY_BYTES = 16
 
 
@@ -240,6 +246,7 @@ _SCALAR_CHECKS: dict[str, Callable[[Any, str, Limits], Any]] = {
     "instance_id": _text, "min_seq": _uint, "seq": _uint, "generation": _uint, "begin": _uint, "end": _uint,
     "with_rows": _bool, "timeout": _seconds, "ignored": _uint, "sampling": _stats, "idempotency_key": _key,
     "first_episode": _optional_uint, "max_episodes": _optional_uint, "table": _table, "priority_tables": _tables,
+    "n_step": _uint, "gamma": _fraction,
 }
 # Fields added within version 3, which earlier version 3 peers leave out: decoded as the message's
 # default when absent. `encode` leaves one out only when it is None.
@@ -263,6 +270,7 @@ _ARRAY_FIELDS: dict[str, _ArrayField] = {
     "probabilities": _ArrayField(np.dtype("<f8"), 1),
     "priorities": _ArrayField(np.dtype("<f8"), 1, optional=True),
     "table_priorities": _ArrayField(np.dtype("<f8"), 2, optional=True),  # (tables, rows)
+    "has_final": _ArrayField(np.dtype("|u1"), 1, optional=True),  # per episode (transitions: per draw)
     "episodes": _ArrayField(np.dtype("<i8"), 2, 3),
     "lengths": _ArrayField(np.dtype("<i8"), 1),
     "keys": _ArrayField(np.dtype("|u1"), 2, IDEMPOTENCY_KEY_BYTES),
@@ -276,7 +284,10 @@ _NO_PRIORITIES.flags.writeable = False
 _NO_TABLE_PRIORITIES: Array = np.zeros((0, 0), dtype=np.float64)
 _NO_TABLE_PRIORITIES.flags.writeable = False
 #: What an optional array left out of a message decodes as.
-_LEFT_OUT: dict[str, Array] = {"priorities": _NO_PRIORITIES, "table_priorities": _NO_TABLE_PRIORITIES}
+_NO_FLAGS: Array = np.zeros(0, dtype=np.uint8)
+_NO_FLAGS.flags.writeable = False
+_LEFT_OUT: dict[str, Array] = {"priorities": _NO_PRIORITIES, "table_priorities": _NO_TABLE_PRIORITIES,
+                               "has_final": _NO_FLAGS}
 
 
 def _check_priorities(priorities: Array, num_rows: int, tables: tuple[str, ...] | None = None,
@@ -292,6 +303,14 @@ def _check_priorities(priorities: Array, num_rows: int, tables: tuple[str, ...] 
     if by_table.shape != (len(tables), num_rows) and (num_rows or by_table.size):  # (none for no rows)
         raise ProtocolError(f"table_priorities must be (tables, rows) = ({len(tables)}, {num_rows}) for "
                             f"priority_tables {list(tables)}, got {by_table.shape}")
+
+
+def _check_finals(finals: Arrays, rows: int) -> None:
+    """Final observations of `rows` episodes: every leaf with `rows` rows (none: no finals)."""
+    if finals:
+        for name, arr in finals.items():
+            if np.ndim(arr) < 1 or np.shape(arr)[0] != rows:
+                raise ProtocolError(f"final observation leaf {name!r} must have {rows} rows, got shape {np.shape(arr)}")
 
 
 def _check_info(row_ids: Array, episode_ids: Array, probabilities: Array) -> None:

@@ -47,6 +47,8 @@ from h5replay.protocol.reads import (
     SampleReply,
     SampleSequences,
     SampleSequencesReply,
+    SampleTransitions,
+    SampleTransitionsReply,
 )
 from h5replay.protocol.writes import (
     Abort,
@@ -72,12 +74,13 @@ PROTOCOL_VERSION = 3
 _REQUEST_CLASSES: dict[str, type[Request]] = {
     c.KIND.value: c
     for c in (Hello, OpenSegment, Append, Commit, Abort, PushEpisode, PushEpisodes, UpdatePriorities, Get, GetRows, Sample,
-              SampleSequences, Episodes, Info, Heartbeat, Cancel)
+              SampleSequences, SampleTransitions, Episodes, Info, Heartbeat, Cancel)
 }
 _REPLY_CLASSES: dict[str, type[Reply]] = {
     c.KIND.value: c
     for c in (HelloReply, OpenSegmentReply, AppendReply, CommitReply, AbortReply, PushEpisodeReply, PushEpisodesReply,
-              UpdatePrioritiesReply, GetReply, GetRowsReply, SampleReply, SampleSequencesReply, EpisodesReply, InfoReply, HeartbeatReply,
+              UpdatePrioritiesReply, GetReply, GetRowsReply, SampleReply, SampleSequencesReply, SampleTransitionsReply,
+              EpisodesReply, InfoReply, HeartbeatReply,
               CancelReply)
 }
 
@@ -88,12 +91,13 @@ class _Layout:
     required: frozenset[str]  # the scalars a message must carry
     array_fields: tuple[str, ...]
     has_leaves: bool
+    has_finals: bool  # a second set of leaf arrays, `finals` (episodes' final observations)
     header_keys: frozenset[str]
 
 
 def _layout(cls: type[Message]) -> _Layout:
     names = [f.name for f in fields(cls) if f.name != "request_id"]
-    unknown = [n for n in names if n not in _SCALAR_CHECKS and n not in _ARRAY_FIELDS and n != "arrays"]
+    unknown = [n for n in names if n not in _SCALAR_CHECKS and n not in _ARRAY_FIELDS and n not in ("arrays", "finals")]
     if unknown:  # a new field needs a check above
         raise TypeError(f"{cls.__name__} has fields without a wire check: {unknown}")
     header_keys = {"version", "kind", "id", "fields", "arrays"}
@@ -105,9 +109,13 @@ def _layout(cls: type[Message]) -> _Layout:
             f.name not in _OPTIONAL_SCALARS or (f.default is MISSING and f.default_factory is MISSING))),
         array_fields=tuple(n for n in names if n in _ARRAY_FIELDS),
         has_leaves="arrays" in names,
+        has_finals="finals" in names,
         header_keys=frozenset(header_keys),
     )
 
+
+#: Where an episode's final observation travels: leaf arrays named FINALS_PREFIX + leaf path.
+FINALS_PREFIX = "/final/"
 
 _LAYOUTS = {cls: _layout(cls) for cls in [*_REQUEST_CLASSES.values(), *_REPLY_CLASSES.values(), ErrorReply]}
 
@@ -204,6 +212,8 @@ def encode(msg: Message, limits: Limits | None = None) -> list[bytes | memoryvie
     arrays = [(name, a) for name, a in arrays if a.size or not _ARRAY_FIELDS[name].optional]
     if layout.has_leaves:
         arrays += [(name, _leaf_array(a, name)) for name, a in getattr(msg, "arrays").items()]  # noqa: B009
+    if layout.has_finals:  # after the leaves, under a prefix no leaf path can have (keys are non-empty)
+        arrays += [(FINALS_PREFIX + name, _leaf_array(a, name)) for name, a in getattr(msg, "finals").items()]  # noqa: B009
     header: dict[str, Any] = {"version": PROTOCOL_VERSION, "kind": msg.KIND.value, "id": msg.request_id}
     if isinstance(msg, Reply):
         header["kind"], header["ok"] = Kind.REPLY.value, msg.ok
@@ -371,6 +381,13 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS, *, expect: ty
     leaves = dict(arrays[num_fixed:])
     if len(leaves) != len(arrays) - num_fixed:
         raise ProtocolError(f"leaf array names must be unique, got {[name for name, _ in arrays[num_fixed:]]}")
+    finals = {name[len(FINALS_PREFIX):]: arr for name, arr in leaves.items() if name.startswith(FINALS_PREFIX)}
+    if finals:
+        if not layout.has_finals:
+            raise ProtocolError(f"{cls.__name__} carries no final observations, got {sorted(finals)}")
+        leaves = {name: arr for name, arr in leaves.items() if not name.startswith(FINALS_PREFIX)}
+    if layout.has_finals:
+        values["finals"] = finals
     if layout.has_leaves:
         values["arrays"] = leaves
     elif leaves:

@@ -12,7 +12,7 @@ from h5replay.protocol.checks import Array, Arrays, Limits, _check_info, _check_
 
 __all__ = [
     "Get", "GetRows", "Sample", "SampleSequences", "Episodes",
-    "ReadReply", "GetReply", "GetRowsReply", "SampleReply", "SampleSequencesReply", "EpisodesReply",
+    "ReadReply", "GetReply", "GetRowsReply", "SampleReply", "SampleSequencesReply", "SampleTransitions", "SampleTransitionsReply", "EpisodesReply",
 ]
 
 
@@ -86,6 +86,35 @@ class SampleSequences(Request):
 
 
 @dataclass(frozen=True, eq=False, repr=False)
+class SampleTransitions(Request):
+    """n-step transitions (see h5replay/transitions.py) from a file with
+    observation keys: the step's leaves, `next/<observation leaf>` and `discount`."""
+
+    KIND = Kind.SAMPLE_TRANSITIONS
+    READS = True
+    DRAWS = True
+    batch_size: int
+    n_step: int = 1
+    gamma: float = 0.99
+    seed: int | None = None
+    min_seq: int = 0
+    timeout: float = 0.0
+    table: str | None = None
+
+    @property
+    def num_drawn(self) -> int:
+        """Rows the draw hands out (what a rate limit counts): one per transition."""
+        return self.batch_size
+
+    def _validate(self, limits: Limits) -> None:
+        if self.n_step < 1:
+            raise ProtocolError(f"field 'n_step' must be >= 1, got {self.n_step}")
+        if self.n_step > limits.max_rows_per_segment:
+            raise LimitExceededError(f"field 'n_step' is {self.n_step}, over the limit max_rows_per_segment="
+                                     f"{limits.max_rows_per_segment}: no episode is that long")
+
+
+@dataclass(frozen=True, eq=False, repr=False)
 class Episodes(Request):
     """The complete episodes held, oldest first; with `first_episode` / `max_episodes`, at most
     that many from that episode id on (a list too long for one message is read in pages)."""
@@ -140,6 +169,25 @@ class SampleReply(ReadReply):
     def _validate(self, limits: Limits) -> None:
         _check_rows_limit(len(self.row_ids), "row_ids", limits)
         _check_info(self.row_ids, self.episode_ids, self.probabilities)
+        _check_leading(self.arrays, len(self.row_ids))
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class SampleTransitionsReply(ReadReply):
+    KIND = Kind.SAMPLE_TRANSITIONS
+    DRAWN = True
+    row_ids: Array  # of each transition's first step
+    episode_ids: Array
+    probabilities: Array
+    has_final: Array  # uint8: whether the step's episode has its final observation
+    arrays: Arrays  # the step's leaves, next/<observation leaf>, discount
+
+    def _validate(self, limits: Limits) -> None:
+        _check_rows_limit(len(self.row_ids), "row_ids", limits)
+        _check_info(self.row_ids, self.episode_ids, self.probabilities)
+        if len(self.has_final) != len(self.row_ids):
+            raise ProtocolError(f"has_final must have one entry per transition, got {len(self.has_final)} for "
+                                f"{len(self.row_ids)}")
         _check_leading(self.arrays, len(self.row_ids))
 
 

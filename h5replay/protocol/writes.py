@@ -11,11 +11,13 @@ import numpy as np
 from h5replay.errors import ProtocolError
 from h5replay.protocol.base import Kind, Reply, Request
 from h5replay.protocol.checks import (
+    _NO_FLAGS,
     _NO_PRIORITIES,
     _NO_TABLE_PRIORITIES,
     Array,
     Arrays,
     Limits,
+    _check_finals,
     _check_leading,
     _check_priorities,
     _check_rows_limit,
@@ -60,6 +62,10 @@ class Commit(Request):
     segment_id: int
     timeout: float = 0.0  # seconds the rate limit may hold the commit back
     idempotency_key: bytes | None = None  # 16 bytes, the same for every retry of this commit
+    finals: Arrays = field(default_factory=dict)  # the episode's final observation (one row a leaf), or none
+
+    def _validate(self, limits: Limits) -> None:
+        _check_finals(self.finals, 1)
 
 
 @dataclass(frozen=True, eq=False, repr=False)
@@ -83,10 +89,12 @@ class PushEpisode(Request):
     # (NaN: none given), beside `priorities` for every prioritized table.
     priority_tables: tuple[str, ...] | None = None
     table_priorities: Array = field(default_factory=lambda: _NO_TABLE_PRIORITIES)
+    finals: Arrays = field(default_factory=dict)  # the episode's final observation (one row a leaf), or none
 
     def _validate(self, limits: Limits) -> None:
         _check_leading(self.arrays, self.num_rows)
         _check_priorities(self.priorities, self.num_rows, self.priority_tables, self.table_priorities)
+        _check_finals(self.finals, 1)
 
 
 @dataclass(frozen=True, eq=False, repr=False)
@@ -107,10 +115,20 @@ class PushEpisodes(Request):
     # (NaN: none given), beside `priorities` for every prioritized table.
     priority_tables: tuple[str, ...] | None = None
     table_priorities: Array = field(default_factory=lambda: _NO_TABLE_PRIORITIES)
+    # The episodes' final observations: `has_final` (k,) says which have one (empty: none do),
+    # `finals` holds theirs, in order (one row a leaf each).
+    has_final: Array = field(default_factory=lambda: _NO_FLAGS)
+    finals: Arrays = field(default_factory=dict)
 
     def _validate(self, limits: Limits) -> None:
         _check_leading(self.arrays, self.num_rows)
         _check_priorities(self.priorities, self.num_rows, self.priority_tables, self.table_priorities)
+        if len(self.has_final) not in (0, len(self.lengths)):
+            raise ProtocolError(f"has_final must be empty or one per episode ({len(self.lengths)}), got "
+                                f"{len(self.has_final)}")
+        _check_finals(self.finals, int(np.count_nonzero(self.has_final)))
+        if bool(self.finals) != bool(np.count_nonzero(self.has_final)):
+            raise ProtocolError("finals and has_final go together: has_final says which episodes have finals")
         k = len(self.lengths)
         if k == 0:
             raise ProtocolError("push_episodes needs at least one episode")

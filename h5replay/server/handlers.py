@@ -384,8 +384,11 @@ class Service:
         session.name = request.client_name
         session.claimed_role = request.role  # less than granted, never more: see Session.role
         buffer = self.buffer
+        keys = buffer.transition_keys
         sampling = {**describe_tables(buffer.tables, self._writer_tables),
-                    "priority_publish_interval": self.priority_publish_interval}
+                    "priority_publish_interval": self.priority_publish_interval,
+                    # (a JSON string: the observation keys and reward / end-flag leaves; none: no finals kept)
+                    "transition_keys": None if keys is None else keys.to_json()}
         return P.HelloReply(
             request.request_id, buffer.space.to_json(), buffer.capacity, len(buffer), buffer.num_episodes,
             __version__, P.PROTOCOL_VERSION, self.limits, self.read_endpoint, buffer.replay_id, self.instance_id,
@@ -467,10 +470,14 @@ class Service:
             raise
         return P.AppendReply(request.request_id, len(writer))
 
-    def _commit(self, writer: SegmentWriter, key: bytes | None) -> tuple[int | None, int | None, int]:
+    def _final(self, request: P.Commit | P.PushEpisode) -> Any:
+        """The episode's final observation a commit or push carries (checked), or None."""
+        return self.buffer.finals_from_stored(request.finals, 1)[0]
+
+    def _commit(self, writer: SegmentWriter, key: bytes | None, final: Any = None) -> tuple[int | None, int | None, int]:
         # Group commit: the episode is placed now and published by `publish()`, once for every
         # commit the writer loop handled in one pass, before any of their replies leaves.
-        receipt = self.buffer.commit_segment(writer, publish=False, idempotency_key=key)
+        receipt = self.buffer.commit_segment(writer, publish=False, idempotency_key=key, final=final)
         self.unpublished += 1
         self.stats.commits += 1
         if receipt.length == 0:
@@ -493,10 +500,11 @@ class Service:
                 self._close_segment(session, request.segment_id).abort()
             return P.CommitReply(request.request_id, *known)
         writer = self._writer(session, request.segment_id)
-        # Before the segment is closed: refused for a full disk, it stays open to commit later.
+        # Before the segment is closed: refused for a full disk or a bad final, it stays open.
         self.room_on_disk(len(writer) * self.buffer.storage.row_bytes, f"commit a segment of {len(writer)} rows")
+        final = self._final(request)
         writer = self._close_segment(session, request.segment_id)
-        return P.CommitReply(request.request_id, *self._commit(writer, request.idempotency_key))
+        return P.CommitReply(request.request_id, *self._commit(writer, request.idempotency_key, final))
 
     def abort(self, request: P.Abort, session: Session) -> P.AbortReply:
         writer = self._close_segment(session, request.segment_id)
@@ -508,11 +516,12 @@ class Service:
         known = self._committed(request.idempotency_key, request.num_rows)
         if known is not None:
             return P.PushEpisodeReply(request.request_id, *known)
+        final = self._final(request)
         writer = self.buffer.open_segment_writer()
         try:
             # Committed at once: the writer may keep the received arrays, uncopied, until then.
             self._add_rows(writer, request, borrow=True)
-            return P.PushEpisodeReply(request.request_id, *self._commit(writer, request.idempotency_key))
+            return P.PushEpisodeReply(request.request_id, *self._commit(writer, request.idempotency_key, final))
         finally:
             if writer.state == "open":
                 writer.abort()
@@ -532,6 +541,7 @@ class Service:
                 f"{capacity} rows; send fewer episodes per message"
             )
         checked = self.buffer.schema.validate_stored(request.arrays, request.num_rows)
+        finals = self.buffer.finals_from_stored(request.finals, len(lengths), request.has_final)  # checked first
         row_bytes = self.buffer.storage.row_bytes
         self.room_on_disk(new_rows * row_bytes, f"commit {len(lengths)} episodes of {new_rows} rows")
         receipts = np.empty((len(lengths), 3), dtype=np.int64)
@@ -551,7 +561,7 @@ class Service:
                 # Committed at once: the writer may keep the received arrays, uncopied, until then.
                 writer.extend_stored(rows, new_rows, priorities, borrow=True)
                 placed = self.buffer.commit_episodes(writer, [lengths[i] for i in new], [keys[i] for i in new],
-                                                     publish=False)
+                                                     publish=False, finals=[finals[i] for i in new])
             finally:
                 if writer.state == "open":
                     writer.abort()

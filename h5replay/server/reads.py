@@ -113,6 +113,18 @@ def _sample_sequences(buffer: ReplayBuffer, request: P.SampleSequences, rng: np.
     )
 
 
+def _sample_transitions(buffer: ReplayBuffer, request: P.SampleTransitions, rng: np.random.Generator,
+                        limits: P.Limits) -> P.Reply:
+    keys = buffer.transition_keys
+    extra = 0 if keys is None else sum(leaf.row_bytes for _, leaf in keys.observation_space(buffer.space).leaves()) + 4
+    _check_reply_rows(buffer, request.batch_size, limits, request.batch_size * (P.SAMPLE_INFO_BYTES + 1 + extra))
+    gen = rng if request.seed is None else np.random.default_rng(request.seed)
+    arrays, info = buffer.sample_transitions(request.batch_size, n_step=request.n_step, gamma=request.gamma, rng=gen,
+                                             with_info=True, decode=False, table=request.table)
+    return P.SampleTransitionsReply(request.request_id, *_view(buffer), info.row_ids, info.episode_ids,
+                                    info.probabilities, info.has_final.astype(np.uint8), arrays)
+
+
 def _episodes(buffer: ReplayBuffer, request: P.Episodes, rng: np.random.Generator, limits: P.Limits) -> P.Reply:
     table = buffer.episode_table(request.first_episode or 0, request.max_episodes)
     size = table.nbytes + P.ROWS_MESSAGE_OVERHEAD
@@ -127,4 +139,5 @@ def _episodes(buffer: ReplayBuffer, request: P.Episodes, rng: np.random.Generato
 # How each read is answered (every kind whose READS is true has one: tests/unit/test_protocol.py).
 _READS: dict[type[P.Request], Callable[[ReplayBuffer, Any, np.random.Generator, P.Limits], P.Reply]] = {
     P.Get: _get, P.GetRows: _get_rows, P.Sample: _sample, P.SampleSequences: _sample_sequences, P.Episodes: _episodes,
+    P.SampleTransitions: _sample_transitions,
 }

@@ -92,6 +92,10 @@ def _open_buffer(config: ServerConfig) -> ReplayBuffer:
         if config.idempotency_window is not None and config.idempotency_window != buffer.idempotency_window:
             differences.append(f"an idempotency window of {buffer.idempotency_window} episodes, not the "
                                f"{config.idempotency_window} asked for")
+        keys = buffer.transition_keys
+        if config.observation_keys is not None and (keys is None or tuple(config.observation_keys) != keys.observation):
+            differences.append(f"observation keys {list(keys.observation) if keys else 'none'}, not the "
+                               f"{list(config.observation_keys)} asked for")
         if differences:
             buffer.close()
             raise ConfigError(f"{config.path!r} exists with {'; and '.join(differences)}; a space, a capacity and "
@@ -105,7 +109,7 @@ def _open_buffer(config: ServerConfig) -> ReplayBuffer:
     return ReplayBuffer.create(
         config.space, config.capacity, config.path, multiprocessing=config.multiprocessing,
         open_timeout=config.open_timeout, tables=tables, check_bounds=config.check_bounds, **window,
-        **config.storage_kwargs,
+        observation_keys=config.observation_keys, **config.storage_kwargs,
     )
 
 

@@ -120,6 +120,32 @@ def test_the_actor_streams_exactly_the_episodes_the_environment_produced(start_s
         assert done[-1] and not done[:-1].any()
 
 
+def test_the_actor_stores_each_episodes_final_observation_for_a_server_that_keeps_them(start_server, tmp_path):
+    from h5replay.storage import ReplayBuffer
+
+    server = start_server(space=CARTPOLE, observation_keys=("obs",))
+    assert run_actor(server.endpoint, episodes=3, seed=5, timeout=10) == 0
+    server.stop(timeout=20)
+    env = gym.make("CartPole-v1")  # the final observations, computed again: same seeds
+    env.action_space.seed(5)
+    finals = []
+    for e in range(3):
+        env.reset(seed=5 if e == 0 else None)
+        while True:
+            next_obs, _, terminated, truncated, _ = env.step(env.action_space.sample())
+            if terminated or truncated:
+                finals.append(next_obs)
+                break
+    env.close()
+    with ReplayBuffer.load_from(tmp_path / "rb.h5") as rb:
+        episodes = rb.episodes()
+        assert len(episodes) == 3
+        for ep, final in zip(episodes, finals):
+            np.testing.assert_array_equal(rb.final_observation(ep.episode_id), final.astype(np.float32))
+        batch = rb.sample_transitions(64, n_step=1, gamma=0.9)
+        assert np.all(batch["discount"] == np.float32(0.9)), "every step bootstraps: the last from its final"
+
+
 def test_the_actor_refuses_a_server_with_another_space(start_server):
     server = start_server(space=EPISODE_SPACE)
     with pytest.raises(SpaceMismatchError) as info:

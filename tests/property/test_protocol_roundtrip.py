@@ -111,6 +111,18 @@ def messages(draw: st.DrawFn, cls: type[P.Message]) -> P.Message:
             values[f.name] = draw(st.integers(1, 256))
         elif f.name == "length" and cls is P.SampleSequences:
             values[f.name] = draw(st.integers(1, 256))
+        elif f.name == "has_final" and cls is P.SampleTransitionsReply:
+            values[f.name] = draw(hnp.arrays(np.uint8, (n,), elements=st.integers(0, 1)))
+        elif f.name == "has_final":  # push_episodes: none, or one flag per episode
+            k = len(values["lengths"])
+            values[f.name] = draw(st.sampled_from([np.zeros(0, np.uint8), np.ones(k, np.uint8)]))
+        elif f.name == "finals":  # final observations: one row a leaf per episode that has one
+            count = int(np.count_nonzero(values["has_final"])) if "has_final" in values else draw(st.sampled_from([0, 1]))
+            values[f.name] = (draw(leaf_arrays((count,))) or {"o": np.zeros(count, np.float32)}) if count else {}
+        elif f.name == "n_step":
+            values[f.name] = draw(st.integers(1, 64))
+        elif f.name == "gamma":
+            values[f.name] = draw(st.floats(0, 1))
         elif f.name == "arrays":
             leading = (n, draw(st.integers(0, 5))) if cls is P.SampleSequencesReply else (n,)
             values[f.name] = draw(leaf_arrays(leading))
@@ -126,7 +138,7 @@ def assert_same(a: P.Message, b: P.Message) -> None:
     assert type(a) is type(b)
     for f in dataclasses.fields(a):
         x, y = getattr(a, f.name), getattr(b, f.name)
-        if f.name == "arrays":
+        if f.name in ("arrays", "finals"):
             assert list(x) == list(y)
             for key in x:
                 assert_same_array(x[key], y[key])

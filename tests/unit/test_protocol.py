@@ -57,6 +57,9 @@ EXAMPLES: list[P.Message] = [
     P.Sample(8, 32, 2**64 - 1, 17),
     P.SampleSequences(9, 3, 4, 123),
     P.SampleSequences(9, 3, 4, None, 5, False),
+    P.SampleTransitions(9, 4, 3, 0.5, 7, 2, 0.0, "replay"),
+    P.PushEpisode(13, 1, {"obs": np.zeros((1, 3), np.float32)}, finals={"obs": np.ones((1, 3), np.float32)}),
+    P.Commit(14, 3, 0.0, None, {"obs": np.ones((1, 3), np.float32)}),
     P.Episodes(10),
     P.Episodes(10, 2**63),
     P.Episodes(10, 3, 4096, 2048),
@@ -82,6 +85,10 @@ EXAMPLES: list[P.Message] = [
     P.SampleSequencesReply(9, 1, 0, 0, 12, np.array([0, 4, 8], np.int64), np.array([0, 1, 2], np.uint64),
                            np.full(3, 1 / 3), SEQ_ROWS),
     P.SampleSequencesReply(9, 1, 0, 0, 12, np.array([0, 4], np.int64), np.zeros(2, np.uint64), np.ones(2), {}),
+    P.SampleTransitionsReply(9, 1, 0, 0, 12, np.array([0, 4], np.int64), np.zeros(2, np.uint64), np.ones(2),
+                             np.array([1, 0], np.uint8), {"obs": np.zeros((2, 3), np.float32),
+                                                          "next/obs": np.ones((2, 3), np.float32),
+                                                          "discount": np.ones(2, np.float32)}),
     P.EpisodesReply(10, 2, 0, 0, 8, np.array([[0, 0, 5], [1, 5, 3]], np.int64)),
     P.EpisodesReply(10, 0, 0, 0, 0, np.zeros((0, 3), np.int64)),
     P.InfoReply(11, {"length": 5, "capacity": None, "uptime": 1.5, "file": "x.h5", "swmr": True}),
@@ -99,7 +106,7 @@ def assert_same(a: P.Message, b: P.Message) -> None:
     assert type(a) is type(b)
     for f in dataclasses.fields(a):
         x, y = getattr(a, f.name), getattr(b, f.name)
-        if f.name == "arrays":
+        if f.name in ("arrays", "finals"):
             assert list(x) == list(y)
             for k in x:
                 assert_same_array(np.asarray(x[k]), y[k])
@@ -559,13 +566,13 @@ def test_what_each_kind_is_is_said_by_its_class() -> None:
         "push_episode": (False, True, False, True), "push_episodes": (False, True, False, True),
         "update_priorities": (False, False, False, False), "get": (True, False, False, False),
         "get_rows": (True, False, False, False), "sample": (True, False, True, False),
-        "sample_sequences": (True, False, True, False), "episodes": (True, False, False, False),
+        "sample_sequences": (True, False, True, False), "sample_transitions": (True, False, True, False), "episodes": (True, False, False, False),
         "info": (False, False, False, False), "heartbeat": (False, False, False, False),
         "cancel": (False, False, False, False),
     }
     replies = [c for c in P.Reply.__subclasses__() if c not in (P.ReadReply, P.ErrorReply)] + P.ReadReply.__subclasses__()
     assert {c.KIND.value for c in replies if c.ACKNOWLEDGES} == {"commit", "push_episode", "push_episodes",
                                                                  "update_priorities"}
-    assert {c.KIND.value for c in replies if c.DRAWN} == {"sample", "sample_sequences"}
+    assert {c.KIND.value for c in replies if c.DRAWN} == {"sample", "sample_sequences", "sample_transitions"}
     assert {c for c in P.Request.__subclasses__() if c.READS} == set(_READS)  # every read has its answer
     assert P.Sample(1, 7).num_drawn == 7 and P.SampleSequences(1, 3, 4).num_drawn == 12

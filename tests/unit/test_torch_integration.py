@@ -112,6 +112,8 @@ def test_the_dataset_holds_only_settings_and_pickles_without_a_server():
 @pytest.mark.parametrize("kwargs", [
     {"batch_size": 0}, {"batch_size": 4, "sequence_length": 0}, {"batch_size": 4, "num_batches": -1},
     {"batch_size": 4, "prefetch": 0}, {"batch_size": 4, "timeout": 0},
+    {"batch_size": 4, "transitions": True, "n_step": 0}, {"batch_size": 4, "transitions": True, "gamma": 2.0},
+    {"batch_size": 4, "transitions": True, "sequence_length": 2},
 ])
 def test_bad_settings_are_refused(kwargs):
     with pytest.raises(ConfigError):
@@ -186,3 +188,25 @@ def test_no_server_raises_server_unavailable_in_time():
     with pytest.raises(ServerUnavailableError):
         next(iter(H5ReplayDataset(_free_endpoint(), 4, timeout=0.5)))
     assert time.monotonic() - started < 10
+
+
+def test_transitions_come_as_tensors_with_next_and_discount(tmp_path):
+    from service_helpers import running_server, server_config
+    from transition_helpers import SPACE, Model, episode
+
+    from h5replay.client import ActorClient
+
+    model = Model()
+    with running_server(server_config(tmp_path / "t.h5", space=SPACE, capacity=200, observation_keys=("obs",))) as srv:
+        with ActorClient(srv.endpoint, timeout=10) as actor:
+            for first, kind in ((0, "terminated"), (5, "truncated")):
+                rows, final = episode(first, 5, kind)
+                model.episodes.append((first, rows, final))
+                actor.push_episode(rows, final=final)
+        ds = H5ReplayDataset(srv.endpoint, 16, num_batches=2, timeout=10, transitions=True, n_step=3, gamma=0.5)
+        for batch in DataLoader(ds, batch_size=None):
+            assert isinstance(batch["discount"], torch.Tensor) and batch["next"]["obs"]["pos"].shape == (16, 2)
+            for i, row in enumerate(batch["obs"]["id"].tolist()):
+                want = model.expected(int(row), 3, 0.5)
+                assert batch["reward"][i].item() == pytest.approx(want["reward"], rel=1e-6)
+                assert batch["next"]["obs"]["id"][i].item() == want["next"][1]

@@ -90,6 +90,7 @@ class _Rows:
         self._arrays: dict[str, np.ndarray] = {}
         self._priorities: PriorityColumns | None = None  # once a row is given one
         self.num_rows = 0
+        self.final: dict[str, np.ndarray] | None = None  # the episode's final observation (storage form)
 
     def add(self, encoded: Mapping[str, np.ndarray], n: int, priorities: Given | None = None) -> None:
         if priorities or self._priorities is not None:
@@ -302,6 +303,7 @@ class ShardedActor(_Router[_A]):
         self._using[shard.index] += 1
         try:
             inner.extend_encoded(parked.rows.view(), parked.rows.num_rows, parked.rows.priorities())
+            inner.set_final_encoded(parked.rows.final)
             receipt = inner.commit()
         except (ServerUnavailableError, ClosedError) as exc:
             self._mark_down(shard, exc)  # still in doubt there: probed, settled when it answers
@@ -395,14 +397,14 @@ class ShardedActor(_Router[_A]):
         self._check()
         return ShardedSegment(self)
 
-    def push_episode(self, batch: Any, priorities: Any = None) -> Receipt:
+    def push_episode(self, batch: Any, priorities: Any = None, *, final: Any = None) -> Receipt:
         encoded, n = self.codec.encode_batch(batch)
         given = self.codec.check_priorities(priorities, n)
         if n == 0:
             return Receipt(-1, -1, 0)
         seg = ShardedSegment(self)
         seg.extend_encoded(encoded, n, given)
-        return seg.commit()
+        return seg.commit(final=final)
 
     def info(self) -> dict[str, Any]:
         """The current shard's figures, with "shard": its index."""
@@ -491,6 +493,7 @@ class ShardedSegment:
             else:
                 index, client = self._actor.writer()
             inner = ActorSegment(client, key=self.key)
+            inner.set_final_encoded(self._rows.final)
             self._inner, self._inner_shard = inner, index
             self._actor.use(index, +1)
             if self._rows.num_rows:
@@ -540,12 +543,20 @@ class ShardedSegment:
         else:
             self._actor.lose(index, exc)
 
-    @overload
-    def commit(self, *, wait: Literal[True] = True) -> Receipt: ...
-    @overload
-    def commit(self, *, wait: Literal[False]) -> PendingCommit: ...
+    def set_final(self, final: Any) -> None:
+        """The observation after the episode's last step, as `ActorSegment.set_final` takes it:
+        sent with the commit, to whichever shard takes the episode."""
+        self._require_open("set the final observation of")
+        self._rows.final = self._actor.codec.encode_final(final)
+        if self._inner is not None:
+            self._inner.set_final_encoded(self._rows.final)
 
-    def commit(self, *, wait: bool = True) -> Receipt | PendingCommit:
+    @overload
+    def commit(self, *, wait: Literal[True] = True, final: Any = None) -> Receipt: ...
+    @overload
+    def commit(self, *, wait: Literal[False], final: Any = None) -> PendingCommit: ...
+
+    def commit(self, *, wait: bool = True, final: Any = None) -> Receipt | PendingCommit:
         """Send what is buffered, wait for every append, then commit on the current shard; on
         another shard when it stops answering. Returns after a shard has the episode in its file,
         flushed. Over several servers a commit is always waited for: with `wait=False` (as for
@@ -557,6 +568,8 @@ class ShardedSegment:
                 not answer again: the actor keeps the episode and settles it there later.
         """
         self._require_open("commit")
+        if final is not None:
+            self.set_final(final)
         if self.length == 0:
             self._state = "committed"
             receipt = self.receipt = Receipt(-1, -1, 0)

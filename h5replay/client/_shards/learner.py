@@ -27,6 +27,7 @@ from h5replay.errors import (
 from h5replay.priorities import check_priorities
 from h5replay.records import Episode, SampleInfo, pack_ids, unpack_ids
 from h5replay.spaces import Space, flatten_value, unflatten_value
+from h5replay.transitions import TransitionKeys, check_n_step
 
 __all__ = ["ShardedLearner", "ShardLearner"]
 
@@ -129,6 +130,8 @@ class ShardedLearner(_Router[_L]):
         first = next(s.client for s in self.shards if s.client is not None)
         self.limits = first.limits
         self.codec_space: Space = first.space
+        #: The shards' observation keys and reward / end-flag leaves (None: they keep no finals).
+        self.transition_keys: TransitionKeys | None = first.transition_keys
 
     def _retire(self, shard: _Shard) -> None:
         view = shard.client.view
@@ -377,8 +380,24 @@ class ShardedLearner(_Router[_L]):
                           lambda c, n, s: c.sample_sequences(n, steps, s, with_info=True, table=table),
                           f"windows of {steps} steps", ("windows", steps, table), table)
 
+    def sample_transitions(self, batch_size: int, *, n_step: int = 1, gamma: float = 0.99, with_info: bool = False,
+                           seed: int | None = None, table: str | None = None) -> Any:
+        """`batch_size` n-step transitions, each within one episode of one shard; shards are
+        picked in proportion to their rows, as for `sample`."""
+        size = _positive(batch_size, "batch_size")
+        n, discount_rate = check_n_step(n_step, gamma)
+        keys = self.transition_keys
+        if keys is None or self.space is None:
+            raise ConfigError("these servers keep no final observations: serve files created with "
+                              "--observation-keys (observation_keys=) to draw transitions")
+        return self._draw(size, seed, with_info,
+                          lambda c, m, s: c.sample_transitions(m, n_step=n, gamma=discount_rate, with_info=True, seed=s,
+                                                               table=table),
+                          "transitions", ("transitions", n, discount_rate, table), table,
+                          keys.transition_space(self.space))
+
     def _draw(self, size: int, seed: int | None, with_info: bool, call: Callable[[Any, int, int | None], Any],
-              what: str, kind: Any, table: str | None = None) -> Any:
+              what: str, kind: Any, table: str | None = None, space: Space | None = None) -> Any:
         rng = self._rng if seed is None else np.random.default_rng(seed)
         empty: set[int] = set()  # shards that had nothing to draw in this call
         with self._lock:
@@ -421,7 +440,7 @@ class ShardedLearner(_Router[_L]):
                             self._lengths[index] = view.length
                 if any(counts[k] and (i not in results or results[i] is _EMPTY) for k, i in enumerate(live)):
                     continue  # a shard went down or had nothing: draw again among the others
-                return self._merge(live, assign, weights, results, with_info)
+                return self._merge(live, assign, weights, results, with_info, space)
         raise NotEnoughDataError(f"cannot sample {what}: the shards kept going down or emptying during the call")
 
     def _draw_consuming(self, size: int, rng: np.random.Generator, seed: int | None, with_info: bool,
@@ -490,10 +509,16 @@ class ShardedLearner(_Router[_L]):
         return outcomes
 
     def _merge(self, live: list[int], assign: np.ndarray, weights: np.ndarray, results: Mapping[int, Any],
-               with_info: bool) -> Any:
+               with_info: bool, space: Space | None = None) -> Any:
+        """The shards' draws put back in the order of `assign` (`space`: of what they returned,
+        when not the rows' own)."""
         masks = {index: assign == k for k, index in enumerate(live) if not isinstance(results[index], int)}
-        parts = {index: self._flat(results[index][0]) for index in masks}
-        batch = self._unflat(_scatter(parts, masks, assign.shape[0]))
+        if space is None:
+            parts = {index: self._flat(results[index][0]) for index in masks}
+            batch = self._unflat(_scatter(parts, masks, assign.shape[0]))
+        else:
+            parts = {index: flatten_value(space, results[index][0]) for index in masks}
+            batch = unflatten_value(space, _scatter(parts, masks, assign.shape[0]))
         if not with_info:
             return batch
         size = assign.shape[0]
@@ -501,6 +526,7 @@ class ShardedLearner(_Router[_L]):
         episode_ids = np.empty(size, np.uint64)
         probabilities = np.empty(size, np.float64)
         shard_ids = np.empty(size, np.int64)
+        has_final = np.zeros(size, bool) if space is not None else None
         for k, index in enumerate(live):
             if index not in masks:
                 continue
@@ -509,7 +535,9 @@ class ShardedLearner(_Router[_L]):
             row_ids[mask], episode_ids[mask] = info.row_ids, info.episode_ids
             probabilities[mask] = info.probabilities * weights[k]
             shard_ids[mask] = index
-        return batch, SampleInfo(row_ids, episode_ids, probabilities, shard_ids)
+            if has_final is not None and info.has_final is not None:
+                has_final[mask] = info.has_final
+        return batch, SampleInfo(row_ids, episode_ids, probabilities, shard_ids, has_final)
 
     def close(self) -> None:
         """Close every shard's client (rows still kept, `num_kept`, are dropped with a warning).

@@ -53,7 +53,7 @@ from h5replay.storage.replay.state import Counters, State
 from h5replay.storage.replay.table import Sampling
 from h5replay.storage.replay.tables import Tables
 from h5replay.storage.replay.transition_draws import Transitions
-from h5replay.storage.replay.transitions import TransitionKeys
+from h5replay.transitions import TransitionKeys
 
 __all__ = ["ReplayBuffer", "CommitInfo"]
 
@@ -163,7 +163,7 @@ class ReplayBuffer(Commits, Draws, Transitions):
         that each episode may keep its final observation (`commit_segment(final=)`,
         `end_episode(final=)`) and `sample_transitions` return n-step transitions; `reward_key`,
         `terminated_key` and `truncated_key` name the leaves it reads (see
-        `h5replay.storage.replay.transitions`). Recorded in the file.
+        `h5replay.transitions`). Recorded in the file.
 
         Raises:
             ConfigError: an invalid setting (nothing is created).

@@ -25,7 +25,7 @@ from h5replay.errors import StorageError
 from h5replay.spaces import LeafSpace, Schema, Space
 from h5replay.storage._h5file import h5_dtype, h5_errors
 from h5replay.storage._rowio import read_slice
-from h5replay.storage.replay.transitions import TransitionKeys
+from h5replay.transitions import TransitionKeys
 
 __all__ = ["FinalsFile", "FINALS"]
 

@@ -5,7 +5,7 @@ drawn from a table (`sample_transitions`). A mixin of `ReplayBuffer`: the file's
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
@@ -20,7 +20,7 @@ from h5replay.storage.replay.rows import RowStore
 from h5replay.storage.replay.state import State
 from h5replay.storage.replay.table import Sampling
 from h5replay.storage.replay.tables import Tables
-from h5replay.storage.replay.transitions import DISCOUNT, NEXT, TransitionKeys, check_n_step, plan_n_step
+from h5replay.transitions import DISCOUNT, NEXT, TransitionKeys, check_n_step, plan_n_step
 
 __all__ = ["Transitions"]
 
@@ -67,6 +67,31 @@ class Transitions:
                               "(serve --observation-keys) to give episodes a final")
         keys = self._finals.keys.observation
         return self._finals.schema.encode_one({keys[0]: final} if len(keys) == 1 else final)
+
+    def finals_from_stored(self, arrays: Mapping[str, np.ndarray], episodes: int,
+                           has_final: np.ndarray | None = None) -> list[Any]:
+        """The final observations of `episodes` episodes off the wire, checked and as `final=`
+        takes them (None for an episode without): `arrays` in storage form, one array per
+        observation leaf, a row for each episode `has_final` marks (None: for every episode).
+        No arrays: no episode has a final.
+
+        Raises:
+            ConfigError: the file keeps no final observations.
+            SpaceMismatchError: the arrays are not the observation part of the space.
+        """
+        if not arrays:
+            return [None] * episodes
+        if self._finals is None:
+            raise ConfigError("this buffer keeps no final observations: create it with observation_keys= "
+                              "(serve --observation-keys) to give episodes a final")
+        marked = np.ones(episodes, dtype=bool) if has_final is None else np.asarray(has_final, dtype=bool)
+        schema = self._finals.schema
+        count = int(marked.sum())
+        checked = schema.validate_stored(arrays, count)
+        keys = self._finals.keys.observation
+        values = iter([schema.decode_one({path: arr[i] for path, arr in checked.items()}) for i in range(count)])
+        out = [next(values) if has else None for has in marked.tolist()]
+        return [v[keys[0]] if v is not None and len(keys) == 1 else v for v in out]
 
     def final_observation(self, episode_id: int) -> Any:
         """The final observation an episode held was committed with (as `final=` took it), or

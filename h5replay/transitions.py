@@ -13,15 +13,18 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from h5replay.errors import ConfigError
-from h5replay.spaces import BoxSpace, DictSpace, Space
+from h5replay.spaces import BoxSpace, DictSpace, Schema, Space
 
-__all__ = ["TransitionKeys", "NStep", "plan_n_step", "check_n_step", "NEXT", "DISCOUNT"]
+__all__ = ["TransitionKeys", "NStep", "plan_n_step", "check_n_step", "final_schema", "described_keys",
+           "declared_observation_keys", "NEXT",
+           "DISCOUNT"]
 
 NEXT = "next"  # the key of the next observation in a transition
 DISCOUNT = "discount"
@@ -99,6 +102,32 @@ class TransitionKeys:
                                obj["truncated_key"])
         except (ValueError, KeyError, TypeError) as exc:
             raise ConfigError(f"damaged transition keys {text[:200]!r}: {exc}") from None
+
+
+def described_keys(space: Space, described: Mapping[str, Any]) -> TransitionKeys | None:
+    """The transition keys a server's hello `sampling` names (None: it keeps no finals)."""
+    text = described.get("transition_keys")
+    return TransitionKeys.from_json(text, space) if isinstance(text, str) else None
+
+
+def declared_observation_keys(path: str) -> tuple[str, ...] | None:
+    """The "observation_keys" a space file (`serve --space`) declares beside its space (None: none).
+
+    Raises:
+        ConfigError: they are not a list of strings.
+    """
+    with open(path, encoding="utf-8") as fh:  # (a file the caller read as a space already)
+        declared = json.load(fh).get("observation_keys")
+    if declared is not None and (not isinstance(declared, list) or not all(isinstance(k, str) for k in declared)):
+        raise ConfigError(f"{path!r}: observation_keys must be a list of the space's keys, got {declared!r:.80}")
+    return tuple(declared) if declared else None
+
+
+def final_schema(space: Space, described: Mapping[str, Any]) -> tuple[Schema, tuple[str, ...]] | None:
+    """The schema of a server's final observations and its observation keys, from its hello
+    `sampling` (None: the server keeps no finals)."""
+    keys = described_keys(space, described)
+    return None if keys is None else (Schema(keys.observation_space(space)), keys.observation)
 
 
 def check_n_step(n_step: Any, gamma: Any) -> tuple[int, float]:
