@@ -36,6 +36,11 @@ class EpisodeTable:
     def slot(self, episode_id: int) -> int:
         return self._ring.slot(episode_id, self.origin)
 
+    def slots(self, episode_ids: np.ndarray) -> np.ndarray:
+        """The slots of several episodes (int64)."""
+        slots: np.ndarray = self._ring.slots(episode_ids.astype(np.int64), self.origin)
+        return slots
+
     def _ensure(self, slots: int) -> None:
         if slots > self._starts.shape[0]:
             size = max(slots, 2 * self._starts.shape[0])

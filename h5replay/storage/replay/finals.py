@@ -24,7 +24,7 @@ import numpy as np
 from h5replay.errors import StorageError
 from h5replay.spaces import LeafSpace, Schema, Space
 from h5replay.storage._h5file import h5_dtype, h5_errors
-from h5replay.storage._rowio import read_slice
+from h5replay.storage._rowio import read_slice, read_sorted_unique_rows
 from h5replay.transitions import TransitionKeys
 
 __all__ = ["FinalsFile", "FINALS"]
@@ -82,22 +82,37 @@ class FinalsFile:
                 for path, ds in self._leaves.items():
                     ds[slot] = final[path][0]
 
+    def _refreshed(self) -> None:
+        if self._reader:
+            for ds in (self._has, *self._leaves.values()):
+                ds.refresh()
+
+    def has(self, slots: np.ndarray) -> np.ndarray:
+        """Whether each slot holds a final (bool)."""
+        with h5_errors("reading final observations"):
+            self._refreshed()
+            return self._gathered(self._has, slots).astype(bool)
+
+    def rows(self, slots: np.ndarray) -> dict[str, np.ndarray]:
+        """The finals in `slots` by leaf path, as stored (a slot without one: what it last held)."""
+        with h5_errors("reading final observations"):
+            self._refreshed()
+            return {path: self._gathered(ds, slots) for path, ds in self._leaves.items()}
+
     def read(self, slots: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """(whether each slot holds a final, the finals by leaf path: zeros where none)."""
-        with h5_errors("reading final observations"):
-            if self._reader:
-                for ds in (self._has, *self._leaves.values()):
-                    ds.refresh()
-            size = int(self._has.shape[0])
-            if slots.size and int(slots.max()) >= size:
-                raise StorageError(f"the finals of {self._has.file.filename!r} have {size} slots, too few for slot "
-                                   f"{int(slots.max())}")
-            unique, inverse = np.unique(slots, return_inverse=True)
-            has = _gather(self._has, unique)[inverse].astype(bool)
-            rows = {path: _gather(ds, unique)[inverse] for path, ds in self._leaves.items()}
+        has, rows = self.has(slots), self.rows(slots)
         for arr in rows.values():
             arr[~has] = 0
         return has, rows
+
+    def _gathered(self, ds: h5py.Dataset, slots: np.ndarray) -> np.ndarray:
+        size = int(self._has.shape[0])
+        if slots.size and int(slots.max()) >= size:
+            raise StorageError(f"the finals of {self._has.file.filename!r} have {size} slots, too few for slot "
+                               f"{int(slots.max())}")
+        unique, inverse = np.unique(slots, return_inverse=True)
+        return _gather(ds, unique)[inverse.reshape(-1)]
 
 
 def _create_leaf(group: h5py.Group, path: str, leaf: LeafSpace, capacity: int | None, chunk: int) -> None:
@@ -112,5 +127,5 @@ def _gather(ds: h5py.Dataset, unique: np.ndarray) -> np.ndarray:
         return read_slice(ds, 0, 0)
     first, last = int(unique[0]), int(unique[-1]) + 1
     rows: np.ndarray = read_slice(ds, first, last)[unique - first] if last - first <= 4 * unique.size \
-        else np.asarray(ds[unique])
+        else read_sorted_unique_rows(ds, unique)
     return rows

@@ -35,6 +35,7 @@ class Transitions:
     _episodes: EpisodeTable
     _tables: Tables
     _finals: FinalsFile | None
+    _transition_schema: Schema | None = None
 
     if TYPE_CHECKING:
 
@@ -167,10 +168,13 @@ class Transitions:
             nexts = self.storage.read_leaves(observed, self._phys(np.where(to_final, g, plan.next_ids), view))
             has = np.zeros(size, dtype=bool)
             if recorded.any():
-                slots = np.array([self._episodes.slot(int(e)) for e in episode_ids[recorded]], dtype=np.int64)
-                has[recorded], held = finals.read(slots)
-                for path in observed:
-                    nexts[path][recorded & to_final] = held[path][to_final[recorded]]
+                slots = self._episodes.slots(episode_ids[recorded])
+                has[recorded] = finals.has(slots)
+                bootstrap = has & to_final  # only these read a final's rows
+                if bootstrap.any():
+                    held = finals.rows(self._episodes.slots(episode_ids[bootstrap]))
+                    for path in observed:
+                        nexts[path][bootstrap] = held[path]
             cut = to_final & ~has  # nothing to bootstrap from
             for path in observed:
                 nexts[path][cut] = 0
@@ -185,7 +189,9 @@ class Transitions:
 
         out, g, probabilities, episode_ids, has = self._consistent(attempt)
         self._count_sampled(sampling, g, size)
-        batch = Schema(keys.transition_space(self.storage.single_instance_space)).decode(out) if decode else out
+        if self._transition_schema is None:  # made once: a Schema costs more than a small draw
+            self._transition_schema = Schema(keys.transition_space(self.storage.single_instance_space))
+        batch = self._transition_schema.decode(out) if decode else out
         if not with_info:
             return batch
         return batch, SampleInfo(g.astype(np.uint64), episode_ids, probabilities, has_final=has)
