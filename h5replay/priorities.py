@@ -147,9 +147,9 @@ class PriorityColumns:
         for table, column in self._columns.items():
             column[first:need] = given[table] if given and table in given else np.nan
 
-    def rows(self, stop: int, start: int = 0) -> Given:
-        """The priorities of rows [start, stop), by table (views: copy what must outlive a `put`)."""
-        return {table: column[start:stop] for table, column in self._columns.items()}
+    def rows(self, stop: int) -> Given:
+        """The priorities of rows [0, stop), by table (views: copy what must outlive a `put`)."""
+        return {table: column[:stop] for table, column in self._columns.items()}
 
 
 def join_priorities(parts: list[tuple[Mapping[str | None, np.ndarray] | None, int]]) -> Given | None:

@@ -75,6 +75,15 @@ class TransitionKeys:
         """The part of `space` a final observation is a sample of."""
         return DictSpace({key: space[key] for key in self.observation})  # type: ignore[index]
 
+    def as_observation(self, final: Any) -> Any:
+        """A final as `final=` takes it (the one observation key's value, or a dict of the
+        keys when there are several) as a sample of `observation_space`."""
+        return {self.observation[0]: final} if len(self.observation) == 1 else final
+
+    def as_final(self, observation: Any) -> Any:
+        """The inverse of `as_observation`: a decoded sample of `observation_space` as `final=` took it."""
+        return observation[self.observation[0]] if len(self.observation) == 1 else observation
+
     def transition_space(self, space: Space) -> DictSpace:
         """What `sample_transitions` returns: the step's leaves, `next` and `discount`."""
         spaces = dict(space.spaces)  # type: ignore[attr-defined]
@@ -123,11 +132,11 @@ def declared_observation_keys(path: str) -> tuple[str, ...] | None:
     return tuple(declared) if declared else None
 
 
-def final_schema(space: Space, described: Mapping[str, Any]) -> tuple[Schema, tuple[str, ...]] | None:
-    """The schema of a server's final observations and its observation keys, from its hello
+def final_schema(space: Space, described: Mapping[str, Any]) -> tuple[Schema, TransitionKeys] | None:
+    """The schema of a server's final observations and its transition keys, from its hello
     `sampling` (None: the server keeps no finals)."""
     keys = described_keys(space, described)
-    return None if keys is None else (Schema(keys.observation_space(space)), keys.observation)
+    return None if keys is None else (Schema(keys.observation_space(space)), keys)
 
 
 def check_n_step(n_step: Any, gamma: Any) -> tuple[int, float]:

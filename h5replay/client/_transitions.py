@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -35,6 +35,7 @@ class TransitionReads:
 
         def _table(self, table: str | None) -> TableDraws: ...
         def _read_many(self, factories: Sequence[Callable[[int], P.Request]]) -> list[Any]: ...
+        def _joined(self, parts: list[Mapping[str, np.ndarray]], names: Sequence[str] | None = None) -> dict[str, np.ndarray]: ...
         def _consume(self, kind: Any, size: int, requests: Callable[[int], list[Callable[[int], P.Request]]],
                      with_info: bool, schema: Schema | None = None) -> Any: ...
 
@@ -80,6 +81,5 @@ class TransitionReads:
         if t.consuming:
             return self._consume(("transitions", n, discount_rate, *t.kind), size, requests, with_info, schema)
         replies = self._read_many(requests(size))
-        arrays = {name: np.concatenate([r.arrays[name] for r in replies]) for name in schema.names}
-        batch = schema.decode(arrays)
+        batch = schema.decode(self._joined([r.arrays for r in replies], schema.names))
         return (batch, sample_info(replies)) if with_info else batch

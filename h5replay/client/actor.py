@@ -158,7 +158,7 @@ class ActorClient:
             raise ConfigError("this server keeps no final observations: serve a file created with "
                               "--observation-keys (observation_keys=) to give episodes a final")
         schema, keys = self._final_schema
-        return schema.encode_one({keys[0]: final} if len(keys) == 1 else final)
+        return schema.encode_one(keys.as_observation(final))
 
     def check_priorities(self, priorities: Any, n: int) -> Given | None:
         """Priorities for n steps (an array for every prioritized table, or {table: array}),

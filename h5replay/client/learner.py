@@ -285,10 +285,11 @@ class LearnerClient(TransitionReads):
                 self._observe(reply)
         return replies
 
-    def _joined(self, parts: list[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    def _joined(self, parts: list[Mapping[str, np.ndarray]], names: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        """The leaves `names` (the rows' own by default) of several replies, one after another."""
         if len(parts) == 1:
             return dict(parts[0])
-        return {name: np.concatenate([p[name] for p in parts]) for name in self.schema.names}
+        return {name: np.concatenate([p[name] for p in parts]) for name in (names or self.schema.names)}
 
     # ------------------------------------------------------------------ reads
 

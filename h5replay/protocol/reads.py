@@ -167,13 +167,20 @@ class SampleReply(ReadReply):
     arrays: Arrays
 
     def _validate(self, limits: Limits) -> None:
-        _check_rows_limit(len(self.row_ids), "row_ids", limits)
-        _check_info(self.row_ids, self.episode_ids, self.probabilities)
-        _check_leading(self.arrays, len(self.row_ids))
+        _check_drawn(self.row_ids, self.episode_ids, self.probabilities, self.arrays, limits)
+
+
+def _check_drawn(row_ids: Array, episode_ids: Array, probabilities: Array, arrays: Arrays, limits: Limits) -> None:
+    """What a reply of drawn rows must hold: one id, episode and probability per row, leaves of as many rows."""
+    _check_rows_limit(len(row_ids), "row_ids", limits)
+    _check_info(row_ids, episode_ids, probabilities)
+    _check_leading(arrays, len(row_ids))
 
 
 @dataclass(frozen=True, eq=False, repr=False)
 class SampleTransitionsReply(ReadReply):
+    """A sample reply with each transition's `has_final`."""
+
     KIND = Kind.SAMPLE_TRANSITIONS
     DRAWN = True
     row_ids: Array  # of each transition's first step
@@ -183,12 +190,10 @@ class SampleTransitionsReply(ReadReply):
     arrays: Arrays  # the step's leaves, next/<observation leaf>, discount
 
     def _validate(self, limits: Limits) -> None:
-        _check_rows_limit(len(self.row_ids), "row_ids", limits)
-        _check_info(self.row_ids, self.episode_ids, self.probabilities)
         if len(self.has_final) != len(self.row_ids):
             raise ProtocolError(f"has_final must have one entry per transition, got {len(self.has_final)} for "
                                 f"{len(self.row_ids)}")
-        _check_leading(self.arrays, len(self.row_ids))
+        _check_drawn(self.row_ids, self.episode_ids, self.probabilities, self.arrays, limits)
 
 
 @dataclass(frozen=True, eq=False, repr=False)

@@ -52,6 +52,12 @@ class Transitions:
         it keeps no final observations)."""
         return None if self._finals is None else self._finals.keys
 
+    def _finals_or_raise(self) -> FinalsFile:
+        if self._finals is None:
+            raise ConfigError("this buffer keeps no final observations: create it with observation_keys= "
+                              "(serve --observation-keys) to give episodes a final")
+        return self._finals
+
     def _encode_final(self, final: Any) -> dict[str, np.ndarray] | None:
         """A final observation in storage form, checked before anything is written (None: none):
         the value of the one observation key, or a dict of the observation keys when there are
@@ -63,11 +69,8 @@ class Transitions:
         """
         if final is None:
             return None
-        if self._finals is None:
-            raise ConfigError("this buffer keeps no final observations: create it with observation_keys= "
-                              "(serve --observation-keys) to give episodes a final")
-        keys = self._finals.keys.observation
-        return self._finals.schema.encode_one({keys[0]: final} if len(keys) == 1 else final)
+        finals = self._finals_or_raise()
+        return finals.schema.encode_one(finals.keys.as_observation(final))
 
     def finals_from_stored(self, arrays: Mapping[str, np.ndarray], episodes: int,
                            has_final: np.ndarray | None = None) -> list[Any]:
@@ -82,17 +85,13 @@ class Transitions:
         """
         if not arrays:
             return [None] * episodes
-        if self._finals is None:
-            raise ConfigError("this buffer keeps no final observations: create it with observation_keys= "
-                              "(serve --observation-keys) to give episodes a final")
+        finals = self._finals_or_raise()
         marked = np.ones(episodes, dtype=bool) if has_final is None else np.asarray(has_final, dtype=bool)
-        schema = self._finals.schema
         count = int(marked.sum())
-        checked = schema.validate_stored(arrays, count)
-        keys = self._finals.keys.observation
-        values = iter([schema.decode_one({path: arr[i] for path, arr in checked.items()}) for i in range(count)])
-        out = [next(values) if has else None for has in marked.tolist()]
-        return [v[keys[0]] if v is not None and len(keys) == 1 else v for v in out]
+        checked = finals.schema.validate_stored(arrays, count)
+        values = iter([finals.keys.as_final(finals.schema.decode_one({path: arr[i] for path, arr in checked.items()}))
+                       for i in range(count)])
+        return [next(values) if has else None for has in marked.tolist()]
 
     def final_observation(self, episode_id: int) -> Any:
         """The final observation an episode held was committed with (as `final=` took it), or
@@ -116,9 +115,7 @@ class Transitions:
             has, rows = finals.read(np.array([self._episodes.slot(episode)], dtype=np.int64))
             if not has[0]:
                 return None, last
-            value = finals.schema.decode_one({path: arr[0] for path, arr in rows.items()})
-            keys = finals.keys.observation
-            return (value[keys[0]] if len(keys) == 1 else value), last
+            return finals.keys.as_final(finals.schema.decode_one({path: arr[0] for path, arr in rows.items()})), last
 
         return self._consistent(attempt)
 
