@@ -173,3 +173,51 @@ def test_serve_takes_the_observation_keys_from_the_space_file_or_the_flag(tmp_pa
         proc.wait(20)
     with ReplayBuffer.load_from(tmp_path / "rb.h5") as rb:
         assert rb.transition_keys is not None and rb.transition_keys.observation == ("obs",)
+
+
+def test_a_queue_hands_each_transition_out_once_in_order_over_several_messages(start_server: Any) -> None:
+    """Transitions meet a consuming table (FIFO, each row once) and requests split over messages:
+    every step comes once, in order, with the model's n-step values."""
+    from h5replay import protocol as P
+    from h5replay.sampling import Fifo, Table
+
+    server = start_server(space=SPACE, capacity=1000, observation_keys=("obs",),
+                          tables={"queue": Table(Fifo(), max_times_sampled=1)}, limits=P.Limits(max_rows_per_message=8))
+    model = Model()
+    with ActorClient(config=ClientConfig(endpoint=server.endpoint, timeout=10, batch_rows=4)) as actor:
+        total = push_every_way(actor, model, 0)
+    with LearnerClient(server.endpoint, timeout=10) as learner:
+        batch, info = learner.sample_transitions(total, n_step=2, gamma=0.5, with_info=True)
+        assert info.row_ids.tolist() == list(range(total)), "each step once, in order"
+        for i, row in enumerate(info.row_ids.astype(np.int64)):
+            want = model.expected(int(row), 2, 0.5)
+            assert batch["discount"][i] == pytest.approx(want["discount"]) and bool(info.has_final[i]) == want["has_final"]
+        assert learner.info()["table.queue.sampled"] == total
+
+
+def test_finals_acknowledged_before_a_sigkill_of_the_writer_are_in_the_file(tmp_path: Any) -> None:
+    import json
+    import signal
+
+    from fault_helpers import cli_server
+    from service_helpers import free_port
+
+    from h5replay.storage import ReplayBuffer
+
+    space_file = tmp_path / "space.json"
+    space_file.write_text(json.dumps({**SPACE.to_json(), "observation_keys": ["obs"]}))
+    bind, read_bind = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    model = Model()
+    with cli_server(tmp_path / "rb.h5", bind, read_bind, tmp_path / "serve.log", "--space", str(space_file),
+                    "--capacity", "1000") as proc:
+        with ActorClient(config=ClientConfig(endpoint=bind, timeout=10, batch_rows=4)) as actor:
+            push_every_way(actor, model, 0)  # every commit acknowledged
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    with ReplayBuffer.load_from(tmp_path / "rb.h5") as rb:
+        episodes = rb.episodes()
+        assert len(episodes) == len(model.episodes)
+        for ep, (_, _, final) in zip(episodes, model.episodes):
+            got = rb.final_observation(ep.episode_id)
+            assert (got is None) == (final is None) and (final is None or got["id"] == final["id"])
+        check_sample(rb, model, 3, 0.9)
