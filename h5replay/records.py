@@ -13,6 +13,7 @@ per shard). A packed id of shard 0 is the plain id, so ids from a single server 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -82,6 +83,8 @@ class SampleInfo:
             learner's `endpoints`); all zeros from a single server.
         has_final: (transitions) bool, whether the row's episode has its final observation
             (None for other samples).
+        valid_steps: (padded windows, `sample_sequences(pad=True)`) int64, how many of each
+            window's steps are its episode's; the rest are padding (None for other samples).
     """
 
     row_ids: np.ndarray
@@ -89,6 +92,7 @@ class SampleInfo:
     probabilities: np.ndarray
     shard_ids: np.ndarray | None = None
     has_final: np.ndarray | None = None
+    valid_steps: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.shard_ids is None:  # a single server: every row is of shard 0
@@ -119,16 +123,16 @@ class SampleInfo:
 
     def slice(self, start: int, stop: int) -> SampleInfo:
         """The entries [start, stop) (views, not copies)."""
-        shards = None if self.shard_ids is None else self.shard_ids[start:stop]
-        return SampleInfo(self.row_ids[start:stop], self.episode_ids[start:stop], self.probabilities[start:stop], shards)
+        parts: dict[str, Any] = {name: None if a is None else a[start:stop] for name, a in self._fields().items()}
+        return SampleInfo(**parts)
 
     def concatenate(self, other: SampleInfo) -> SampleInfo:
-        """This info followed by `other` (a sample put together from several requests)."""
-        return SampleInfo(
-            np.concatenate([self.row_ids, other.row_ids]),
-            np.concatenate([self.episode_ids, other.episode_ids]),
-            np.concatenate([self.probabilities, other.probabilities]),
-            np.concatenate([self.shard_ids, other.shard_ids]),
-            None if self.has_final is None or other.has_final is None
-            else np.concatenate([self.has_final, other.has_final]),
-        )
+        """This info followed by `other` (a sample put together from several requests); a field
+        that either lacks is left out."""
+        theirs = other._fields()
+        joined: dict[str, Any] = {name: None if a is None or theirs[name] is None else np.concatenate([a, theirs[name]])
+                                  for name, a in self._fields().items()}
+        return SampleInfo(**joined)
+
+    def _fields(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

@@ -83,7 +83,8 @@ def _seed(seed: int | None, part: int) -> int | None:
 def sample_info(replies: list[Any]) -> SampleInfo:
     """The SampleInfo of the replies of one draw, in order."""
     infos = [SampleInfo(r.row_ids.astype(np.uint64), r.episode_ids, r.probabilities,
-                        has_final=r.has_final.astype(bool) if hasattr(r, "has_final") else None) for r in replies]
+                        has_final=r.has_final.astype(bool) if hasattr(r, "has_final") else None,
+                        valid_steps=r.valid_steps if len(getattr(r, "valid_steps", ())) else None) for r in replies]
     info = infos[0]
     for more in infos[1:]:
         info = info.concatenate(more)

@@ -46,6 +46,15 @@ class TransitionReads:
             return self._router.transition_keys  # type: ignore[no-any-return]
         return described_keys(self.space, self.sampling)
 
+    def _transition_schema(self, keys: TransitionKeys) -> Schema:
+        """The schema of a transition of this server's rows."""
+        return Schema(keys.transition_space(self.space))
+
+    def _kind_schema(self, kind: Any) -> Schema:
+        """The schema of what a kept draw of `kind` holds: a transition, or the rows' own."""
+        keys = self.transition_keys
+        return self._transition_schema(keys) if kind[0] == "transitions" and keys is not None else self.schema
+
     def sample_transitions(self, batch_size: int, *, n_step: int = 1, gamma: float = 0.99, with_info: bool = False,
                            seed: int | None = None, table: str | None = None) -> Any:
         """`batch_size` n-step transitions drawn by the server (see
@@ -69,7 +78,7 @@ class TransitionReads:
             raise ConfigError("this server keeps no final observations: serve a file created with "
                               "--observation-keys (observation_keys=) to draw transitions")
         keys.check_sampling(self.space)
-        schema = Schema(keys.transition_space(self.space))
+        schema = self._transition_schema(keys)
         t = self._table(table)
         per = max(1, t.rows_per_sample * self.schema.row_bytes // max(1, schema.row_bytes + P.SAMPLE_INFO_BYTES + 1))
         limit = self.config.rate_limit_timeout

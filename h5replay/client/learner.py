@@ -30,7 +30,7 @@ import numpy as np
 from h5replay import protocol as P
 from h5replay.client._connection import Connection, curve_keys, say_hello
 from h5replay.client._draws import ConsumingDraws
-from h5replay.client._kept import Kept, Part, join_parts, kept_error
+from h5replay.client._kept import Kept, join_parts, kept_error
 from h5replay.client._priorities import PriorityUpdates
 from h5replay.client._reads import (
     TableDraws,
@@ -44,12 +44,13 @@ from h5replay.client._reads import (
     sample_info,
     table_draws,
 )
+from h5replay.client._sequences import SequenceReads
 from h5replay.client._shards import ShardedLearner
 from h5replay.client._transitions import TransitionReads
 from h5replay.config import DEFAULT_ENDPOINT, ClientConfig, process_name
 from h5replay.errors import ConfigError, ProtocolError
 from h5replay.priorities import check_priorities
-from h5replay.records import Episode
+from h5replay.records import Episode, SampleInfo
 from h5replay.spaces import Schema, Space, space_from_json
 
 log = logging.getLogger("h5replay.client")
@@ -59,7 +60,7 @@ __all__ = ["LearnerClient", "View"]
 _REQUEST_BYTES = 1 << 20  # rows one request of `batches` carries for several batches, at most
 
 
-class LearnerClient(TransitionReads):
+class LearnerClient(SequenceReads, TransitionReads):
     """Reads from a server. Calls are serialised by a lock; one per thread is fastest.
 
     Args:
@@ -202,9 +203,10 @@ class LearnerClient(TransitionReads):
     def ignored_priority_updates(self, count: int) -> None:
         self._updates.ignored = count
 
-    def _take_kept(self) -> dict[Any, list[Part]]:
-        """Everything kept, taken out (a shard's client about to be dropped hands it over)."""
-        return self._kept.take_all()
+    def _take_kept(self) -> dict[Any, list[tuple[Any, SampleInfo]]]:
+        """Everything kept, taken out and decoded (a shard's client about to be dropped hands it over)."""
+        return {kind: [(self._kind_schema(kind).decode(arrays), info) for arrays, info in parts]
+                for kind, parts in self._kept.take_all().items()}
 
     @property
     def _min_seq(self) -> int:
@@ -385,7 +387,7 @@ class LearnerClient(TransitionReads):
             if error is not None:
                 self._kept.give_back(kind, parts)
                 raise kept_error(error, sum(len(info) for _, info in parts))
-        schema = schema or self.schema
+        schema = schema or self._kind_schema(kind)
         arrays, info = join_parts(parts, schema.names)
         batch = schema.decode(arrays)
         return (batch, info) if with_info else batch
@@ -403,48 +405,10 @@ class LearnerClient(TransitionReads):
         return [_request(P.Sample, hi - lo, _seed(seed, k), self._min_seq, limit, t.asked)
                 for k, (lo, hi) in enumerate(_chunks(size, t.rows_per_sample))]
 
-    def _window_requests(self, size: int, steps: int, seed: int | None,
-                         t: TableDraws) -> list[Callable[[int], P.Request]] | None:
-        """The SampleSequences requests of one batch with its rows, or None when one window is
-        bigger than a message (then the windows are drawn first and read by row ids)."""
-        windows = t.rows_per_sample // steps
-        if windows < 1:
-            return None
-        limit = self.config.rate_limit_timeout
-        return [_request(P.SampleSequences, hi - lo, steps, _seed(seed, k), self._min_seq, True, limit, t.asked)
-                for k, (lo, hi) in enumerate(_chunks(size, windows))]
-
     def _sampled(self, replies: list[Any], with_info: bool) -> Any:
         """The batch the replies of one sample carry (and its SampleInfo when asked)."""
         batch = self._decode(self._joined([r.arrays for r in replies]))
         return (batch, sample_info(replies)) if with_info else batch
-
-    def sample_sequences(self, batch_size: int, length: int, seed: int | None = None, *, with_info: bool = False,
-                         table: str | None = None) -> Any:
-        """`batch_size` windows of `length` consecutive steps, each inside one complete episode;
-        leaves come back shaped (batch_size, length, ...). With `with_info=True` returns
-        (batch, SampleInfo) of each window's first row. `table` and over several servers, as `sample`."""
-        if self._router is not None:
-            return self._router.sample_sequences(batch_size, length, seed, with_info=with_info, table=table)
-        size, steps = _positive(batch_size, "batch_size"), _positive(length, "length")
-        t = self._table(table)
-        requests = self._window_requests(size, steps, seed, t)
-        if requests is not None and t.consuming:  # a rate limit counts them: kept on a failure, as `sample`
-            return self._consume(("windows", steps, *t.kind), size,
-                                 lambda n: self._window_requests(n, steps, seed, t) or [], with_info)
-        if requests is not None:
-            return self._sampled(self._sample_many(requests, t), with_info)
-        # One window is bigger than a message: draw the windows, then read each one by row ids.
-        limit = self.config.rate_limit_timeout
-        replies = self._sample_many([
-            _request(P.SampleSequences, hi - lo, steps, _seed(seed, k), self._min_seq, False, limit, t.asked)
-            for k, (lo, hi) in enumerate(_chunks(size, self.limits.max_rows_per_message))
-        ], t)
-        info = sample_info(replies)
-        ids = (info.row_ids.astype(np.int64)[:, None] + np.arange(steps, dtype=np.int64)[None, :]).reshape(-1)
-        rows = self._rows_by_id(ids, self._min_seq)
-        batch = self._decode({name: rows[name].reshape(size, steps, *rows[name].shape[1:]) for name in self.schema.names})
-        return (batch, info) if with_info else batch
 
     def batches(
         self, batch_size: int, *, prefetch: int = 4, sequence_length: int | None = None, with_info: bool = False,

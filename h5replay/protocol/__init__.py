@@ -63,8 +63,9 @@ get_rows           learner      min_seq, row_ids: int64 (n,)         view, leaf 
 sample             learner      batch_size, seed (int|None),         view, row_ids (b,), episode_ids (b,),
                                 min_seq, timeout                     probabilities (b,), leaf arrays (b, ...)
 sample_sequences   learner      batch_size, length, seed, min_seq,   view, row_ids, episode_ids, probabilities
-                                with_rows (bool), timeout            (of each window's first row), leaf
-                                                                     arrays (b, length, ...) when with_rows
+                                with_rows (bool), timeout, pad       (of each window's first row), leaf
+                                (bool, optional: windows may start   arrays (b, length, ...) when with_rows,
+                                in an episode's last length-1 steps) valid_steps: int64 (b,) when padded
 sample_transitions learner      batch_size, n_step, gamma, seed,     view, row_ids, episode_ids, probabilities,
                                 min_seq, timeout, table (optional)   has_final: uint8 (b,), leaf arrays (b, ...)
                                                                      with next/<observation leaf> and discount

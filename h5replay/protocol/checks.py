@@ -246,12 +246,12 @@ _SCALAR_CHECKS: dict[str, Callable[[Any, str, Limits], Any]] = {
     "instance_id": _text, "min_seq": _uint, "seq": _uint, "generation": _uint, "begin": _uint, "end": _uint,
     "with_rows": _bool, "timeout": _seconds, "ignored": _uint, "sampling": _stats, "idempotency_key": _key,
     "first_episode": _optional_uint, "max_episodes": _optional_uint, "table": _table, "priority_tables": _tables,
-    "n_step": _uint, "gamma": _fraction,
+    "n_step": _uint, "gamma": _fraction, "pad": _bool,
 }
 # Fields added within version 3, which earlier version 3 peers leave out: decoded as the message's
 # default when absent. `encode` leaves one out only when it is None.
 _OPTIONAL_SCALARS = frozenset({"idempotency_key", "timeout", "first_episode", "max_episodes", "table",
-                               "priority_tables"})
+                               "priority_tables", "pad"})
 
 
 @dataclass(frozen=True)
@@ -271,6 +271,7 @@ _ARRAY_FIELDS: dict[str, _ArrayField] = {
     "priorities": _ArrayField(np.dtype("<f8"), 1, optional=True),
     "table_priorities": _ArrayField(np.dtype("<f8"), 2, optional=True),  # (tables, rows)
     "has_final": _ArrayField(np.dtype("|u1"), 1, optional=True),  # per episode (transitions: per draw)
+    "valid_steps": _ArrayField(np.dtype("<i8"), 1, optional=True),  # per padded window
     "episodes": _ArrayField(np.dtype("<i8"), 2, 3),
     "lengths": _ArrayField(np.dtype("<i8"), 1),
     "keys": _ArrayField(np.dtype("|u1"), 2, IDEMPOTENCY_KEY_BYTES),
@@ -286,8 +287,10 @@ _NO_TABLE_PRIORITIES.flags.writeable = False
 #: What an optional array left out of a message decodes as.
 _NO_FLAGS: Array = np.zeros(0, dtype=np.uint8)
 _NO_FLAGS.flags.writeable = False
+_NO_STEPS: Array = np.zeros(0, dtype=np.int64)
+_NO_STEPS.flags.writeable = False
 _LEFT_OUT: dict[str, Array] = {"priorities": _NO_PRIORITIES, "table_priorities": _NO_TABLE_PRIORITIES,
-                               "has_final": _NO_FLAGS}
+                               "has_final": _NO_FLAGS, "valid_steps": _NO_STEPS}
 
 
 def _check_priorities(priorities: Array, num_rows: int, tables: tuple[str, ...] | None = None,

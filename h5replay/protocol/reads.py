@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from h5replay.errors import LimitExceededError, ProtocolError
 from h5replay.protocol.base import Kind, Reply, Request
-from h5replay.protocol.checks import Array, Arrays, Limits, _check_info, _check_leading, _check_rows_limit
+from h5replay.protocol.checks import _NO_STEPS, Array, Arrays, Limits, _check_info, _check_leading, _check_rows_limit
 
 __all__ = [
     "Get", "GetRows", "Sample", "SampleSequences", "Episodes",
@@ -69,6 +69,7 @@ class SampleSequences(Request):
     with_rows: bool = True  # False: only the windows' ids (the learner then fetches rows by id)
     timeout: float = 0.0
     table: str | None = None
+    pad: bool | None = None  # True: windows may start in an episode's last length - 1 steps, padded
 
     @property
     def num_drawn(self) -> int:
@@ -203,15 +204,25 @@ class SampleSequencesReply(ReadReply):
     row_ids: Array  # of each window's first row
     episode_ids: Array
     probabilities: Array
-    arrays: Arrays  # each (batch, length, ...); none when the request asked for ids only
+    arrays: Arrays  # each (batch, length, ...), padded with zeros; none when the request asked for ids only
+    # Padded windows: how many steps of each are its episode's (empty when not padded).
+    valid_steps: Array = field(default_factory=lambda: _NO_STEPS)
 
     def _validate(self, limits: Limits) -> None:
         _check_info(self.row_ids, self.episode_ids, self.probabilities)
+        if len(self.valid_steps) not in (0, len(self.row_ids)):
+            raise ProtocolError(f"valid_steps must be empty or one per window ({len(self.row_ids)}), got "
+                                f"{len(self.valid_steps)}")
+        if len(self.valid_steps) and int(self.valid_steps.min()) < 1:
+            raise ProtocolError(f"valid_steps must be >= 1, got {int(self.valid_steps.min())}")
         _check_leading(self.arrays, len(self.row_ids))
         lengths = {np.shape(a)[1] if np.ndim(a) >= 2 else -1 for a in self.arrays.values()}
         if len(lengths) > 1 or -1 in lengths:
             shapes = {name: np.shape(a) for name, a in self.arrays.items()}
             raise ProtocolError(f"sequence arrays must all be (batch, length, ...), got shapes {shapes}")
+        if len(self.valid_steps) and lengths and int(self.valid_steps.max()) > max(lengths):
+            raise ProtocolError(f"valid_steps must be at most the windows' length {max(lengths)}, got "
+                                f"{int(self.valid_steps.max())}")
         _check_rows_limit(len(self.row_ids) * max(lengths, default=0), "batch_size * length", limits)
 
 

@@ -15,6 +15,7 @@ import numpy as np
 from h5replay import protocol as P
 from h5replay.errors import LimitExceededError, ProtocolError, ServerUnavailableError
 from h5replay.storage.replay.buffer import ReplayBuffer
+from h5replay.windows import unmasked
 
 __all__ = ["read_reply", "reply_rows"]
 
@@ -102,14 +103,16 @@ def _sample(buffer: ReplayBuffer, request: P.Sample, rng: np.random.Generator, l
 def _sample_sequences(buffer: ReplayBuffer, request: P.SampleSequences, rng: np.random.Generator,
                       limits: P.Limits) -> P.Reply:
     _check_reply_rows(buffer, request.batch_size * request.length if request.with_rows else 0, limits,
-                      request.batch_size * P.SAMPLE_INFO_BYTES)
+                      request.batch_size * (P.SAMPLE_INFO_BYTES + (P.ID_BYTES if request.pad else 0)))
     gen = rng if request.seed is None else np.random.default_rng(request.seed)
     arrays, info = buffer.sample_sequences(
         request.batch_size, request.length, gen, with_info=True, decode=False, rows=request.with_rows,
-        table=request.table,
+        table=request.table, pad=bool(request.pad),
     )
+    valid = np.zeros(0, np.int64) if info.valid_steps is None else info.valid_steps  # the client rebuilds the mask
     return P.SampleSequencesReply(
-        request.request_id, *_view(buffer), info.row_ids, info.episode_ids, info.probabilities, arrays or {}
+        request.request_id, *_view(buffer), info.row_ids, info.episode_ids, info.probabilities,
+        unmasked(arrays) if arrays else {}, valid,
     )
 
 

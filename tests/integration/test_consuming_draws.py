@@ -203,3 +203,26 @@ def test_a_client_can_cancel_only_its_own_waiting_samples(start_server: Any) -> 
         _push(server.endpoint, 0, 5)
         with _learner(server.endpoint) as learner:
             assert learner.sample(5)["step"].tolist() == list(range(5)), "a cancelled sample took rows"
+
+
+def test_over_shards_rows_kept_by_a_shard_that_goes_down_come_back_first(start_server: Any) -> None:
+    """Rows a shard's client kept from a split draw that fell short outlive that shard: when it
+    goes down, the sharded learner keeps them under the same kind of draw (the table named as the
+    shard's client names it) and its next sample returns them first."""
+    limits = P.Limits(max_rows_per_message=8)
+    a = start_server("a.h5", capacity=1000, sampling=QUEUE, limits=limits)
+    b = start_server("b.h5", capacity=1000, sampling=QUEUE, limits=limits)
+    _push(a.endpoint, 0, 20)
+    with _learner(endpoints=[a.endpoint, b.endpoint], timeout=1.0, rate_limit_timeout=0.2) as learner:
+        assert len(learner) == 20
+        with pytest.raises(RateLimitedError):
+            learner.sample(30)  # a's client draws in messages of 8, and one falls short
+        kept = learner.num_kept
+        assert kept in (8, 16)
+        a.kill()
+        len(learner)  # a does not answer: it is retired, and what its client kept moves here
+        assert learner.num_kept == kept
+        _push(b.endpoint, 1000, 10)
+        got = learner.sample(kept + 5)["step"].tolist()
+        assert got[:kept] == list(range(kept)) and sorted(got[kept:]) == list(range(1000, 1005))
+        assert learner.num_kept == 0

@@ -221,3 +221,46 @@ def test_finals_acknowledged_before_a_sigkill_of_the_writer_are_in_the_file(tmp_
             got = rb.final_observation(ep.episode_id)
             assert (got is None) == (final is None) and (final is None or got["id"] == final["id"])
         check_sample(rb, model, 3, 0.9)
+
+
+def test_transitions_kept_from_a_short_queue_draw_keep_their_n_step_values(start_server: Any) -> None:
+    """A queue draw that cannot be filled keeps what it drew for the next call (the rule of
+    consuming samples): the kept transitions come back with their next observation, discount and
+    has_final, as the model says, on one server and over two shards."""
+    from h5replay import protocol as P
+    from h5replay.errors import RateLimitedError
+    from h5replay.sampling import Fifo, Table
+
+    queue = {"queue": Table(Fifo(), max_times_sampled=1)}
+    servers = [start_server(name, space=SPACE, capacity=1000, observation_keys=("obs",), tables=queue,
+                            limits=P.Limits(max_rows_per_message=8)) for name in ("a.h5", "b.h5")]
+    models = [Model(), Model()]
+    totals = []
+    for server, model in zip(servers, models):
+        with ActorClient(config=ClientConfig(endpoint=server.endpoint, timeout=10, batch_rows=4)) as actor:
+            totals.append(push_every_way(actor, model, 0))
+
+    def check(batch: Any, info: Any, model_of: Any) -> None:
+        assert info.has_final is not None and len(info.has_final) == len(info.row_ids)
+        for i, row in enumerate(info.row_ids.astype(np.int64)):
+            want = model_of(i).expected(int(row), 2, 0.5)
+            assert batch["discount"][i] == pytest.approx(want["discount"]), (i, row)
+            assert batch["next"]["obs"]["id"][i] == want["next"][1] and bool(info.has_final[i]) == want["has_final"]
+
+    config = ClientConfig(endpoint=servers[0].endpoint, timeout=10, rate_limit_timeout=0.2)
+    with LearnerClient(config=config) as learner:
+        with pytest.raises(RateLimitedError):
+            learner.sample_transitions(totals[0] + 5, n_step=2, gamma=0.5, with_info=True)
+        kept = learner.num_kept
+        assert 0 < kept < totals[0]
+        for size in (1, kept - 1):  # the kept part, split
+            batch, info = learner.sample_transitions(size, n_step=2, gamma=0.5, with_info=True)
+            check(batch, info, lambda i: models[0])
+        batch, info = learner.sample_transitions(totals[0] - kept, n_step=2, gamma=0.5, with_info=True)
+        check(batch, info, lambda i: models[0])
+    config = ClientConfig(endpoint="tcp://127.0.0.1:1", timeout=10, rate_limit_timeout=0.2)
+    with LearnerClient(config=config, endpoints=[servers[1].endpoint, servers[0].endpoint]) as learner:
+        with ActorClient(config=ClientConfig(endpoint=servers[0].endpoint, timeout=10, batch_rows=4)) as actor:
+            totals[0] = push_every_way(actor, models[0], totals[0])
+        batch, info = learner.sample_transitions(20, n_step=2, gamma=0.5, with_info=True)
+        check(batch, info, lambda i: models[1] if info.shard_ids[i] == 0 else models[0])

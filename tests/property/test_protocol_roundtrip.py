@@ -49,7 +49,7 @@ FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "sampling": st.dictionaries(st.text(max_size=12), json_scalars, max_size=8),
     "idempotency_key": st.none() | st.binary(min_size=16, max_size=16),
     "first_episode": st.none() | u64, "max_episodes": st.none() | u64,
-    "table": st.none() | table_names,
+    "table": st.none() | table_names, "pad": st.none() | st.booleans(),
 }
 
 wire_dtypes = (
@@ -126,6 +126,10 @@ def messages(draw: st.DrawFn, cls: type[P.Message]) -> P.Message:
         elif f.name == "arrays":
             leading = (n, draw(st.integers(0, 5))) if cls is P.SampleSequencesReply else (n,)
             values[f.name] = draw(leaf_arrays(leading))
+        elif f.name == "valid_steps":  # padded windows: none, or one count in [1, length] per window
+            length = next(iter(np.shape(a)[1] for a in values["arrays"].values()), 256)
+            values[f.name] = draw(hnp.arrays(np.int64, (n,), elements=st.integers(1, length))) \
+                if length and draw(st.booleans()) else np.zeros(0, np.int64)
         else:
             values[f.name] = draw(FIELDS[f.name])
     return cls(**values)

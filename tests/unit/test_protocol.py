@@ -57,6 +57,7 @@ EXAMPLES: list[P.Message] = [
     P.Sample(8, 32, 2**64 - 1, 17),
     P.SampleSequences(9, 3, 4, 123),
     P.SampleSequences(9, 3, 4, None, 5, False),
+    P.SampleSequences(9, 3, 4, None, 5, True, 0.5, "replay", True),
     P.SampleTransitions(9, 4, 3, 0.5, 7, 2, 0.0, "replay"),
     P.PushEpisode(13, 1, {"obs": np.zeros((1, 3), np.float32)}, finals={"obs": np.ones((1, 3), np.float32)}),
     P.Commit(14, 3, 0.0, None, {"obs": np.ones((1, 3), np.float32)}),
@@ -85,6 +86,8 @@ EXAMPLES: list[P.Message] = [
     P.SampleSequencesReply(9, 1, 0, 0, 12, np.array([0, 4, 8], np.int64), np.array([0, 1, 2], np.uint64),
                            np.full(3, 1 / 3), SEQ_ROWS),
     P.SampleSequencesReply(9, 1, 0, 0, 12, np.array([0, 4], np.int64), np.zeros(2, np.uint64), np.ones(2), {}),
+    P.SampleSequencesReply(9, 1, 0, 0, 12, np.array([0, 4, 8], np.int64), np.array([0, 1, 2], np.uint64),
+                           np.full(3, 1 / 3), SEQ_ROWS, np.array([1, 2, 1], np.int64)),
     P.SampleTransitionsReply(9, 1, 0, 0, 12, np.array([0, 4], np.int64), np.zeros(2, np.uint64), np.ones(2),
                              np.array([1, 0], np.uint8), {"obs": np.zeros((2, 3), np.float32),
                                                           "next/obs": np.ones((2, 3), np.float32),
@@ -395,6 +398,9 @@ def test_leaf_arrays_need_the_message_rows() -> None:
     refused(frames_of(P.SampleSequencesReply(1, 0, 0, 0, 9, *info, {"x": np.zeros(2)})), "(batch, length, ...)")
     refused(frames_of(P.SampleSequencesReply(1, 0, 0, 0, 9, *info, {"x": np.zeros((2, 3)), "y": np.zeros((2, 4))})),
             "(batch, length, ...)")
+    for valid, says in [(np.ones(3, np.int64), "one per window"), (np.array([1, 0]), "must be >= 1"),
+                        (np.array([1, 4]), "at most the windows' length 3")]:
+        refused(frames_of(P.SampleSequencesReply(1, 0, 0, 0, 9, *info, {"x": np.zeros((2, 3))}, valid)), says)
 
 
 def test_array_fields_are_checked() -> None:

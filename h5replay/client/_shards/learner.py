@@ -6,6 +6,7 @@ See the package's docstring (h5replay.client._shards) for the behaviour.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
@@ -28,6 +29,7 @@ from h5replay.priorities import check_priorities
 from h5replay.records import Episode, SampleInfo, pack_ids, unpack_ids
 from h5replay.spaces import Space, flatten_value, unflatten_value
 from h5replay.transitions import TransitionKeys, check_n_step
+from h5replay.windows import check_pad_space, masked, unmasked
 
 __all__ = ["ShardedLearner", "ShardLearner"]
 
@@ -122,6 +124,7 @@ class ShardedLearner(_Router[_L]):
         # Rows draws that change a shard's state handed out that no call returned yet (flat leaves,
         # qualified info), as a single server's learner keeps them (see client/_kept.py).
         self._kept = Kept()
+        self._table_kinds: dict[str | None, tuple[str, ...]] = {}  # see _table_kind
         try:
             self._connect_initial()
         except BaseException:
@@ -139,19 +142,36 @@ class ShardedLearner(_Router[_L]):
             self._views[shard.index] = view
         self._lengths[shard.index] = -1
         for kind, parts in shard.client._take_kept().items():  # rows it drew must outlive its client
-            self._kept.put(kind, [self._qualified_part(shard.index, shard.client._decode(arrays), info, 1.0)
-                                  for arrays, info in parts])
+            self._kept.put(kind, [self._qualified_part(shard.index, batch, info, 1.0, self._kind_space(kind))
+                                  for batch, info in parts])
 
     @property
     def num_kept(self) -> int:
         """Rows (windows) kept from calls that failed part-way, here and in every shard's client."""
         return self._kept.count() + sum(int(s.client.num_kept) for s in self.shards if s.client is not None)
 
-    def _qualified_part(self, index: int, batch: Any, info: SampleInfo, weight: float) -> Part:
-        """A shard's draw as a part of this learner's: flat leaves, ids qualified by `index`, the
-        probabilities of the whole draw (the shard's own times its share `weight`)."""
+    def _qualified_part(self, index: int, batch: Any, info: SampleInfo, weight: float, space: Space) -> Part:
+        """A shard's draw (of `space`) as a part of this learner's: flat leaves, ids qualified by
+        `index`, the probabilities of the whole draw (the shard's own times its share `weight`)."""
         shards = np.full(len(info), index, np.int64)
-        return self._flat(batch), SampleInfo(info.row_ids, info.episode_ids, info.probabilities * weight, shards)
+        return flatten_value(space, batch), dataclasses.replace(info, probabilities=info.probabilities * weight,
+                                                                shard_ids=shards)
+
+    def _kind_space(self, kind: tuple[Any, ...]) -> Space:
+        """The space of what a draw of `kind` returns: a transition, or the rows' own."""
+        if self.space is None:
+            raise ClosedError("this learner never connected")
+        if kind[0] == "transitions" and self.transition_keys is not None:
+            return self.transition_keys.transition_space(self.space)
+        return self.space
+
+    def _table_kind(self, table: str | None) -> tuple[str, ...]:
+        """The part of a draw's kind that names `table`, as the shards' clients name it (so what a
+        retired shard's client kept is found again; the last one seen when no shard is up)."""
+        kind = next((s.client._table(table).kind for s in self.shards if s.client is not None), None)
+        if kind is not None:
+            self._table_kinds[table] = kind
+        return self._table_kinds.get(table, (table,) if table else ())
 
     def _adopted(self, shard: _Shard) -> None:
         view = self._views.pop(shard.index, None)
@@ -368,17 +388,26 @@ class ShardedLearner(_Router[_L]):
         `shard_ids` says where each came from."""
         size = _positive(batch_size, "batch_size")
         return self._draw(size, seed, with_info, lambda c, n, s: c.sample(n, s, with_info=True, table=table), "rows",
-                          ("rows", table), table)
+                          ("rows",), table)
 
     def sample_sequences(self, batch_size: int, length: int, seed: int | None = None, *, with_info: bool = False,
-                         table: str | None = None) -> Any:
+                         table: str | None = None, pad: bool = False) -> Any:
         """`batch_size` windows of `length` steps, each within one episode of one shard; shards are
         picked in proportion to their rows, as for `sample`. A shard holding no episode that long is
-        left out of the draw."""
+        left out of the draw. `pad`: as a single server's."""
         size, steps = _positive(batch_size, "batch_size"), _positive(length, "length")
-        return self._draw(size, seed, with_info,
-                          lambda c, n, s: c.sample_sequences(n, steps, s, with_info=True, table=table),
-                          f"windows of {steps} steps", ("windows", steps, table), table)
+        if not pad:
+            return self._draw(size, seed, with_info,
+                              lambda c, n, s: c.sample_sequences(n, steps, s, with_info=True, table=table),
+                              f"windows of {steps} steps", ("windows", steps), table)
+        if self.space is not None:
+            check_pad_space(self.space)
+        batch, info = self._draw(size, seed, True,
+                                 lambda c, n, s: _without_mask(c.sample_sequences(n, steps, s, with_info=True,
+                                                                                  table=table, pad=True)),
+                                 f"windows of {steps} steps", ("padded windows", steps), table)
+        batch = masked(batch, info.valid_steps, steps)
+        return (batch, info) if with_info else batch
 
     def sample_transitions(self, batch_size: int, *, n_step: int = 1, gamma: float = 0.99, with_info: bool = False,
                            seed: int | None = None, table: str | None = None) -> Any:
@@ -393,7 +422,7 @@ class ShardedLearner(_Router[_L]):
         return self._draw(size, seed, with_info,
                           lambda c, m, s: c.sample_transitions(m, n_step=n, gamma=discount_rate, with_info=True, seed=s,
                                                                table=table),
-                          "transitions", ("transitions", n, discount_rate, table), table,
+                          "transitions", ("transitions", n, discount_rate), table,
                           keys.transition_space(self.space))
 
     def _draw(self, size: int, seed: int | None, with_info: bool, call: Callable[[Any, int, int | None], Any],
@@ -402,9 +431,11 @@ class ShardedLearner(_Router[_L]):
         empty: set[int] = set()  # shards that had nothing to draw in this call
         with self._lock:
             self.check_table(table)
+            kind = (*kind, *self._table_kind(table))
             consuming = any(s.client is not None and s.client._table(table).consuming for s in self.shards)
             if self._kept.count(kind) or consuming:
-                return self._draw_consuming(size, rng, seed, with_info, call, what, kind, table)
+                return self._draw_consuming(size, rng, seed, with_info, call, what, kind, table,
+                                            space or self._kind_space(kind))
             for _ in range(2 * len(self.shards) + 2):  # each retry leaves a shard out, or learns its length
                 live = [i for i in self._live() if i not in empty]
                 unknown = [i for i in live if self._lengths[i] < 0]
@@ -445,7 +476,7 @@ class ShardedLearner(_Router[_L]):
 
     def _draw_consuming(self, size: int, rng: np.random.Generator, seed: int | None, with_info: bool,
                         call: Callable[[Any, int, int | None], Any], what: str, kind: Any,
-                        table: str | None = None) -> Any:
+                        table: str | None, space: Space) -> Any:
         """A draw over shards whose draws change their state (queues, rate limits): what one
         shard could not give is asked of the others, and nothing drawn is ever dropped. When the
         batch cannot be filled, the rows drawn are kept for the next call (first in it) and the
@@ -477,7 +508,7 @@ class ShardedLearner(_Router[_L]):
                         self._lengths[index] = -1
                         continue
                     batch, info = outcome
-                    parts.append(self._qualified_part(index, batch, info, float(weights[with_rows.index(index)])))
+                    parts.append(self._qualified_part(index, batch, info, float(weights[with_rows.index(index)]), space))
                     have += len(info)
                     client = self.shards[index].client
                     view = client.view if client is not None else None
@@ -491,7 +522,7 @@ class ShardedLearner(_Router[_L]):
             self._kept.give_back(kind, parts)
             raise kept_error(_shortfall(failed, what, len(self.shards)), have)
         arrays, info = join_parts(parts, list(parts[0][0]))
-        batch = self._unflat(arrays)
+        batch = unflatten_value(space, arrays)
         return (batch, info) if with_info else batch
 
     def _fan_out_outcomes(self, calls: Mapping[int, Callable[[_L], Any]]) -> dict[int, Any]:
@@ -521,23 +552,19 @@ class ShardedLearner(_Router[_L]):
             batch = unflatten_value(space, _scatter(parts, masks, assign.shape[0]))
         if not with_info:
             return batch
-        size = assign.shape[0]
-        row_ids = np.empty(size, np.uint64)
-        episode_ids = np.empty(size, np.uint64)
-        probabilities = np.empty(size, np.float64)
-        shard_ids = np.empty(size, np.int64)
-        has_final = np.zeros(size, bool) if space is not None else None
-        for k, index in enumerate(live):
-            if index not in masks:
+        infos = {index: dataclasses.replace(results[index][1], probabilities=results[index][1].probabilities * weights[k],
+                                            shard_ids=np.full(len(results[index][1]), index, np.int64))
+                 for k, index in enumerate(live) if index in masks}
+        merged: dict[str, np.ndarray] = {}
+        for f in dataclasses.fields(SampleInfo):  # each field every shard's info has, scattered back
+            values = {index: getattr(info, f.name) for index, info in infos.items()}
+            if any(v is None for v in values.values()):
                 continue
-            info: SampleInfo = results[index][1]
-            mask = masks[index]
-            row_ids[mask], episode_ids[mask] = info.row_ids, info.episode_ids
-            probabilities[mask] = info.probabilities * weights[k]
-            shard_ids[mask] = index
-            if has_final is not None and info.has_final is not None:
-                has_final[mask] = info.has_final
-        return batch, SampleInfo(row_ids, episode_ids, probabilities, shard_ids, has_final)
+            out = np.empty(assign.shape[0], next(iter(values.values())).dtype)
+            for index, value in values.items():
+                out[masks[index]] = value
+            merged[f.name] = out
+        return batch, SampleInfo(**merged)
 
     def close(self) -> None:
         """Close every shard's client (rows still kept, `num_kept`, are dropped with a warning).
@@ -654,3 +681,7 @@ def _scatter(parts: Mapping[int, Mapping[str, Any]], masks: Mapping[int, np.ndar
     return out
 
 
+def _without_mask(drawn: tuple[Any, SampleInfo]) -> tuple[Any, SampleInfo]:
+    """A shard's padded draw without its mask: rebuilt from the merged `valid_steps`."""
+    batch, info = drawn
+    return unmasked(batch), info

@@ -18,12 +18,14 @@ import numpy as np
 from h5replay.errors import ConfigError, NotEnoughDataError, RateLimitedError, ReadOnlyError
 from h5replay.priorities import check_priorities
 from h5replay.records import SampleInfo
+from h5replay.spaces import Space
 from h5replay.storage.replay.episodes import EpisodeTable
 from h5replay.storage.replay.ring import as_row_ids
 from h5replay.storage.replay.rows import RowStore
 from h5replay.storage.replay.state import State
 from h5replay.storage.replay.table import Sampling
 from h5replay.storage.replay.tables import Tables
+from h5replay.windows import check_pad_space, masked, window_rows
 
 __all__ = ["Draws", "positive_int"]
 
@@ -52,6 +54,8 @@ class Draws:
 
         @property
         def capacity(self) -> int | None: ...
+        @property
+        def space(self) -> Space: ...
         @property
         def is_mutable(self) -> bool: ...
         def _check_open(self) -> None: ...
@@ -177,31 +181,48 @@ class Draws:
 
     def sample_sequences(
         self, batch_size: int, length: int, rng: np.random.Generator | None = None, *, with_info: bool = False,
-        decode: bool = True, rows: bool = True, table: str | None = None,
+        decode: bool = True, rows: bool = True, table: str | None = None, pad: bool = False,
     ) -> Any:
         """`batch_size` windows of `length` consecutive rows, each inside one complete episode,
         uniform over all such windows (prioritized: by the priority of the window's first row),
         drawn by `table` (None: the only one). Leaves come back shaped (batch_size, length, ...).
         With `with_info=True` returns (batch, SampleInfo) (ids of each window's first row).
         `rows=False` draws the windows without reading them (batch is None). Counts
-        batch_size * length rows sampled."""
+        batch_size * length rows sampled.
+
+        `pad=True`: a window may start at any step of its episode, the last `length - 1`
+        included; steps past the episode's end are zeros and `batch["mask"]` ((batch_size,
+        length) bool) marks the episode's steps (`SampleInfo.valid_steps` counts them).
+
+        Raises:
+            ConfigError: no such table, a sampler that cannot draw windows, or (pad) a space
+                that is not a Dict or already has a 'mask' key.
+            NotEnoughDataError: no complete episode holds a window (of `length` rows, unless padded).
+            RateLimitedError, ReadOnlyError: as `sample`.
+        """
         size = positive_int(batch_size, "batch_size")
         steps = positive_int(length, "length")
+        if pad:
+            check_pad_space(self.space)
         sampling = self._tables.pick(table)
         rng = rng if rng is not None else np.random.default_rng()
         self._check_sampler(sampling)
         self._check_sample(sampling, size * steps)
 
         def attempt(view: State) -> tuple[tuple[Any, SampleInfo], int]:
-            if steps > view.length:
+            if steps > view.length and not pad:
                 raise NotEnoughDataError(f"no window of {steps} rows fits in the {view.length} rows held")
             ids, starts, lengths = self._episodes.complete(view.begin)
-            g0, k, probabilities = sampling.draw_windows(view, starts, lengths, steps, size, rng)
-            info = SampleInfo(g0.astype(np.uint64), ids[k].astype(np.uint64), probabilities)
+            g0, k, probabilities = sampling.draw_windows(view, starts, lengths, steps, size, rng, pad)
+            valid = np.minimum(starts[k] + lengths[k] - g0, steps).astype(np.int64) if pad else None
+            info = SampleInfo(g0.astype(np.uint64), ids[k].astype(np.uint64), probabilities, valid_steps=valid)
             if not rows:
                 return (None, info), int(g0.min())
-            g = g0[:, None] + np.arange(steps, dtype=np.int64)[None, :]
-            return (self.storage.read("array", self._phys(g, view), decode), info), int(g0.min())
+            if valid is None:
+                g = g0[:, None] + np.arange(steps, dtype=np.int64)[None, :]
+                return (self.storage.read("array", self._phys(g, view), decode), info), int(g0.min())
+            batch = self.storage.read("array", self._phys(window_rows(g0, valid, steps), view), decode)
+            return (masked(batch, valid, steps), info), int(g0.min())
 
         batch, info = self._consistent(attempt)
         self._count_sampled(sampling, info.row_ids.astype(np.int64), size * steps)

@@ -457,10 +457,12 @@ class Sampling:
 
     def draw_windows(
         self, state: State, starts: np.ndarray, lengths: np.ndarray, steps: int, n: int, rng: np.random.Generator,
+        pad: bool = False,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(window start ids, index into the episodes, probabilities) of `n` windows of `steps`
         rows, each inside one of the episodes (`starts`, `lengths`), drawn by the sampler
-        (uniform over all windows, by the priority of the window's first row, ...).
+        (uniform over all windows, by the priority of the window's first row, ...). `pad`: a
+        window may start at any row of its episode (it is padded past the episode's end).
 
         Raises:
             NotEnoughDataError: no window fits, or every window's first row has priority 0.
@@ -469,7 +471,7 @@ class Sampling:
         if self.config.ordered or self.config.removes:
             raise ConfigError("sample_sequences draws windows by chance or by priority; a Fifo / Lifo sampler or "
                               "max_times_sampled hands out rows: use sample(), or commit each unroll as an episode")
-        windows = np.maximum(lengths - steps + 1, 0)
+        windows = np.asarray(lengths, np.int64) if pad else np.maximum(lengths - steps + 1, 0)
         if not windows.any():
             raise NotEnoughDataError(f"no complete episode holds {steps} consecutive rows ({len(lengths)} "
                                      f"episodes, longest {int(lengths.max()) if len(lengths) else 0})")
