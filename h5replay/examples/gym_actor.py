@@ -29,8 +29,7 @@ from typing import Any
 import numpy as np
 
 from h5replay.errors import CommitInDoubtError, ConfigError, SpaceMismatchError
-from h5replay.integrations.gym import space_from_gymnasium
-from h5replay.spaces import BinarySpace, BoxSpace, DictSpace, Space, named_leaves
+from h5replay.spaces import DictSpace, Space, named_leaves
 
 __all__ = ["gym_row_space", "make_env", "run_actor", "space_json", "stop_on_signals", "Stopped", "STOP_GRACE", "PIXELS_SHAPE"]
 
@@ -96,13 +95,9 @@ def _with_pixel_observations(gym: Any, env: Any) -> Any:
 
 def gym_row_space(env: Any) -> DictSpace:
     """The space of one step of `env`: obs, action, reward, terminated, truncated."""
-    return DictSpace({
-        "obs": space_from_gymnasium(env.observation_space),
-        "action": space_from_gymnasium(env.action_space),
-        "reward": BoxSpace(-np.inf, np.inf, (), np.float32),
-        "terminated": BinarySpace(),
-        "truncated": BinarySpace(),
-    })
+    from h5replay.integrations.gym_record import row_space
+
+    return row_space(env.observation_space, env.action_space)
 
 
 def space_json(env_id: str = "CartPole-v1", *, pixels: bool = False) -> dict[str, Any]:
