@@ -1,6 +1,6 @@
 # Two commands: `make demo` and `make test`. Each creates .venv when missing and installs
 # everything it needs into it from the package registries. CI (.ci/run) also runs test-model, test-torch,
-# test-ray and compose-test.
+# test-ray, test-interop and compose-test.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 TORCH_INDEX ?=
 
-.PHONY: demo check test lint test-model test-torch test-ray compose-test bench mutation clean venv
+.PHONY: demo check test lint test-model test-torch test-ray test-interop compose-test bench mutation clean venv
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -50,10 +50,18 @@ lint: $(STAMP)
 test-model: $(STAMP)
 	H5REPLAY_MODEL_PROFILE=long $(BIN)/python -m pytest -n 2 tests/faults/test_service_model.py
 
-# The PyTorch integration's tests, which `make test` skips while torch is not installed.
+# The PyTorch integration's tests, which `make test` skips while torch is not installed, and a DQN
+# that solves CartPole-v1 from n-step transitions served through H5ReplayDataset.
 test-torch: $(STAMP)
 	$(BIN)/python -m pip install --quiet $(TORCH_INDEX) 'torch==$(TORCH_VERSION)'
-	$(BIN)/python -m pytest tests/unit/test_torch_integration.py
+	$(BIN)/python -m pytest tests/unit/test_torch_integration.py tests/integration/test_dqn_cartpole.py
+
+# The adapters to other RL libraries (tests/interop, which `make test` skips while they are not
+# installed), each against the real package: Stable-Baselines3 (with PyTorch, as test-torch).
+test-interop: $(STAMP)
+	$(BIN)/python -m pip install --quiet $(TORCH_INDEX) 'torch==$(TORCH_VERSION)'
+	$(BIN)/python -m pip install --quiet -e '.[sb3]' --config-settings editable_mode=compat
+	$(BIN)/python -m pytest tests/interop
 
 # Ray for h5replay.integrations.ray and its tests (tests/ray_cluster, which `make test` skips while Ray
 # is not installed; not "tests/ray": tests/ is on sys.path and that folder would shadow the ray

@@ -68,6 +68,20 @@ class Model:
 def check_sample(rb: Any, model: Model, n: int, gamma: float, size: int = 300) -> np.ndarray:
     seeded = {"rng": np.random.default_rng(n)} if hasattr(rb, "storage") else {"seed": n}  # a buffer, or a learner
     batch, info = rb.sample_transitions(size, n_step=n, gamma=gamma, with_info=True, **seeded)
+    check_batch(batch, info, model, n, gamma)
+    return info.row_ids.astype(np.int64)
+
+
+def check_every_held(rb: Any, model: Model, n: int, gamma: float) -> None:
+    """`get_transitions` of every held row, in a shuffled order with a duplicate, is the model's."""
+    ids = np.random.default_rng(n).permutation(np.arange(rb.view.begin, rb.view.end))
+    ids = np.concatenate([ids, ids[:1]])
+    batch, info = rb.get_transitions(ids, n_step=n, gamma=gamma, with_info=True)
+    np.testing.assert_array_equal(info.row_ids.astype(np.int64), ids)
+    check_batch(batch, info, model, n, gamma)
+
+
+def check_batch(batch: Any, info: Any, model: Model, n: int, gamma: float) -> None:
     for i, row in enumerate(info.row_ids.astype(np.int64)):
         want = model.expected(int(row), n, gamma)
         assert batch["obs"]["id"][i] == row, "the step's own leaves"
@@ -77,6 +91,3 @@ def check_sample(rb: Any, model: Model, n: int, gamma: float, size: int = 300) -
         assert batch["next"]["obs"]["id"][i] == want["next"][1]
         assert (bool(batch["terminated"][i]), bool(batch["truncated"][i])) == (want["terminated"], want["truncated"])
         assert bool(info.has_final[i]) == want["has_final"]
-    return info.row_ids.astype(np.int64)
-
-

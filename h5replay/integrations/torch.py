@@ -31,7 +31,7 @@ from h5replay.errors import ConfigError, NotEnoughDataError
 from h5replay.sampling import check_table_name
 from h5replay.transitions import check_n_step
 
-__all__ = ["H5ReplayDataset", "to_tensors"]
+__all__ = ["H5ReplayDataset", "to_tensors"]  # and H5ReplayMapDataset, on use (__getattr__)
 
 _POLL = 0.1  # seconds between checks of the stop flag while a queue is full or empty
 
@@ -73,6 +73,14 @@ class H5ReplayDataset(IterableDataset[Any]):  # type: ignore[misc,unused-ignore]
         transitions: sample n-step transitions (`LearnerClient.sample_transitions`: the step's
             leaves, `next`, `discount`, the summed `reward`) instead of rows; needs a server
             with observation keys. `n_step`, `gamma`: theirs.
+        with_info: each item is (batch, SampleInfo): the rows' ids and the probabilities they
+            were drawn with, for prioritized replay through a DataLoader
+            (`info.importance_weights(beta)`, then `dataset.update_priorities(info.packed_row_ids,
+            new)`). A batch sampled ahead was drawn before the updates of the batches just
+            before it (by at most `prefetch` batches per worker).
+
+    `update_priorities` and `close` act from the process that calls them (the training loop),
+    through a client of their own, never a worker's.
     """
 
     def __init__(
@@ -90,6 +98,7 @@ class H5ReplayDataset(IterableDataset[Any]):  # type: ignore[misc,unused-ignore]
         transitions: bool = False,
         n_step: int = 1,
         gamma: float = 0.99,
+        with_info: bool = False,
     ) -> None:
         if batch_size < 1:
             raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
@@ -114,6 +123,32 @@ class H5ReplayDataset(IterableDataset[Any]):  # type: ignore[misc,unused-ignore]
             raise ConfigError("give transitions=True or sequence_length, not both")
         self.transitions = bool(transitions)
         self.n_step, self.gamma = check_n_step(n_step, gamma)
+        self.with_info = bool(with_info)
+        self._priorities: Any = None  # this process's client for update_priorities, opened on first use
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Settings only: a worker never inherits the training loop's client."""
+        return {key: value for key, value in self.__dict__.items() if key != "_priorities"} | {"_priorities": None}
+
+    def update_priorities(self, row_ids: Any, priorities: Any, *, wait: bool = True) -> int | None:
+        """Set the priorities of sampled rows (`info.packed_row_ids` of a `with_info` batch;
+        tensors or arrays) in the dataset's table, as `LearnerClient.update_priorities` does
+        (its return value, `wait=False` and errors)."""
+        if self._priorities is None:
+            from h5replay.client import LearnerClient
+
+            self._priorities = LearnerClient(self.endpoint, timeout=self.timeout, name=f"torch-priorities-{os.getpid()}",
+                                             secret_key=self.secret_key, server_key=self.server_key)
+        ids = row_ids.numpy(force=True) if isinstance(row_ids, torch.Tensor) else np.asarray(row_ids)
+        values = priorities.numpy(force=True) if isinstance(priorities, torch.Tensor) else np.asarray(priorities)
+        updated: int | None = self._priorities.update_priorities(ids, values, wait=wait, table=self.table)
+        return updated
+
+    def close(self) -> None:
+        """Close the client `update_priorities` opened (the sampling threads close their own)."""
+        if self._priorities is not None:
+            self._priorities.close()
+            self._priorities = None
 
     def __len__(self) -> int:
         """`num_batches`; a dataset that samples forever has no length (TypeError)."""
@@ -170,9 +205,16 @@ class H5ReplayDataset(IterableDataset[Any]):  # type: ignore[misc,unused-ignore]
         """Batches without end from `client`: transitions, or rows / windows drawn ahead."""
         if self.transitions:
             return _transitions(self, client)
-        batches: Iterator[Any] = client.batches(self.batch_size, prefetch=self.prefetch,
+        batches: Iterator[Any] = client.batches(self.batch_size, prefetch=self.prefetch, with_info=self.with_info,
                                                 sequence_length=self.sequence_length, table=self.table)
         return batches
+
+    def _item(self, drawn: Any) -> Any:
+        """What the DataLoader yields of a draw: the batch as tensors, with its SampleInfo."""
+        if self.with_info:
+            batch, info = drawn
+            return to_tensors(batch), info
+        return to_tensors(drawn)
 
     def _produce(self, count: int | None, name: str, batches: queue.Queue[Any], stop: threading.Event) -> None:
         """The sampling thread: owns the client (made here, closed here) and fills the queue."""
@@ -188,7 +230,7 @@ class H5ReplayDataset(IterableDataset[Any]):  # type: ignore[misc,unused-ignore]
                     try:
                         for batch in self._draws(client):
                             empty_since = None
-                            _put(batches, to_tensors(batch), stop)
+                            _put(batches, self._item(batch), stop)
                             produced += 1
                             if stop.is_set() or (count is not None and produced >= count):
                                 break
@@ -205,7 +247,7 @@ class H5ReplayDataset(IterableDataset[Any]):  # type: ignore[misc,unused-ignore]
 def _transitions(dataset: H5ReplayDataset, client: Any) -> Iterator[Any]:
     while True:
         yield client.sample_transitions(dataset.batch_size, n_step=dataset.n_step, gamma=dataset.gamma,
-                                        table=dataset.table)
+                                        with_info=dataset.with_info, table=dataset.table)
 
 
 def _put(batches: queue.Queue[Any], item: Any, stop: threading.Event) -> None:
@@ -216,3 +258,12 @@ def _put(batches: queue.Queue[Any], item: Any, stop: threading.Event) -> None:
             return
         except queue.Full:
             continue
+
+
+def __getattr__(name: str) -> Any:
+    """`H5ReplayMapDataset` (torch_map.py, which builds on `to_tensors` here), imported on use."""
+    if name == "H5ReplayMapDataset":
+        from h5replay.integrations.torch_map import H5ReplayMapDataset
+
+        return H5ReplayMapDataset
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -210,3 +210,156 @@ def test_transitions_come_as_tensors_with_next_and_discount(tmp_path):
                 want = model.expected(int(row), 3, 0.5)
                 assert batch["reward"][i].item() == pytest.approx(want["reward"], rel=1e-6)
                 assert batch["next"]["obs"]["id"][i].item() == want["next"][1]
+
+
+def test_with_info_prioritized_replay_through_a_dataloader_and_its_priority_updates(tmp_path):
+    """Each item is (batch, SampleInfo) whose ids are the batch's rows; priorities set through
+    the dataset (from the training loop's process) steer the next draws of the workers."""
+    from h5replay.sampling import Prioritized, SamplingConfig
+
+    config = ServerConfig(path=str(tmp_path / "p.h5"), space=SPACE, capacity=10_000, bind="tcp://127.0.0.1:0",
+                          read_bind="tcp://127.0.0.1:0", sampling=SamplingConfig(Prioritized(exponent=1.0)))
+    proc = ServerProcess(config)
+    try:
+        with ActorClient(proc.endpoint, timeout=10) as actor:
+            for e in range(EPISODES):
+                actor.push_episode(_episode(e))
+        ds = H5ReplayDataset(proc.endpoint, 32, num_batches=4, timeout=10, with_info=True, prefetch=1)
+        for batch, info in DataLoader(ds, batch_size=None):
+            _check_batch(batch, 32)
+            assert torch.equal(torch.from_numpy(info.row_ids.astype(np.int64)), batch["id"][:, 0] * LENGTH + batch["id"][:, 1])
+            assert info.probabilities.shape == (32,) and (info.probabilities > 0).all()
+        everything = np.arange(EPISODES * LENGTH)
+        assert ds.update_priorities(torch.from_numpy(everything), torch.full((everything.size,), 1e-6)) == 0, "none ignored"
+        with pytest.raises(IndexError, match="never committed"):
+            ds.update_priorities([7, 10**6], [1e6, 1.0])  # and nothing of it is changed
+        assert ds.update_priorities([7], [1e6]) == 0
+        assert pickle.loads(pickle.dumps(ds))._priorities is None, "a worker never gets the loop's client"
+        drawn = np.concatenate([info.row_ids for _, info in DataLoader(ds, batch_size=None, num_workers=2)])
+        assert drawn.size == 4 * 32 and (drawn == 7).mean() > 0.95, np.unique(drawn, return_counts=True)
+        ds.close()
+    finally:
+        proc.stop(timeout=20)
+
+
+def test_with_info_transitions_say_which_episodes_have_their_final(tmp_path):
+    from service_helpers import running_server, server_config
+    from transition_helpers import SPACE as TSPACE
+    from transition_helpers import episode
+
+    with running_server(server_config(tmp_path / "t.h5", space=TSPACE, capacity=200, observation_keys=("obs",))) as srv:
+        with ActorClient(srv.endpoint, timeout=10) as actor:
+            for first, kind in ((0, "terminated"), (5, "cut")):
+                rows, final = episode(first, 5, kind)
+                actor.push_episode(rows, final=final)
+        ds = H5ReplayDataset(srv.endpoint, 64, num_batches=1, timeout=10, transitions=True, with_info=True)
+        [(batch, info)] = list(DataLoader(ds, batch_size=None))
+    ids = batch["obs"]["id"].numpy()
+    np.testing.assert_array_equal(info.row_ids.astype(np.int64), ids)
+    np.testing.assert_array_equal(info.has_final, ids < 5)
+
+
+# ------------------------------------------------------------------------------ map-style, local
+
+
+def _local_file(path, capacity: int = 10_000, episodes: int = EPISODES) -> None:
+    from h5replay.storage import ReplayBuffer
+
+    with ReplayBuffer.create(SPACE, capacity, path) as rb:
+        for e in range(episodes):
+            rb.extend(_episode(e))
+            rb.end_episode()
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_shuffled_pass_of_the_map_dataset_reads_every_held_row_once(tmp_path, num_workers):
+    from h5replay.integrations.torch import H5ReplayMapDataset
+
+    _local_file(tmp_path / "rb.h5")
+    ds = H5ReplayMapDataset(tmp_path / "rb.h5", with_info=True)
+    assert len(ds) == EPISODES * LENGTH
+    seen = []
+    for batch, ids in DataLoader(ds, batch_size=16, shuffle=True, num_workers=num_workers):
+        _check_batch(batch, len(ids))
+        assert torch.equal(ids, batch["id"][:, 0] * LENGTH + batch["id"][:, 1])
+        seen.extend(ids.tolist())
+    assert sorted(seen) == list(range(EPISODES * LENGTH)) and seen != sorted(seen)
+    row = ds[-1]
+    assert row[1] == EPISODES * LENGTH - 1 and row[0]["note"] == f"e{EPISODES - 1}s{LENGTH - 1}"
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_the_map_datasets_loader_reads_whole_batches_without_collation(tmp_path, num_workers):
+    from h5replay.integrations.torch import H5ReplayMapDataset
+
+    _local_file(tmp_path / "rb.h5")
+    ds = H5ReplayMapDataset(tmp_path / "rb.h5", with_info=True)
+    batch, ids = ds[[5, 3, 5, -1]]
+    assert ids.tolist() == [5, 3, 5, EPISODES * LENGTH - 1] and batch["id"][:, 1].tolist() == [5, 3, 5, LENGTH - 1]
+    seen = []
+    for batch, ids in ds.loader(16, shuffle=True, num_workers=num_workers, generator=torch.Generator().manual_seed(1)):
+        _check_batch(batch, len(ids))
+        assert torch.equal(ids, batch["id"][:, 0] * LENGTH + batch["id"][:, 1])
+        seen.extend(ids.tolist())
+    assert sorted(seen) == list(range(EPISODES * LENGTH)) and seen != sorted(seen)
+    in_order = [ids for _, ids in ds.loader(50, drop_last=True)]
+    assert len(in_order) == EPISODES * LENGTH // 50 and torch.equal(torch.cat(in_order), torch.arange(len(in_order) * 50))
+    with pytest.raises(ConfigError, match="batch_size must be an int >= 1"):
+        ds.loader(0)
+
+
+def test_the_map_dataset_indexes_the_rows_held_when_it_was_made(tmp_path):
+    from h5replay.errors import EvictedError
+    from h5replay.integrations.torch import H5ReplayMapDataset
+    from h5replay.storage import ReplayBuffer
+
+    path = tmp_path / "ring.h5"
+    _local_file(path, capacity=50, episodes=3)  # rows 10..59 held of 60
+    ds = H5ReplayMapDataset(path)
+    assert len(ds) == 50 and ds[0]["id"].tolist() == [0, 10]
+    with pytest.raises(IndexError, match="index 50 is out of range for a dataset of 50 rows"):
+        ds[50]
+    ds.close()
+    with ReplayBuffer.load_from(path, read_only=False) as rb:
+        rb.extend(_episode(3))
+        rb.end_episode()
+    with pytest.raises(EvictedError):
+        ds[0]
+    assert ds[49]["id"].tolist() == [2, LENGTH - 1], "the rows still held read as before"
+
+
+def test_the_map_dataset_of_transitions_is_get_transitions(tmp_path):
+    from transition_helpers import SPACE as TSPACE
+    from transition_helpers import Model, episode
+
+    from h5replay.integrations.torch import H5ReplayMapDataset
+    from h5replay.storage import ReplayBuffer
+
+    model = Model()
+    with ReplayBuffer.create(TSPACE, 100, tmp_path / "t.h5", observation_keys=("obs",)) as rb:
+        for first, kind in ((0, "terminated"), (6, "truncated"), (10, "cut")):
+            rows, final = episode(first, {0: 6, 6: 4, 10: 3}[first], kind)
+            model.episodes.append((first, rows, final))
+            rb.extend(rows)
+            rb.end_episode(final=final)
+    ds = H5ReplayMapDataset(tmp_path / "t.h5", transitions=True, n_step=2, gamma=0.5)
+    [batch] = list(DataLoader(ds, batch_size=len(ds), shuffle=True))
+    for i, row in enumerate(batch["obs"]["id"].tolist()):
+        want = model.expected(row, 2, 0.5)
+        assert batch["reward"][i].item() == pytest.approx(want["reward"]) and batch["discount"][i].item() == want["discount"]
+        assert batch["next"]["obs"]["id"][i].item() == want["next"][1]
+        assert bool(batch["terminated"][i]) == want["terminated"] and bool(batch["truncated"][i]) == want["truncated"]
+
+
+def test_bad_map_datasets_are_refused_naming_the_problem(tmp_path):
+    from h5replay.integrations.torch import H5ReplayMapDataset
+    from h5replay.storage import ReplayBuffer
+
+    ReplayBuffer.create(SPACE, 10, tmp_path / "empty.h5").close()
+    with pytest.raises(ConfigError, match="holds no rows"):
+        H5ReplayMapDataset(tmp_path / "empty.h5")
+    _local_file(tmp_path / "rb.h5", episodes=1)
+    with pytest.raises(ConfigError, match="keeps no final observations"):
+        H5ReplayMapDataset(tmp_path / "rb.h5", transitions=True)
+    with pytest.raises(ConfigError, match="n_step"):
+        H5ReplayMapDataset(tmp_path / "rb.h5", n_step=0)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transition_helpers import SPACE, Model, check_sample, episode
+from transition_helpers import SPACE, Model, check_every_held, check_sample, episode
 
 from h5replay.errors import ConfigError, SpaceMismatchError
 from h5replay.sampling import Prioritized, Table
@@ -59,7 +59,7 @@ plans = st.lists(st.tuples(st.integers(1, 8), st.sampled_from(["terminated", "tr
 
 @settings(max_examples=25, deadline=None)
 @given(plan=plans, more=plans, n=st.sampled_from([1, 3, 5]), gamma=st.sampled_from([0.0, 0.5, 0.99, 1.0]))
-def test_every_transition_is_the_models_through_eviction_and_a_reopen(tmp_path_factory: Any, plan: Any, more: Any,
+def test_every_transition_drawn_or_read_is_the_models_through_eviction_and_a_reopen(tmp_path_factory: Any, plan: Any, more: Any,
                                                                        n: int, gamma: float) -> None:
     path = tmp_path_factory.mktemp("t") / "rb.h5"
     model = Model()
@@ -68,8 +68,10 @@ def test_every_transition_is_the_models_through_eviction_and_a_reopen(tmp_path_f
         check_sample(rb, model, n, gamma)
         commit_all(rb, more, model)  # may wrap the ring: evicted episodes leave with their finals
         check_sample(rb, model, n, gamma)
+        check_every_held(rb, model, n, gamma)
     with ReplayBuffer.load_from(path) as rb:
         check_sample(rb, model, n, gamma)
+        check_every_held(rb, model, n, gamma)
 
 
 def test_every_step_is_drawn_at_its_share_the_last_and_terminal_ones_too(tmp_path: Path) -> None:
@@ -123,6 +125,8 @@ def test_an_open_episode_and_a_file_without_finals(tmp_path: Path) -> None:
         rb.end_episode()
         with pytest.raises(ConfigError, match="observation_keys="):
             rb.sample_transitions(4)
+        with pytest.raises(ConfigError, match="observation_keys="):
+            rb.get_transitions([0])
         with pytest.raises(ConfigError, match="keeps no final observations"):
             rb.end_episode(final={"pos": np.zeros(2, np.float32), "id": 0})
 
@@ -151,6 +155,11 @@ def test_bad_observation_keys_are_refused_and_create_nothing(tmp_path: Path, mak
     (lambda rb: rb.end_episode(final={"pos": np.zeros(2, np.float32)}), SpaceMismatchError, "id"),
     (lambda rb: rb.commit_segment(_writer(rb), final={"bad": 1}), SpaceMismatchError, "bad"),
     (lambda rb: rb.commit_episodes(_writer(rb), [2], finals=[None, None]), ConfigError, "2 finals for 1 episodes"),
+    (lambda rb: rb.get_transitions([0, 99]), IndexError, "99"),
+    (lambda rb: rb.get_transitions([-1]), IndexError, "-1"),
+    (lambda rb: rb.get_transitions([]), ConfigError, "at least one row id"),
+    (lambda rb: rb.get_transitions([0.5]), TypeError, "integer"),
+    (lambda rb: rb.get_transitions([0], n_step=0), ConfigError, "n_step"),
 ])
 def test_bad_transition_input_is_refused_naming_it_and_writes_nothing(tmp_path: Path, call: Any, error: Any,
                                                                       says: str) -> None:

@@ -1,5 +1,5 @@
 """Transitions: each episode's final observation, kept and read back, and n-step transitions
-drawn from a table (`sample_transitions`). A mixin of `ReplayBuffer`: the file's layout lives in
+drawn from a table (`sample_transitions`) or read at given rows (`get_transitions`). A mixin of `ReplayBuffer`: the file's layout lives in
 `finals.py`, the n-step arithmetic in `transitions.py`, the draw in a table (`table.py`).
 """
 
@@ -16,6 +16,7 @@ from h5replay.spaces import Schema
 from h5replay.storage.replay.draws import positive_int
 from h5replay.storage.replay.episodes import EpisodeTable
 from h5replay.storage.replay.finals import FinalsFile
+from h5replay.storage.replay.ring import as_row_ids, check_held
 from h5replay.storage.replay.rows import RowStore
 from h5replay.storage.replay.state import State
 from h5replay.storage.replay.table import Sampling
@@ -148,47 +149,90 @@ class Transitions:
         rng = rng if rng is not None else np.random.default_rng()
         self._check_sampler(sampling)
         self._check_sample(sampling, size)
-        finals = self._finals
-        observed = [path for path, _ in finals.schema.leaves]
 
         def attempt(view: State) -> tuple[tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray, np.ndarray], int]:
             g, probabilities = sampling.draw(view, size, rng)
-            episode_ids, starts, lengths = self._episodes.locate(g)
-            recorded = episode_ids != NO_EPISODE
-            open_tail = ~recorded & (g >= view.open_start)  # the episode being appended: to the tail
-            lasts = np.where(recorded, starts + lengths - 1, np.where(open_tail, view.end - 1, g))
-            plan = plan_n_step(g, lasts, n, discount_rate)
-            out: dict[str, np.ndarray] = self.storage.read("array", self._phys(g, view), False)
-            ends = self.storage.read_leaves([keys.terminated, keys.truncated], self._phys(plan.last_ids, view))
-            rewards = self.storage.read_leaves([keys.reward], self._phys(plan.reward_ids, view))[keys.reward]
-            to_final = plan.next_ids < 0
-            nexts = self.storage.read_leaves(observed, self._phys(np.where(to_final, g, plan.next_ids), view))
-            has = np.zeros(size, dtype=bool)
-            if recorded.any():
-                slots = self._episodes.slots(episode_ids[recorded])
-                has[recorded] = finals.has(slots)
-                bootstrap = has & to_final  # only these read a final's rows
-                if bootstrap.any():
-                    held = finals.rows(self._episodes.slots(episode_ids[bootstrap]))
-                    for path in observed:
-                        nexts[path][bootstrap] = held[path]
-            cut = to_final & ~has  # nothing to bootstrap from
-            for path in observed:
-                nexts[path][cut] = 0
-            discount = np.where(cut, 0.0, plan.discount(discount_rate)).astype(np.float32)
-            out[keys.reward] = plan.reward(rewards).astype(out[keys.reward].dtype)
-            terminated, truncated = ends[keys.terminated], ends[keys.truncated]
-            truncated[cut & (terminated.reshape(size, -1) == 0).all(axis=1)] = 1  # (an ended episode needs none)
-            out[keys.terminated], out[keys.truncated] = terminated, truncated
-            out.update({f"{NEXT}/{path}": nexts[path] for path in observed})
-            out[DISCOUNT] = discount
+            out, episode_ids, has = self._transitions_from(view, g, keys, n, discount_rate)
             return (out, g, probabilities, episode_ids, has), int(g.min())
 
         out, g, probabilities, episode_ids, has = self._consistent(attempt)
         self._count_sampled(sampling, g, size)
-        if self._transition_schema is None:  # made once: a Schema costs more than a small draw
-            self._transition_schema = Schema(keys.transition_space(self.storage.single_instance_space))
-        batch = self._transition_schema.decode(out) if decode else out
+        batch = self._decoded_transitions(out, keys) if decode else out
         if not with_info:
             return batch
         return batch, SampleInfo(g.astype(np.uint64), episode_ids, probabilities, has_final=has)
+
+    def get_transitions(self, row_ids: Any, *, n_step: int = 1, gamma: float = 0.99, with_info: bool = False,
+                        decode: bool = True) -> Any:
+        """The n-step transitions that start at these rows (by global row id, any order,
+        duplicates kept), as `sample_transitions` returns them; for offline passes over every
+        step in an order of one's own. No sampler runs: nothing is counted as sampled.
+        `with_info=True`: (batch, SampleInfo) with probabilities 0 (nothing was drawn).
+
+        Raises:
+            ConfigError: as `sample_transitions`.
+            EvictedError / IndexError / TypeError: as `get_rows`.
+        """
+        self._check_open()
+        keys = self.transition_keys
+        if keys is None or self._finals is None:
+            raise ConfigError("get_transitions needs a buffer created with observation_keys= (serve "
+                              "--observation-keys): the keys of the space that are the observation")
+        n, discount_rate = check_n_step(n_step, gamma)
+        keys.check_sampling(self.storage.single_instance_space)
+        ids = as_row_ids(row_ids)
+        if ids.size == 0:
+            raise ConfigError("get_transitions takes at least one row id")
+
+        def attempt(view: State) -> tuple[tuple[dict[str, np.ndarray], np.ndarray, np.ndarray], int]:
+            lowest = check_held(ids, view)  # before any read: an id not held names itself
+            return self._transitions_from(view, ids, keys, n, discount_rate), lowest
+
+        out, episode_ids, has = self._consistent(attempt)
+        batch = self._decoded_transitions(out, keys) if decode else out
+        if not with_info:
+            return batch
+        return batch, SampleInfo(ids.astype(np.uint64), episode_ids, np.zeros(ids.size), has_final=has)
+
+    def _decoded_transitions(self, out: dict[str, np.ndarray], keys: TransitionKeys) -> Any:
+        if self._transition_schema is None:  # made once: a Schema costs more than a small draw
+            self._transition_schema = Schema(keys.transition_space(self.storage.single_instance_space))
+        return self._transition_schema.decode(out)
+
+    def _transitions_from(self, view: State, g: np.ndarray, keys: TransitionKeys, n: int,
+                          discount_rate: float) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
+        """The stored transitions starting at held rows `g` in `view`: (arrays in storage form,
+        their episode ids, whether each episode has its final)."""
+        finals = self._finals_or_raise()
+        observed = [path for path, _ in finals.schema.leaves]
+        size = g.shape[0]
+        episode_ids, starts, lengths = self._episodes.locate(g)
+        recorded = episode_ids != NO_EPISODE
+        open_tail = ~recorded & (g >= view.open_start)  # the episode being appended: to the tail
+        lasts = np.where(recorded, starts + lengths - 1, np.where(open_tail, view.end - 1, g))
+        plan = plan_n_step(g, lasts, n, discount_rate)
+        out: dict[str, np.ndarray] = self.storage.read("array", self._phys(g, view), False)
+        ends = self.storage.read_leaves([keys.terminated, keys.truncated], self._phys(plan.last_ids, view))
+        rewards = self.storage.read_leaves([keys.reward], self._phys(plan.reward_ids, view))[keys.reward]
+        to_final = plan.next_ids < 0
+        nexts = self.storage.read_leaves(observed, self._phys(np.where(to_final, g, plan.next_ids), view))
+        has = np.zeros(size, dtype=bool)
+        if recorded.any():
+            slots = self._episodes.slots(episode_ids[recorded])
+            has[recorded] = finals.has(slots)
+            bootstrap = has & to_final  # only these read a final's rows
+            if bootstrap.any():
+                held = finals.rows(self._episodes.slots(episode_ids[bootstrap]))
+                for path in observed:
+                    nexts[path][bootstrap] = held[path]
+        cut = to_final & ~has  # nothing to bootstrap from
+        for path in observed:
+            nexts[path][cut] = 0
+        discount = np.where(cut, 0.0, plan.discount(discount_rate)).astype(np.float32)
+        out[keys.reward] = plan.reward(rewards).astype(out[keys.reward].dtype)
+        terminated, truncated = ends[keys.terminated], ends[keys.truncated]
+        truncated[cut & (terminated.reshape(size, -1) == 0).all(axis=1)] = 1  # (an ended episode needs none)
+        out[keys.terminated], out[keys.truncated] = terminated, truncated
+        out.update({f"{NEXT}/{path}": nexts[path] for path in observed})
+        out[DISCOUNT] = discount
+        return out, episode_ids, has
