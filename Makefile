@@ -57,10 +57,10 @@ test-torch: $(STAMP)
 	$(BIN)/python -m pytest tests/unit/test_torch_integration.py tests/integration/test_dqn_cartpole.py
 
 # The adapters to other RL libraries (tests/interop, which `make test` skips while they are not
-# installed), each against the real package: Stable-Baselines3 (with PyTorch, as test-torch).
+# installed), each against the real package: Stable-Baselines3 and TorchRL (with PyTorch, as test-torch).
 test-interop: $(STAMP)
 	$(BIN)/python -m pip install --quiet $(TORCH_INDEX) 'torch==$(TORCH_VERSION)'
-	$(BIN)/python -m pip install --quiet -e '.[sb3]' --config-settings editable_mode=compat
+	$(BIN)/python -m pip install --quiet $(TORCH_INDEX) -e '.[sb3,torchrl]' 'torch==$(TORCH_VERSION)' --config-settings editable_mode=compat
 	$(BIN)/python -m pytest tests/interop
 
 # Ray for h5replay.integrations.ray and its tests (tests/ray_cluster, which `make test` skips while Ray

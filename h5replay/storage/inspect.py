@@ -123,7 +123,7 @@ def _table_lines(r: dict[str, Any]) -> list[str]:
     if r["max_times_sampled"]:
         sampler += f", a row is removed after {r['max_times_sampled']} samples"
     lines = [f"sampling  {sampler}"]
-    if r["min_size_to_sample"] or r["samples_per_insert"]:
+    if r["min_size_to_sample"] > 1 or r["samples_per_insert"]:  # (1: the default, no limit)
         ratio = (f", {r['samples_per_insert']} samples per insert within +-{r['error_buffer']}"
                  if r["samples_per_insert"] else "")
         lines.append(f"limit     at least {r['min_size_to_sample']} rows to sample{ratio}; "

@@ -112,6 +112,9 @@ def test_demo_removes_its_temporary_directory(tmp_path):
     done = h5replay("demo", "--actors", "1", "--episodes", "3", env=env, timeout=240)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "h5replay demo: OK" in done.stdout and "--dir" in done.stdout
+    assert "waits for each episode's commit" in done.stdout, "the demo says what its rows/s measured"
+    assert "Next, with the command-line tool in .venv/bin" in done.stdout and "h5replay serve replay.h5" in done.stdout
+    assert "limit " not in done.stdout, "no rate limit is set, so none is reported"
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("h5replay-demo-")]
     kept = tmp_path / "kept"
     kept.mkdir()
@@ -362,3 +365,14 @@ def test_space_python_reads_a_gymnasium_space(tmp_path):
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["shape"] == [5]
 
+
+
+def test_info_reports_a_rate_limit_only_when_one_is_set(tmp_path):
+    from h5replay.sampling import RateLimit
+    from h5replay.storage import ReplayBuffer
+    from h5replay.storage.inspect import describe_file, format_description
+
+    ReplayBuffer.create(EPISODE_SPACE, 10, tmp_path / "plain.h5").close()
+    assert "limit " not in format_description(describe_file(str(tmp_path / "plain.h5")))
+    ReplayBuffer.create(EPISODE_SPACE, 10, tmp_path / "limited.h5", rate_limit=RateLimit(5)).close()
+    assert "limit     at least 5 rows to sample" in format_description(describe_file(str(tmp_path / "limited.h5")))
