@@ -5,25 +5,39 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.installed-demo
+# pip into .venv, editable (compat: a plain path entry, which mypy, spawned processes and Ray's
+# workers all follow). PYTHONWARNINGS=ignore hides setuptools' notice box about that mode.
+PIP := PYTHONWARNINGS=ignore $(BIN)/python -m pip
+EDITABLE := --config-settings editable_mode=compat
 # PyTorch for test-torch: pip's torch==2.13.0 is a CPU build on the machines this project runs on;
 # elsewhere the CPU build comes from PyTorch's own index (a plain `pip install torch` on Linux
 # fetches the CUDA build, several GB): make test-torch TORCH_INDEX="--index-url https://download.pytorch.org/whl/cpu"
 TORCH_VERSION ?= 2.13.0
 TORCH_INDEX ?=
 
-.PHONY: demo check test lint test-model test-torch test-ray test-interop compose-test bench mutation clean venv
+.PHONY: demo check test lint wheel test-wheel test-model test-torch test-ray test-interop compose-test bench mutation clean venv
 
 $(BIN)/python:
+	@echo "Creating $(VENV) (a virtual environment in this checkout) ..."
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(PIP) install --quiet --upgrade pip
 
 $(STAMP): $(BIN)/python pyproject.toml
-	$(BIN)/python -m pip install --quiet -e '.[dev,metrics,gym]' --config-settings editable_mode=compat
-	touch $(STAMP)
+	@echo "Installing h5replay with its test and lint tools into $(VENV) (a minute on a fresh machine) ..."
+	$(PIP) install --quiet -e '.[dev,metrics,gym]' $(EDITABLE)
+	touch $(STAMP) $(DEMO_STAMP)
+
+# The demo needs only h5replay and its four dependencies (numpy, h5py, pyzmq, msgpack).
+$(DEMO_STAMP): $(BIN)/python pyproject.toml
+	@echo "Installing h5replay and numpy, h5py, pyzmq, msgpack into $(VENV) (about 20 s on a fresh machine) ..."
+	$(PIP) install --quiet -e . $(EDITABLE)
+	touch $(DEMO_STAMP)
 
 venv: $(STAMP)
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
+	@echo "Running the demo: a server, 4 actor processes and a learner on 127.0.0.1 (about 10 s) ..."
 	$(BIN)/python -m h5replay demo
 
 # The quick lane, for every change: lint, types, then the unit and property tests (no server
@@ -38,8 +52,19 @@ check: lint
 # measure rates or wall time, which tests running beside them would skew.
 XDIST_WORKERS ?= 4
 test: lint
-	$(BIN)/python -m pytest -n $(XDIST_WORKERS) --dist loadgroup -m "not serial"
+	$(BIN)/python -m pytest -n $(XDIST_WORKERS) --dist loadgroup -m "not serial and not packaging"
 	$(BIN)/python -m pytest -m serial
+
+# The wheel and the sdist, in dist/, with their metadata checked (what a user installs with
+# `pip install dist/h5replay-*.whl`).
+wheel: $(STAMP)
+	rm -rf dist
+	$(BIN)/python -m build --outdir dist .
+	$(BIN)/python -m twine check --strict dist/*
+
+# The wheel installed into a fresh venv (its dependencies from the package registry) runs the demo.
+test-wheel: $(STAMP)
+	$(BIN)/python -m pytest -m packaging tests/packaging
 
 lint: $(STAMP)
 	$(BIN)/ruff check h5replay tests docker benchmarks
@@ -53,21 +78,21 @@ test-model: $(STAMP)
 # The PyTorch integration's tests, which `make test` skips while torch is not installed, and a DQN
 # that solves CartPole-v1 from n-step transitions served through H5ReplayDataset.
 test-torch: $(STAMP)
-	$(BIN)/python -m pip install --quiet $(TORCH_INDEX) 'torch==$(TORCH_VERSION)'
+	$(PIP) install --quiet $(TORCH_INDEX) 'torch==$(TORCH_VERSION)'
 	$(BIN)/python -m pytest tests/unit/test_torch_integration.py tests/integration/test_dqn_cartpole.py
 
 # The adapters to other RL libraries (tests/interop, which `make test` skips while they are not
 # installed), each against the real package: Stable-Baselines3 and TorchRL (with PyTorch, as test-torch).
 test-interop: $(STAMP)
-	$(BIN)/python -m pip install --quiet $(TORCH_INDEX) 'torch==$(TORCH_VERSION)'
-	$(BIN)/python -m pip install --quiet $(TORCH_INDEX) -e '.[sb3,torchrl]' 'torch==$(TORCH_VERSION)' --config-settings editable_mode=compat
+	$(PIP) install --quiet $(TORCH_INDEX) 'torch==$(TORCH_VERSION)'
+	$(PIP) install --quiet $(TORCH_INDEX) -e '.[sb3,torchrl]' 'torch==$(TORCH_VERSION)' $(EDITABLE)
 	$(BIN)/python -m pytest tests/interop
 
 # Ray for h5replay.integrations.ray and its tests (tests/ray_cluster, which `make test` skips while Ray
 # is not installed; not "tests/ray": tests/ is on sys.path and that folder would shadow the ray
 # package): a local cluster of 3 simulated nodes, 1 CPU each, small object stores, no dashboard.
 test-ray: $(STAMP)
-	$(BIN)/python -m pip install --quiet -e '.[ray]' --config-settings editable_mode=compat
+	$(PIP) install --quiet -e '.[ray]' $(EDITABLE)
 	RAY_USAGE_STATS_ENABLED=0 $(BIN)/python -m pytest tests/ray_cluster
 
 # The image and docker/compose.yaml (then with compose.auth.yaml) run for real: see docker/compose_test.py.
@@ -80,7 +105,7 @@ compose-test: $(STAMP)
 # takes a while on 2 cores; `mutmut results` and `mutmut show NAME` say what survived.
 MUTMUT_VERSION ?= 3.8.1
 mutation: $(STAMP)
-	$(BIN)/python -m pip install --quiet 'mutmut==$(MUTMUT_VERSION)'
+	$(PIP) install --quiet 'mutmut==$(MUTMUT_VERSION)'
 	$(BIN)/mutmut run --max-children 2
 	$(BIN)/mutmut results
 
