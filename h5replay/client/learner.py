@@ -21,6 +21,7 @@ import collections
 import itertools
 import logging
 import os
+import time
 import typing
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, overload
@@ -48,7 +49,7 @@ from h5replay.client._sequences import SequenceReads
 from h5replay.client._shards import ShardedLearner
 from h5replay.client._transitions import TransitionReads
 from h5replay.config import DEFAULT_ENDPOINT, ClientConfig, process_name
-from h5replay.errors import ConfigError, ProtocolError
+from h5replay.errors import ConfigError, NotEnoughDataError, ProtocolError
 from h5replay.priorities import check_priorities
 from h5replay.records import Episode, SampleInfo
 from h5replay.spaces import Schema, Space, space_from_json
@@ -249,6 +250,34 @@ class LearnerClient(SequenceReads, TransitionReads):
         if self._router is not None:
             return len(self._router)
         return int(self._reader_stats()["length"])
+
+    def wait_for_size(self, size: int, timeout: float | None = None) -> int:
+        """Block until at least `size` rows may be sampled (over every shard with `endpoints=`),
+        e.g. a learner's warm-up before its first batch; returns the count seen. Polls
+        `len(self)`, every 10 ms at first and every 0.2 s at most. `timeout`: seconds, None
+        for no end.
+
+        Raises:
+            ConfigError: `size` is not an int >= 0, or `timeout` not a number >= 0.
+            NotEnoughDataError: fewer than `size` rows after `timeout` (the message says how many).
+            ServerUnavailableError: the server stopped answering.
+        """
+        if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 0:
+            raise ConfigError(f"size must be an int >= 0, got {size!r}")
+        wanted = int(size)
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not timeout >= 0):
+            raise ConfigError(f"timeout must be a number of seconds >= 0 or None, got {timeout!r}")
+        deadline = None if timeout is None else time.monotonic() + float(timeout)
+        pause = 0.01
+        while (held := len(self)) < wanted:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise NotEnoughDataError(f"{held} rows may be sampled after {timeout} s of waiting, fewer than the "
+                                         f"{wanted} asked for")
+            time.sleep(pause if left is None else min(pause, left))
+            pause = min(pause * 2, 0.2)
+        return held
 
     # ------------------------------------------------------------------ plumbing
 

@@ -121,3 +121,41 @@ def test_without_a_seed_one_request_carries_several_batches_of_independent_draws
             ids = info.row_ids.astype(np.int64)
             assert batch["step"].shape == (4, 5) and np.array_equal(batch["step"][:, 0], ids % 40)
             assert np.array_equal(batch["step"], batch["step"][:, :1] + np.arange(5)) and not row_problems(batch)
+
+
+def test_wait_for_size_waits_for_rows_arriving_and_says_how_many_when_it_gives_up(start_server: Any) -> None:
+    import threading
+
+    server = start_server()
+    with LearnerClient(server.endpoint, timeout=10) as learner:
+        assert learner.wait_for_size(0, timeout=0) == 0
+        started = time.monotonic()
+        with pytest.raises(NotEnoughDataError, match="0 rows may be sampled after 0.3 s of waiting, fewer than the 50"):
+            learner.wait_for_size(50, timeout=0.3)
+        assert 0.3 <= time.monotonic() - started < 3
+        later = threading.Timer(0.5, _fill, args=(server.endpoint, 2, 40))
+        later.start()
+        try:
+            started = time.monotonic()
+            assert learner.wait_for_size(50, timeout=20) == 80
+            assert 0.4 < time.monotonic() - started < 10
+        finally:
+            later.join()
+        assert learner.sample(50, seed=0)["obs"].shape[0] == 50
+        for bad in (-1, 2.5, True, "3"):
+            with pytest.raises(ConfigError, match="size must be an int >= 0"):
+                learner.wait_for_size(bad)  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match="timeout must be a number of seconds"):
+            learner.wait_for_size(1, timeout=-1)
+
+
+def test_wait_for_size_over_shards_counts_every_shard(tmp_path: Any) -> None:
+    from shard_helpers import running_shards
+
+    with running_shards(tmp_path, 2) as shards:
+        _fill(shards.endpoints[0], 1, 30)
+        _fill(shards.endpoints[1], 1, 25)
+        with LearnerClient(endpoints=shards.endpoints, timeout=10) as learner:
+            assert learner.wait_for_size(55, timeout=10) == 55
+            with pytest.raises(NotEnoughDataError, match="55 rows may be sampled"):
+                learner.wait_for_size(56, timeout=0.2)
