@@ -28,23 +28,13 @@ except ImportError as exc:  # pragma: no cover - exercised only without torch
     raise ImportError("h5replay.integrations.torch needs PyTorch: pip install 'h5replay[torch]'") from exc
 
 from h5replay.errors import ConfigError, NotEnoughDataError
+from h5replay.integrations._tensors import to_tensors
 from h5replay.sampling import check_table_name
 from h5replay.transitions import check_n_step
 
 __all__ = ["H5ReplayDataset", "to_tensors"]  # and H5ReplayMapDataset, on use (__getattr__)
 
 _POLL = 0.1  # seconds between checks of the stop flag while a queue is full or empty
-
-
-def to_tensors(value: Any) -> Any:
-    """A sampled batch as tensors: dicts stay dicts, numeric arrays become tensors (copied: the
-    client's arrays are read-only views of the received message), text stays lists of str."""
-    if isinstance(value, dict):
-        return {key: to_tensors(sub) for key, sub in value.items()}
-    arr = np.asarray(value)
-    if arr.dtype == object:
-        return arr.tolist()
-    return torch.from_numpy(np.array(arr, copy=True))
 
 
 class _End:
@@ -261,7 +251,7 @@ def _put(batches: queue.Queue[Any], item: Any, stop: threading.Event) -> None:
 
 
 def __getattr__(name: str) -> Any:
-    """`H5ReplayMapDataset` (torch_map.py, which builds on `to_tensors` here), imported on use."""
+    """`H5ReplayMapDataset` (torch_map.py), imported on use."""
     if name == "H5ReplayMapDataset":
         from h5replay.integrations.torch_map import H5ReplayMapDataset
 

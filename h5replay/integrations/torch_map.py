@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, SequentialSampler
 
 from h5replay.errors import ConfigError
-from h5replay.integrations.torch import to_tensors
+from h5replay.integrations._tensors import to_tensors
 from h5replay.transitions import check_n_step
 
 __all__ = ["H5ReplayMapDataset"]
