@@ -17,7 +17,7 @@ import os
 import tempfile
 import typing
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, TypeVar
 
 import h5py
@@ -40,13 +40,38 @@ _S = TypeVar("_S", bound="_StorageFile")
 
 
 class _SharedIO:
-    """What a storage and its column views must agree on: whether the file has writes HDF5 still
-    holds in its caches (then the memory map would read stale bytes), and the maps themselves,
+    """What a storage and its column views must agree on: which datasets have writes HDF5 still
+    holds in its caches (the memory map would read stale bytes of them), and the maps themselves,
     keyed by dataset name so a flush seen by one is seen by all."""
 
     def __init__(self) -> None:
         self.dirty = False
+        self.written: dict[str, h5py.Dataset] = {}  # by name, since the last flush
         self.maps: dict[str, MappedRows | None] = {}
+
+    def wrote(self, datasets: Iterable[h5py.Dataset]) -> None:
+        """Note writes to `datasets` (before they are made: a failed write may still have reached
+        HDF5's caches)."""
+        self.dirty = True
+        for ds in datasets:
+            self.written[ds.name] = ds
+
+    def flush_written(self) -> None:
+        """Write the cached chunks of the datasets written since the last flush to the file
+        (H5Dflush), so the memory map reads what was written. Data only: the file's metadata,
+        and with it what SWMR readers and a crash see, stays as the last full flush left it.
+        Costs a small part of the HDF5 read that the map then avoids."""
+        for ds in self.written.values():
+            ds.flush()
+        self.written.clear()
+        self.dirty = False
+        self.refresh_maps()
+
+    def flushed(self) -> None:
+        """The whole file was flushed: nothing is held in HDF5's caches any more."""
+        self.written.clear()
+        self.dirty = False
+        self.refresh_maps()
 
     def refresh_maps(self) -> None:
         for mapped in self.maps.values():
@@ -554,8 +579,7 @@ class _StorageFile:
             self.file.flush()
             if fsync:
                 os.fsync(self.file.id.get_vfd_handle())
-        self._io.dirty = False
-        self._io.refresh_maps()
+        self._io.flushed()
 
     def refresh(self) -> None:
         """Reader side: pick up rows and lengths another process flushed (SWMR readers)."""

@@ -234,10 +234,12 @@ class HDF5Storage(_StorageFile):
             return rows.reshape(idx.shape + rows.shape[1:])
 
     def _mapped_read(self, path: str, flat: np.ndarray) -> np.ndarray | None:
-        """Rows from the memory map, or None (unmappable, unflushed writes, unallocated rows)."""
-        # The map sees only what reached the file: skip it while this process has unflushed writes.
-        if self._io.dirty or not self.reduce_io:
+        """Rows from the memory map, or None (unmappable, unallocated rows)."""
+        if not self.reduce_io:
             return None
+        if self._io.dirty:  # the map sees only what reached the file: write the cached chunks out first
+            with h5_errors("flushing written rows before a mapped read"):
+                self._io.flush_written()
         mapped = self._mapping(path)
         if mapped is None:
             return None
@@ -300,7 +302,7 @@ class HDF5Storage(_StorageFile):
         encoded, _ = self._encode_for_index(value, idx)
         flat = idx.reshape(-1)
         unique, positions = fancy_indexing_to_supported_set_indexing(flat)
-        self._io.dirty = True
+        self._io.wrote(self._datasets.values())
         with h5_errors("writing rows"):
             for path, _ in self._leaves:
                 arr = encoded[path]  # (rows, *row_shape): _encode_for_index flattened an N-d index
@@ -315,7 +317,7 @@ class HDF5Storage(_StorageFile):
 
     def _write_range(self, start: int, encoded: Mapping[str, np.ndarray]) -> None:
         """Write whole rows [start, start + n) of every leaf; rows must already exist."""
-        self._io.dirty = True  # before the write: a failed write may still have reached HDF5's caches
+        self._io.wrote(self._datasets.values())  # before the write: a failed one may still reach HDF5's caches
         with h5_errors("writing rows"):
             for path, _ in self._leaves:
                 ds, arr = self._datasets[path], encoded[path]
@@ -371,7 +373,7 @@ class HDF5Storage(_StorageFile):
     def _resize_all(self, new_len: int) -> None:
         old = self._len
         done: list[h5py.Dataset] = []
-        self._io.dirty = True
+        self._io.wrote(self._datasets.values())
         try:
             with h5_errors(f"resizing to {new_len} rows"):
                 for ds in self._datasets.values():

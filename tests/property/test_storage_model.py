@@ -322,7 +322,7 @@ class StorageMachine(RuleBasedStateMachine):
         self.s.set(index, value)
         self.model_write(index, rows)
         if data.draw(st.booleans(), label="read back at once"):
-            self.get(data)  # unflushed rows: never through the memory map
+            self.get(data)  # unflushed rows: the map reads them once their cached chunks are written out
 
     @rule(data=st.data(), seed=SEEDS)
     def rejected_write_changes_nothing(self, data: st.DataObject, seed: int) -> None:
@@ -516,7 +516,7 @@ class StorageMachine(RuleBasedStateMachine):
             return
         assert len(self.s) == self.length
         assert_rows_equal(self.s.get(slice(None)), self.model, "get(:)")
-        # An int array of 2+ rows goes through the memory map when nothing is unflushed.
+        # An int array of 2+ rows goes through the memory map (unflushed rows written out first).
         backwards = np.arange(self.length - 1, -1, -1)
         assert_rows_equal(self.s.get(backwards), select(self.model, backwards), "get(reversed)")
         for w in self.open_writers():

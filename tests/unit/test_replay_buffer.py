@@ -182,3 +182,24 @@ def test_unbounded_buffer(tmp_path):
     commit(again, [7])
     assert again.get_segments() == [(0, 7), (7, 3), (10, 1)]
     again.close()
+
+
+@pytest.mark.parametrize("layout", [{}, {"chunks": True}])
+def test_rows_written_since_the_last_flush_are_read_through_the_map(tmp_path, layout):
+    """A sample right after a write reads the memory map (the written chunks are flushed to the
+    file first, data only) and returns the new values, also where a ring slot's old bytes are
+    still the ones in the file."""
+    space = BoxSpace(-1e9, 1e9, (3,), np.float32)
+    with ReplayBuffer.create(space, 8, tmp_path / "ring.h5", **layout) as rb:
+        rb.extend(np.zeros((8, 3), np.float32))
+        rb.flush()  # the file holds zeros in every slot
+        rb.extend(np.arange(15, dtype=np.float32).reshape(5, 3) + 1)  # overwrites 5 slots, unflushed
+        io = rb.storage._io
+        assert io.dirty
+        rows, ids = rb.get_at_with_ids(np.arange(8, dtype=np.int64)[::-1])
+        assert not io.dirty, "the read went through the map, after writing the cached chunks out"
+        expected = np.concatenate([np.zeros((3, 3), np.float32), np.arange(15, dtype=np.float32).reshape(5, 3) + 1])
+        np.testing.assert_array_equal(rows, expected[::-1])
+        np.testing.assert_array_equal(ids, np.arange(5, 13)[::-1])
+    with ReplayBuffer.load_from(tmp_path / "ring.h5") as again:  # and close() still made it all durable
+        np.testing.assert_array_equal(again.get_at(slice(None)), expected)
