@@ -16,7 +16,7 @@ EDITABLE := --config-settings editable_mode=compat
 TORCH_VERSION ?= 2.13.0
 TORCH_INDEX ?=
 
-.PHONY: demo check test lint wheel test-wheel test-model test-torch test-ray test-interop compose-test bench mutation clean venv
+.PHONY: demo check test lint wheel test-wheel test-model test-torch test-ray test-interop test-lerobot compose-test bench mutation clean venv
 
 $(BIN)/python:
 	@echo "Creating $(VENV) (a virtual environment in this checkout) ..."
@@ -82,11 +82,36 @@ test-torch: $(STAMP)
 	$(BIN)/python -m pytest tests/unit/test_torch_integration.py tests/integration/test_dqn_cartpole.py
 
 # The adapters to other RL libraries (tests/interop, which `make test` skips while they are not
-# installed), each against the real package: Stable-Baselines3 and TorchRL (with PyTorch, as test-torch).
+# installed), each against the real package: Stable-Baselines3 and TorchRL (with PyTorch, as test-torch),
+# then LeRobot (test-lerobot, in a venv of its own).
 test-interop: $(STAMP)
 	$(PIP) install --quiet $(TORCH_INDEX) 'torch==$(TORCH_VERSION)'
 	$(PIP) install --quiet $(TORCH_INDEX) -e '.[sb3,torchrl]' 'torch==$(TORCH_VERSION)' $(EDITABLE)
-	$(BIN)/python -m pytest tests/interop
+	$(BIN)/python -m pytest tests/interop --ignore=tests/interop/test_lerobot.py
+	$(MAKE) test-lerobot
+
+# LeRobot in a venv of its own (.venv-lerobot): lerobot 0.4.4 (the newest for Python 3.11) needs
+# torchvision, which PyPI's torch 2.13.0 CPU build cannot load, and numpy < 2.3 (its add_frame
+# fails on 2.4). So: torch 2.14.1 + torchvision 0.29.1 (on x86_64 pip takes them from this
+# machine's disk; elsewhere set LEROBOT_TORCH), lerobot without its torch<2.11 pin, then the
+# rest of its requirements. About 2 minutes and 6 GB the first time.
+LEROBOT_VENV := .venv-lerobot
+LEROBOT_TORCH ?= torch==2.14.1 torchvision==0.29.1
+LEROBOT_DEPS := 'datasets>=4.0.0,<5.0.0' 'huggingface-hub>=0.34.2,<0.36.0' 'av>=15.0.0,<16.0.0' 'draccus==0.10.0' \
+	'jsonlines>=4.0.0,<5.0.0' 'packaging>=24.2,<26.0' 'einops>=0.8.0,<0.9.0' 'termcolor>=2.4.0,<4.0.0' \
+	'deepdiff>=7.0.1,<9.0.0' 'imageio[ffmpeg]>=2.34.0,<3.0.0' 'accelerate>=1.10.0,<2.0.0' 'numpy>=2.0,<2.3'
+$(LEROBOT_VENV)/.installed: pyproject.toml
+	@echo "Installing lerobot 0.4.4 and torch into $(LEROBOT_VENV) (a few minutes the first time) ..."
+	test -x $(LEROBOT_VENV)/bin/python || $(PYTHON) -m venv $(LEROBOT_VENV)
+	PYTHONWARNINGS=ignore $(LEROBOT_VENV)/bin/python -m pip install --quiet --upgrade pip
+	PYTHONWARNINGS=ignore $(LEROBOT_VENV)/bin/python -m pip install --quiet $(LEROBOT_TORCH)
+	PYTHONWARNINGS=ignore $(LEROBOT_VENV)/bin/python -m pip install --quiet -e '.[dev,gym,lerobot]' $(EDITABLE)
+	PYTHONWARNINGS=ignore $(LEROBOT_VENV)/bin/python -m pip install --quiet --no-deps 'lerobot==0.4.4'
+	PYTHONWARNINGS=ignore $(LEROBOT_VENV)/bin/python -m pip install --quiet $(LEROBOT_DEPS) $(LEROBOT_TORCH)
+	touch $@
+
+test-lerobot: $(LEROBOT_VENV)/.installed
+	$(LEROBOT_VENV)/bin/python -m pytest tests/interop/test_lerobot.py
 
 # Ray for h5replay.integrations.ray and its tests (tests/ray_cluster, which `make test` skips while Ray
 # is not installed; not "tests/ray": tests/ is on sys.path and that folder would shadow the ray
@@ -113,4 +138,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/storage.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis .mypy_cache mutants
+	rm -rf $(VENV) $(LEROBOT_VENV) build *.egg-info .pytest_cache .hypothesis .mypy_cache mutants
