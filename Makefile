@@ -16,7 +16,7 @@ EDITABLE := --config-settings editable_mode=compat
 TORCH_VERSION ?= 2.13.0
 TORCH_INDEX ?=
 
-.PHONY: demo check test lint wheel test-wheel test-model test-torch test-ray test-interop test-lerobot compose-test bench mutation clean venv
+.PHONY: demo check test lint wheel test-wheel docs test-model test-torch test-ray test-interop test-lerobot compose-test bench mutation clean venv
 
 $(BIN)/python:
 	@echo "Creating $(VENV) (a virtual environment in this checkout) ..."
@@ -65,6 +65,11 @@ wheel: $(STAMP)
 # The wheel installed into a fresh venv (its dependencies from the package registry) runs the demo.
 test-wheel: $(STAMP)
 	$(BIN)/python -m pytest -m packaging tests/packaging
+
+# The documentation site (mkdocs.yml, docs/): the docs extra into .venv, then a strict build into site/.
+docs: $(STAMP)
+	$(PIP) install --quiet -e '.[docs]' $(EDITABLE)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 lint: $(STAMP)
 	$(BIN)/ruff check h5replay tests docker benchmarks

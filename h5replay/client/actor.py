@@ -300,8 +300,9 @@ class ActorClient:
         Raises:
             ConfigError: `priorities` has not one entry per episode.
             SpaceMismatchError: an episode does not fit the space (nothing was sent).
-            The error of a message the server refused: with `wait=True`, after every message has
-            settled; episodes of other messages may be committed (`wait=False` tells each apart).
+            H5ReplayError: the error of a message the server refused: with `wait=True`, after every
+                message has settled; episodes of other messages may be committed (`wait=False`
+                tells each apart).
         """
         if not isinstance(batches, Sequence) or isinstance(batches, (str, bytes, dict)):
             raise ConfigError(f"push_episodes takes a sequence of episodes, got {type(batches).__name__}")
