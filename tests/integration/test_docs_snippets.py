@@ -231,7 +231,12 @@ def test_the_example_runs(example: Path, tmp_path: Path) -> None:
     done = run_script(example, tmp_path)
     assert done.returncode == 0, f"{example.name} failed:\n{done.stdout}\n{done.stderr}"
     assert done.stdout.strip(), "an example says what it did"
-    assert "127.0.0.1" in example.read_text() or "Server" not in example.read_text()  # loopback only
+
+
+@pytest.mark.parametrize("source", [*EXAMPLES, *RUNNABLE], ids=[p.name for p in EXAMPLES] + [b.id for b in RUNNABLE])
+def test_only_loopback_endpoints(source: Path | Block) -> None:
+    code = source.read_text() if isinstance(source, Path) else source.code
+    assert all(e.startswith("tcp://127.0.0.1:") for e in re.findall(r"tcp://[^\s\"']+", code)), "bind loopback only"
 
 
 def test_there_are_the_four_examples() -> None:
