@@ -72,7 +72,7 @@ docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 lint: $(STAMP)
-	$(BIN)/ruff check h5replay tests docker benchmarks
+	$(BIN)/ruff check h5replay tests docker benchmarks examples
 	$(BIN)/mypy
 
 # The model-based test of the whole service, long profile: 40 seeded walks of 60 steps over two

@@ -300,7 +300,7 @@ class H5ReplayStorage(StoreStorage):  # type: ignore[misc,unused-ignore]  # Any 
             NotImplementedError: `set_cursor=False` (an overwrite: `rb[i] = td`, `write_at`).
             SpaceMismatchError / ConfigError: rows the space cannot hold (names the key).
             ClosedError: the storage was closed.
-            Whatever the server refused of an earlier write (its acknowledgement comes later).
+            H5ReplayError: what the server refused of an earlier write (its acknowledgement comes later).
         """
         self._check_open()
         if not set_cursor:

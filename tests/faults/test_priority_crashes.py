@@ -1,7 +1,7 @@
 """SIGKILL a writer at the two moments of a publish that carry priorities, and reopen the file.
 
 The priorities and the running maximum priority must come back exactly as of the last publish
-the file shows: every update that publish counts, none it does not (the README: a kill loses the
+the file shows: every update that publish counts, none it does not (docs/guarantees.md: a kill loses the
 updates applied since the last publish, and nothing of an earlier one). Each child process holds
 the buffer as an SWMR writer, arms a kill at that moment (a monkeypatch in the child: the real
 code runs up to there, its writes reach the file, then the process SIGKILLs itself), and the

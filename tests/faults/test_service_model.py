@@ -2,7 +2,7 @@
 processes on loopback, their files in a temporary directory) and the clients of a distributed job
 through random interleavings of pushes, waited and unwaited commits, consuming and non-consuming samples,
 requests split over several messages, priority updates, restarts, SIGKILLs and compactions, and
-after every step checks what the README promises against a plain Python model:
+after every step checks what docs/guarantees.md promises against a plain Python model:
 
 * every acknowledged episode is held exactly once over the shards, whole and in order; an episode
   whose commit raised is held at most once; nothing else is held;

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import importlib
 import importlib.util
 import json
 import os
@@ -108,14 +109,24 @@ RUNNABLE = [b for b in ALL_BLOCKS if "no-run" not in b.options]
 
 
 def missing_modules(code: str) -> list[str]:
-    """Top-level packages the code imports that are not installed."""
+    """Top-level packages the code imports that are not installed, and integrations of h5replay
+    whose optional packages are not (an `h5replay.integrations.X` that fails to import)."""
     names: set[str] = set()
+    integrations: set[str] = set()
     for node in ast.walk(ast.parse(code)):
-        if isinstance(node, ast.Import):
-            names.update(alias.name.split(".")[0] for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.add(node.module.split(".")[0])
-    return sorted(n for n in names if importlib.util.find_spec(n) is None)
+        modules = [alias.name for alias in node.names] if isinstance(node, ast.Import) else \
+            [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else []
+        for module in modules:
+            names.add(module.split(".")[0])
+            if module.startswith("h5replay.integrations."):
+                integrations.add(module)
+    missing = [n for n in names if importlib.util.find_spec(n) is None]
+    for module in sorted(integrations):
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            missing.append(f"{module}'s extra")
+    return sorted(missing)
 
 
 def run_script(path: Path, cwd: Path) -> subprocess.CompletedProcess[str]:
