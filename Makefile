@@ -87,11 +87,12 @@ test-torch: $(STAMP)
 	$(BIN)/python -m pytest tests/unit/test_torch_integration.py tests/integration/test_dqn_cartpole.py
 
 # The adapters to other RL libraries (tests/interop, which `make test` skips while they are not
-# installed), each against the real package: Stable-Baselines3 and TorchRL (with PyTorch, as test-torch),
+# installed), each against the real package: Stable-Baselines3, TorchRL (with PyTorch, as test-torch) and
+# Minari (with minari[create], for its DataCollector),
 # then LeRobot (test-lerobot, in a venv of its own).
 test-interop: $(STAMP)
 	$(PIP) install --quiet $(TORCH_INDEX) 'torch==$(TORCH_VERSION)'
-	$(PIP) install --quiet $(TORCH_INDEX) -e '.[sb3,torchrl]' 'torch==$(TORCH_VERSION)' $(EDITABLE)
+	$(PIP) install --quiet $(TORCH_INDEX) -e '.[sb3,torchrl,minari]' 'minari[create]' 'torch==$(TORCH_VERSION)' $(EDITABLE)
 	$(BIN)/python -m pytest tests/interop --ignore=tests/interop/test_lerobot.py
 	$(MAKE) test-lerobot
 

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from h5replay import __version__
+from h5replay.cli_export import add_commands as add_export_commands
+from h5replay.cli_export import cmd_compact, cmd_export, cmd_import
 from h5replay.config import DEFAULT_ENDPOINT, MAX_SECONDS, ServerConfig, check_seconds
 from h5replay.errors import ConfigError, H5ReplayError
 
@@ -240,27 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     python.add_argument("target", metavar="MODULE:ATTR", help="e.g. mypackage.spaces:ROW_SPACE (the current "
                                                               "directory is importable)")
 
-    def layout_flags(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--compression", choices=("gzip", "lzf", "none"), default="none",
-                       help="compression of every dataset (default none)")
-        p.add_argument("--level", type=_non_negative_int, help="gzip level 0..9")
-        p.add_argument("--chunks", default="auto",
-                       help="auto (contiguous when possible, else ~64 KiB of whole rows), or rows per chunk")
-        p.add_argument("--capacity", default="same", help="rows the copy holds: same, unbounded, or N")
-
-    export = sub.add_parser("export", parents=[common], help="copy a replay (or plain h5py) file, changing layout or compression")
-    export.add_argument("path", metavar="FILE")
-    export.add_argument("out", metavar="OUT")
-    export.add_argument("--overwrite", action="store_true")
-    export.add_argument("--new-replay", action="store_true",
-                        help="make the copy a new replay (its own replay id, publish count from 0), to serve it beside "
-                             "its source; by default it is the same replay, which clients follow when it is served in "
-                             "the source's place")
-    layout_flags(export)
-
-    compact = sub.add_parser("compact", parents=[common], help="rewrite a replay file in place (no server may be running)")
-    compact.add_argument("path", metavar="FILE")
-    layout_flags(compact)
+    add_export_commands(sub, common)
 
     ray = sub.add_parser("ray", parents=[common], help="h5replay shards on a running Ray cluster (needs h5replay[ray])")
     ray_sub = ray.add_subparsers(dest="ray_command", metavar="ACTION")
@@ -591,67 +573,6 @@ def _python_space(target: str) -> Any:
     raise ConfigError(f"{target} is of type {type(obj).__name__!r}, not a space (h5replay.storage.Space or a gymnasium space)")
 
 
-def _layout_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    kwargs: dict[str, Any] = {}
-    if args.compression != "none":
-        kwargs["compression"] = args.compression
-        if args.level is not None:
-            kwargs["compression_level"] = args.level
-    elif args.level is not None:
-        raise ConfigError("--level needs --compression gzip")
-    if args.chunks != "auto":
-        try:
-            kwargs["chunks"] = (int(args.chunks),)
-        except ValueError:
-            raise ConfigError(f"--chunks must be auto or a number of rows, got {args.chunks!r}") from None
-    if args.capacity == "unbounded":
-        kwargs["capacity"] = None
-    elif args.capacity != "same":
-        try:
-            kwargs["capacity"] = int(args.capacity)
-        except ValueError:
-            raise ConfigError(f"--capacity must be same, unbounded or a number, got {args.capacity!r}") from None
-    return kwargs
-
-
-class _Progress:
-    """A progress bar on stderr: redrawn in place on a terminal, every 10% otherwise."""
-
-    def __init__(self, label: str) -> None:
-        self.label, self.tty, self.last = label, sys.stderr.isatty(), -1
-
-    def __call__(self, done: int, total: int) -> None:
-        fraction = done / total if total else 1.0
-        if self.tty:
-            bar = "#" * int(fraction * 30)
-            print(f"\r{self.label} [{bar:<30}] {done}/{total} rows", end="", file=sys.stderr, flush=True)
-            if done >= total:
-                print(file=sys.stderr)
-        elif int(fraction * 10) > self.last:
-            self.last = int(fraction * 10)
-            print(f"{self.label}: {done}/{total} rows ({fraction:.0%})", file=sys.stderr)
-
-
-def cmd_export(args: argparse.Namespace) -> int:
-    from h5replay.storage import export_file
-
-    if os.path.exists(args.out) and not args.overwrite:
-        raise ConfigError(f"{args.out!r} already exists; pass --overwrite to replace it")
-    export_file(args.path, args.out, overwrite=args.overwrite, progress=_Progress("export"), new_replay=args.new_replay,
-                **_layout_kwargs(args))
-    print(f"wrote {args.out}")
-    return 0
-
-
-def cmd_compact(args: argparse.Namespace) -> int:
-    from h5replay.storage import compact_file
-
-    before = os.path.getsize(args.path)
-    compact_file(args.path, progress=_Progress("compact"), **_layout_kwargs(args))
-    print(f"{args.path}: {before / 1e6:.1f} MB -> {os.path.getsize(args.path) / 1e6:.1f} MB")
-    return 0
-
-
 def cmd_demo(args: argparse.Namespace) -> int:
     from h5replay.demo import run_demo
 
@@ -661,7 +582,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 COMMANDS = {
     "serve": cmd_serve, "ping": cmd_ping, "stats": cmd_stats, "info": cmd_info, "keys": cmd_keys, "demo": cmd_demo,
     "actor": cmd_actor, "learner": cmd_learner, "space": cmd_space, "export": cmd_export, "compact": cmd_compact,
-    "ray": cmd_ray,
+    "import": cmd_import, "ray": cmd_ray,
 }
 
 

@@ -10,6 +10,8 @@
   h5replay file or server (`pip install 'h5replay[sb3]'`).
 * `h5replay.integrations.torchrl`: `H5ReplayStorage`, a TorchRL replay-buffer storage in an
   h5replay file or server (`pip install 'h5replay[torchrl]'`).
+* `h5replay.integrations.minari`: `to_minari` / `from_minari`, Minari datasets to and from a
+  replay file, streaming (`pip install 'h5replay[minari]'`).
 * `h5replay.integrations.lerobot`: `to_lerobot` / `from_lerobot`, LeRobot v3.0 datasets to and
   from a replay file (`pip install 'h5replay[lerobot]'`).
 * `h5replay.integrations.ray`: `start_shards`, h5replay servers placed on a Ray cluster, one per
