@@ -187,11 +187,14 @@ def build_parser() -> argparse.ArgumentParser:
     ping.add_argument("--secret-key", metavar="FILE", help="a client's CURVE secret key file (with --auth)")
     ping.add_argument("--server-key", metavar="FILE", help="the server's CURVE public key file (with --auth)")
 
-    stats = sub.add_parser("stats", parents=[common], help="live figures of a server: rows/s in and out, segments, clients")
+    stats = sub.add_parser("stats", parents=[common], help="live figures of a server: ingest, sampling by table, "
+                           "storage, clients")
     stats.add_argument("endpoint", metavar="ENDPOINT")
-    stats.add_argument("--timeout", type=_seconds, default=5.0)
-    stats.add_argument("--interval", type=_seconds, default=1.0, help="seconds between the two samples for rates")
-    stats.add_argument("--json", action="store_true", help="print JSON")
+    stats.add_argument("--timeout", type=_seconds, default=5.0, help="seconds to wait for an answer (default 5)")
+    stats.add_argument("--interval", type=_seconds, default=1.0,
+                       help="seconds between the two snapshots the rates are taken over (default 1)")
+    stats.add_argument("--json", action="store_true", help="print JSON (with --watch: a line per interval)")
+    stats.add_argument("--watch", action="store_true", help="refresh every interval until Ctrl-C")
     stats.add_argument("--secret-key", metavar="FILE", help="a client's CURVE secret key file (with --auth)")
     stats.add_argument("--server-key", metavar="FILE", help="the server's CURVE public key file (with --auth)")
 
@@ -426,29 +429,14 @@ def cmd_ping(args: argparse.Namespace) -> int:
 
 def cmd_stats(args: argparse.Namespace) -> int:
     from h5replay import protocol as P
+    from h5replay.cli_stats import run_stats
 
     conn = _connection(args.endpoint, args.timeout, args.secret_key, args.server_key)
     try:
-        started = time.monotonic()
-        first = dict(conn.request(lambda rid: P.Info(rid)).stats)
-        time.sleep(args.interval)
-        second = dict(conn.request(lambda rid: P.Info(rid)).stats)
-        wall = time.monotonic() - started
+        return run_stats(args.endpoint, lambda: dict(conn.request(lambda rid: P.Info(rid)).stats),
+                         interval=args.interval, as_json=args.json, watch=args.watch)
     finally:
         conn.close()
-    # A reader endpoint answers with the buffer's figures only (no uptime): time the interval here.
-    uptimes = (first.get("uptime"), second.get("uptime"))
-    elapsed = max(1e-9, float(uptimes[1]) - float(uptimes[0]) if None not in uptimes else wall)  # type: ignore[arg-type]
-    for name in ("rows_in", "rows_out", "commits", "bytes_in"):
-        if isinstance(second.get(name), int) and isinstance(first.get(name), int):
-            second[f"{name}_per_s"] = round((second[name] - first[name]) / elapsed, 1)
-    if args.json:
-        print(json.dumps(second, indent=2, sort_keys=True))
-    else:
-        width = max(len(k) for k in second)
-        for key in sorted(second):
-            print(f"{key:<{width}}  {second[key]}")
-    return 0
 
 
 def cmd_info(args: argparse.Namespace) -> int:

@@ -355,7 +355,10 @@ class Service:
                     f"to the read endpoint, {self.read_endpoint} (its hello names it; LearnerClient reads there)"
                 )
             reply = read_reply(self.buffer, request, self._rng, self.limits)
-            self.stats.rows_out += reply_rows(reply)
+            rows = reply_rows(reply)
+            self.stats.rows_out += rows
+            if reply.DRAWN:
+                self.stats.rows_sampled += rows
             return reply
         if request.WRITES and session.role != "actor":
             raise ReadOnlyError(f"a {session.role} may not {request.KIND.value.replace('_', ' ')}; connect as an actor")
@@ -682,6 +685,8 @@ class Service:
             "requests": self.stats.requests,
             "errors": self.stats.errors,
             "rows_out": self.stats.rows_out,
+            "rows_sampled": self.stats.rows_sampled,  # with the readers' (added by the service)
+            "role": "writer",
             "file_bytes": os.path.getsize(path) if path and os.path.exists(path) else 0,
             "uptime": round(uptime, 3),
             "server_version": __version__,

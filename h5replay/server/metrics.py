@@ -24,6 +24,7 @@ _COUNTERS = {
     "errors": "requests refused with an error reply",
     "read_requests": "requests served by the reader processes",
     "rows_out": "rows sent to learners",
+    "rows_sampled": "rows drawn for learners by the writer and the readers (of rows_out)",
 }
 _GAUGES = {
     "open_segments": "segments being streamed",

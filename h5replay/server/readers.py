@@ -57,6 +57,9 @@ __all__ = ["ReaderPool", "FileIdentity", "front_endpoint", "reader_token"]
 
 log = logging.getLogger("h5replay.server")
 _POLL_MS = 100
+# Each reader's figures in the shared counters array: requests answered, rows sent, rows drawn
+# (of those, by sample / sample_sequences / sample_transitions).
+_COUNTERS = 3
 _QUEUED_FOR_FRONT = 4  # replies a reader behind the front may have waiting for it
 _FRONT_WAIT = 2.0  # seconds a reader waits for the front to take a reply
 _READY_EVERY = 1.0  # seconds between a reader's "ready" to the front (a replaced front learns of it)
@@ -129,7 +132,7 @@ def answer(buffer: ReplayBuffer, request: P.Request, rng: np.random.Generator, c
     if request.READS:
         return read_reply(buffer, request, rng, config.limits)
     if isinstance(request, P.Info):
-        return P.InfoReply(request.request_id, {**buffer.info(), "instance_id": instance_id})
+        return P.InfoReply(request.request_id, {**buffer.info(), "instance_id": instance_id, "role": "reader"})
     if isinstance(request, P.Heartbeat):
         return P.HeartbeatReply(request.request_id)
     raise ProtocolError(_not_a_read(request, config, served))  # e.g. a client given this endpoint, not the server's
@@ -277,12 +280,15 @@ def reader_main(
                 if wrong_file is not None:
                     raise wrong_file
                 reply = answer(buffer, request, rng, config, instance_id, served)
-                counters[2 * index + 1] += reply_rows(reply)
+                rows = reply_rows(reply)
+                counters[_COUNTERS * index + 1] += rows
+                if reply.DRAWN:
+                    counters[_COUNTERS * index + 2] += rows
             except Exception as exc:  # every refusal becomes an error reply; the reader keeps serving
                 reply = P.ErrorReply.from_exception(P.peek_request_id(frames, limits), exc)
                 if reply.code == P.ErrorCode.INTERNAL.value:
                     log.exception("reader %d failed on a request", index)
-            counters[2 * index] += 1
+            counters[_COUNTERS * index] += 1
             out = P.encode(reply)
             if guard is not None:  # a learner not reading its replies is not answered (the guard cuts it)
                 size = sum(len(f) for f in out)
@@ -455,7 +461,7 @@ class ReaderPool:
         self._endpoint = front_endpoint(directory)
         self._secret = os.urandom(32)  # signs the readers' routing ids; known to the server's processes only
         self._generations = [0] * (k + (1 if k > 1 else 0))  # the front is last
-        self.counters = self._ctx.Array("q", 2 * len(self._generations), lock=False)
+        self.counters = self._ctx.Array("q", _COUNTERS * len(self._generations), lock=False)
         self.beats = self._ctx.Array("d", len(self._generations), lock=False)
         self._procs: list[Any] = []
         # Each process's (ready, stop) events, kept as long as the process: a replacement does not
@@ -550,7 +556,8 @@ class ReaderPool:
 
     def totals(self) -> dict[str, int]:
         values = list(self.counters)
-        return {"read_requests": sum(values[0::2]), "rows_out": sum(values[1::2])}
+        return {"read_requests": sum(values[0::_COUNTERS]), "rows_out": sum(values[1::_COUNTERS]),
+                "rows_sampled": sum(values[2::_COUNTERS])}
 
     def stop(self, timeout: float = 5.0) -> None:
         for _, stop in self._events:

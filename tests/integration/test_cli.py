@@ -146,9 +146,14 @@ def test_info_and_stats_show_the_sampler_and_the_rate_limiter(tmp_path):
             actor.push_episode(episode_rows(4, 0, 20))
         done = h5replay("stats", server.endpoint, "--interval", "0.1")
         assert done.returncode == 0, done.stderr
-        stats = dict(line.split(None, 1) for line in done.stdout.splitlines())
+        view = done.stdout
+        assert "  default          prioritized (exponent 0.6, 0 priority updates)" in view, view
+        assert "rate limit: at least 10 rows, 4.0 samples per insert +- 100.0; it counts 20 inserted, 0 sampled" in view
+        assert "inserts waiting  0 (waited" in view and "samples waiting  0 (waited" in view
+        assert "drawn by the writer (a rate limit or removals)" in view
+        stats = json.loads(h5replay("stats", server.endpoint, "--json", "--interval", "0.1").stdout)
         assert stats["sampler"] == "prioritized" and float(stats["priority_sum"]) > 0
-        assert stats["samples_per_insert"] == "4.0" and stats["inserted"] == "20"
+        assert stats["samples_per_insert"] == 4.0 and stats["inserted"] == 20
         assert {"sample_wait_s", "insert_wait_s", "waiting_samples", "waiting_inserts"} <= stats.keys()
     text = h5replay("info", str(path)).stdout
     assert "sampling  prioritized (exponent 0.6, new rows get the largest seen)" in text, text
@@ -294,6 +299,10 @@ def test_a_client_sent_to_the_read_port_is_told_the_servers_endpoint(tmp_path):
         assert h5replay("ping", server.read_endpoint, "--timeout", "5").returncode == 0
         done = h5replay("stats", server.read_endpoint, "--json", "--interval", "0.1")
         assert done.returncode == 0 and json.loads(done.stdout)["length"] == 0, done.stderr
+        assert json.loads(done.stdout)["role"] == "reader"
+        view = h5replay("stats", server.read_endpoint, "--interval", "0.1").stdout
+        assert f"{server.read_endpoint}: a read endpoint. A reader process answers the file's figures only" in view
+        assert "\ningest\n" not in view and "\nclients\n" not in view
         with pytest.raises(ProtocolError) as info:
             ActorClient(server.read_endpoint, timeout=5)
     message = str(info.value)
@@ -318,6 +327,48 @@ def test_stats_reaches_an_auth_server_with_keys(tmp_path):
         assert json.loads(done.stdout)["total_rows"] == 25
         refused = h5replay("stats", server.endpoint, "--timeout", "1")
         one_line_error(refused, 1, "stats")
+
+
+@pytest.mark.timeout(120)
+def test_stats_count_every_sample_and_give_rates_since_the_start(tmp_path):
+    """Rows drawn by the reader processes count (they once showed as 0 sampled), and the rates
+    since the start are not 0 right after the commits (the interval's may well be)."""
+    from h5replay.client import LearnerClient
+
+    with running_server(server_config(tmp_path / "rb.h5")) as server:
+        with ActorClient(server.endpoint, timeout=10) as actor:
+            for e in range(10):
+                actor.push_episode(episode_rows(1, e, 30))
+        with LearnerClient(server.endpoint, timeout=10) as learner:
+            for seed in range(20):
+                learner.sample(64, seed=seed)
+            learner.sample_sequences(8, 5, seed=0)
+            learner.get_rows(np.arange(10))
+        stats = json.loads(h5replay("stats", server.endpoint, "--json", "--interval", "0.1").stdout)
+        assert stats["rows_sampled"] == 20 * 64 + 8 * 5, stats
+        assert stats["rows_out"] == stats["rows_sampled"] + 10, "reads by id are sent, not sampled"
+        assert stats["rows_in"] == 300 and stats["rows_in_per_s_since_start"] > 0
+        assert stats["commits_per_s_since_start"] > 0 and stats["role"] == "writer"
+        view = h5replay("stats", server.endpoint, "--interval", "0.1").stdout
+        assert "rows sampled     1,320" in view and "/s since start   (drawn by the readers)" in view, view
+        assert "rows held        300 of 10,000 (3.0%); 300 added in all" in view
+
+
+@pytest.mark.timeout(60)
+def test_stats_watch_refreshes_until_interrupted(tmp_path):
+    with running_server(server_config(tmp_path / "rb.h5")) as server:
+        proc = subprocess.Popen(cli_command("stats", server.endpoint, "--watch", "--json", "--interval", "0.2"),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            time.sleep(2.0)
+            proc.send_signal(signal.SIGINT)
+            out, err = proc.communicate(timeout=20)
+        finally:
+            proc.kill()
+        assert proc.returncode == 0, err
+        snapshots = [json.loads(line) for line in out.splitlines()]
+        assert len(snapshots) >= 3 and all(s["role"] == "writer" for s in snapshots)
+        assert snapshots[-1]["uptime"] > snapshots[0]["uptime"]
 
 
 # ------------------------------------------------------------------------------------- space
