@@ -148,11 +148,15 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument("--initial-priority", type=_number, metavar="P",
                           help="prioritized: the priority of a row given none (default: the largest so far)")
     sampling.add_argument("--min-size-to-sample", type=_positive_int, metavar="N",
-                          help="samples wait until N rows are held (Reverb's MinSize)")
+                          help="samples wait until N rows are held (Reverb's MinSize; default 1: no wait). A rate "
+                               "limit sends every sample through the writer, not the reader processes, and a sample "
+                               "waits up to the client's rate_limit_timeout (60 s), then RateLimitedError")
     sampling.add_argument("--samples-per-insert", type=_number, metavar="R",
-                          help="keep rows sampled / rows inserted near R (Reverb's SampleToInsertRatio)")
+                          help="keep rows sampled / rows inserted near R (Reverb's SampleToInsertRatio; default: no "
+                               "ratio)")
     sampling.add_argument("--error-buffer", type=_number, metavar="E",
-                          help="how far sampling may run ahead of or behind R (with --samples-per-insert)")
+                          help="how far sampling may run ahead of or behind R (needed with --samples-per-insert: no "
+                               "default; at least max(1, R))")
     sampling.add_argument("--max-times-sampled", type=_non_negative_int, metavar="K",
                           help="a row sampled K times is removed (fifo and 1: a queue; default 0: never)")
     sampling.add_argument("--priority-publish-interval", type=_seconds_or_zero, default=0.0, metavar="S",
@@ -183,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ping = sub.add_parser("ping", parents=[common], help="exit 0 when a server answers")
     ping.add_argument("endpoint", metavar="ENDPOINT")
-    ping.add_argument("--timeout", type=_seconds, default=2.0)
+    ping.add_argument("--timeout", type=_seconds, default=2.0, help="seconds to wait for an answer (default 2)")
     ping.add_argument("--secret-key", metavar="FILE", help="a client's CURVE secret key file (with --auth)")
     ping.add_argument("--server-key", metavar="FILE", help="the server's CURVE public key file (with --auth)")
 
@@ -213,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     def client_keys(p: argparse.ArgumentParser) -> None:
         p.add_argument("--secret-key", metavar="FILE", help="this client's CURVE secret key file (with --auth)")
         p.add_argument("--server-key", metavar="FILE", help="the server's CURVE public key file (with --auth)")
-        p.add_argument("--timeout", type=_seconds, default=30.0, help="seconds to wait for the server")
+        p.add_argument("--timeout", type=_seconds, default=30.0, help="seconds to wait for the server (default 30)")
 
     actor = sub.add_parser("actor", parents=[common], help="example actor: a gymnasium environment with a random policy")
     actor.add_argument("endpoint", metavar="ENDPOINT", nargs="+",
@@ -223,15 +227,16 @@ def build_parser() -> argparse.ArgumentParser:
     actor.add_argument("--seed", type=int, default=None)
     actor.add_argument("--pixels", action="store_true", help="observe rendered frames, 64x96x3 uint8 (needs pygame)")
     actor.add_argument("--log-every", type=_non_negative_int, default=100, metavar="N",
-                       help="log a line every N episodes (0: never)")
+                       help="log a line every N episodes (0: never; default 100)")
     client_keys(actor)
 
     learner = sub.add_parser("learner", parents=[common], help="example learner: samples and prints what it learns of the data")
     learner.add_argument("endpoint", metavar="ENDPOINT", nargs="+",
                          help="the server's endpoint; several: shards, the learner samples all of them")
-    learner.add_argument("--batch-size", type=_positive_int, default=256)
+    learner.add_argument("--batch-size", type=_positive_int, default=256, help="rows per sample (default 256)")
     learner.add_argument("--seconds", type=_seconds_or_zero, default=0.0, help="how long to run (0: until SIGTERM)")
-    learner.add_argument("--report-every", type=_seconds, default=5.0)
+    learner.add_argument("--report-every", type=_seconds, default=5.0,
+                         help="seconds between reports of what was sampled (default 5)")
     client_keys(learner)
 
     space = sub.add_parser("space", parents=[common], help="print a row space as JSON, for `serve --space`")
@@ -265,7 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
                            help="reader processes per shard (default 1)")
     ray_start.add_argument("--fsync", action="store_true", help="fsync every commit")
     ray_start.add_argument("--no-check-bounds", dest="check_bounds", action="store_false",
-                           help="store Box values outside the space's bounds, and NaN (see `serve --no-check-bounds`)")
+                           help="store Box values outside the space's bounds, and NaN (see `serve --no-check-bounds`; "
+                                "default: refuse them)")
     ray_start.add_argument("--idempotency-window", type=_positive_int, metavar="N",
                            help="new files remember the idempotency keys of their last N episodes (default 65536)")
     ray_start.add_argument("--auth", metavar="DIR", help="CURVE keys, in DIR on every node (see `serve --auth`)")
@@ -278,8 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--name", default="h5replay", help="name of the shards' Ray actors (default h5replay)")
 
     demo = sub.add_parser("demo", parents=[common], help="start a server, actors and a learner on an embedded default")
-    demo.add_argument("--actors", type=_positive_int, default=4)
-    demo.add_argument("--episodes", type=_positive_int, default=40, help="episodes per actor")
+    demo.add_argument("--actors", type=_positive_int, default=4, help="actor processes (default 4)")
+    demo.add_argument("--episodes", type=_positive_int, default=40, help="episodes per actor (default 40)")
     demo.add_argument("--dir", help="keep the demo file in this directory (default: a temporary one)")
     return parser
 

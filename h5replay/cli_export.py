@@ -30,8 +30,8 @@ def _layout_flags(p: argparse.ArgumentParser) -> None:
                    help="compression of every dataset (default none)")
     p.add_argument("--level", type=_level, help="gzip level 0..9")
     p.add_argument("--chunks", default="auto",
-                   help="auto (contiguous when possible, else ~64 KiB of whole rows), or rows per chunk")
-    p.add_argument("--capacity", default="same", help="rows the copy holds: same, unbounded, or N")
+                   help="auto (contiguous when possible, else ~64 KiB of whole rows), or rows per chunk (default auto)")
+    p.add_argument("--capacity", default="same", help="rows the copy holds: same, unbounded, or N (default same)")
 
 
 def add_commands(sub: Any, common: argparse.ArgumentParser) -> None:

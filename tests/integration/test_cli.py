@@ -427,3 +427,28 @@ def test_info_reports_a_rate_limit_only_when_one_is_set(tmp_path):
     assert "limit " not in format_description(describe_file(str(tmp_path / "plain.h5")))
     ReplayBuffer.create(EPISODE_SPACE, 10, tmp_path / "limited.h5", rate_limit=RateLimit(5)).close()
     assert "limit     at least 5 rows to sample" in format_description(describe_file(str(tmp_path / "limited.h5")))
+
+
+def test_every_option_with_a_default_says_it_in_its_help():
+    import argparse
+
+    from h5replay.cli import build_parser
+
+    silent = []
+
+    def walk(parser: argparse.ArgumentParser, command: str) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    walk(sub, f"{command} {name}".strip())
+            elif (action.option_strings and action.default not in (None, False, argparse.SUPPRESS)
+                  and not isinstance(action, (argparse._HelpAction, argparse._VersionAction))
+                  and "default" not in (action.help or "")):
+                silent.append(f"{command} {action.option_strings[-1]} (default {action.default!r})")
+
+    walk(build_parser(), "")
+    assert not silent, "options whose help hides their default: " + ", ".join(silent)
+    rate_limit = build_parser().parse_args(["serve", "x.h5"])  # and the one with a cost says so
+    assert rate_limit.min_size_to_sample is None
+    help_text = subprocess.run(cli_command("serve", "--help"), capture_output=True, text=True, timeout=60).stdout
+    assert "through the writer, not the reader" in " ".join(help_text.split())
