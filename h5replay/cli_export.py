@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from typing import Any
 
 from h5replay.errors import ConfigError
+from h5replay.progress import Progress
 
 __all__ = ["add_commands", "cmd_export", "cmd_import", "cmd_compact"]
 
@@ -90,24 +90,6 @@ def _layout_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return kwargs
 
 
-class _Progress:
-    """A progress bar on stderr: redrawn in place on a terminal, every 10% otherwise."""
-
-    def __init__(self, label: str, unit: str = "rows") -> None:
-        self.label, self.unit, self.tty, self.last = label, unit, sys.stderr.isatty(), -1
-
-    def __call__(self, done: int, total: int) -> None:
-        fraction = done / total if total else 1.0
-        if self.tty:
-            bar = "#" * int(fraction * 30)
-            print(f"\r{self.label} [{bar:<30}] {done}/{total} {self.unit}", end="", file=sys.stderr, flush=True)
-            if done >= total:
-                print(file=sys.stderr)
-        elif int(fraction * 10) > self.last:
-            self.last = int(fraction * 10)
-            print(f"{self.label}: {done}/{total} {self.unit} ({fraction:.0%})", file=sys.stderr)
-
-
 def _minari() -> Any:
     try:
         from h5replay.integrations import minari
@@ -125,7 +107,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise ConfigError("--skip-missing-finals applies to --to minari")
     if os.path.exists(args.out) and not args.overwrite:
         raise ConfigError(f"{args.out!r} already exists; pass --overwrite to replace it")
-    export_file(args.path, args.out, overwrite=args.overwrite, progress=_Progress("export"), new_replay=args.new_replay,
+    export_file(args.path, args.out, overwrite=args.overwrite, progress=Progress("export"), new_replay=args.new_replay,
                 **_layout_kwargs(args))
     print(f"wrote {args.out}")
     return 0
@@ -140,7 +122,7 @@ def _export_minari(args: argparse.Namespace) -> int:
     from h5replay.storage import ReplayBuffer
 
     with ReplayBuffer.load_from(args.path) as rb:
-        dataset = _minari().to_minari(rb, args.out, overwrite=args.overwrite, progress=_Progress("export", "episodes"),
+        dataset = _minari().to_minari(rb, args.out, overwrite=args.overwrite, progress=Progress("export", "episodes"),
                                       missing_final="skip" if args.skip_missing_finals else "error")
     print(f"wrote Minari dataset {args.out} ({dataset.total_episodes} episodes, {dataset.total_steps} steps) at "
           f"{dataset.storage.data_path}")
@@ -151,7 +133,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     kwargs = _layout_kwargs(args)
     capacity = kwargs.pop("capacity", None)
     with _minari().from_minari(args.source, args.out, capacity=capacity, overwrite=args.overwrite,
-                               progress=_Progress("import", "episodes"), **kwargs) as rb:
+                               progress=Progress("import", "episodes"), **kwargs) as rb:
         print(f"wrote {args.out} ({rb.num_episodes} episodes, {len(rb)} rows)")
     return 0
 
@@ -160,6 +142,6 @@ def cmd_compact(args: argparse.Namespace) -> int:
     from h5replay.storage import compact_file
 
     before = os.path.getsize(args.path)
-    compact_file(args.path, progress=_Progress("compact"), **_layout_kwargs(args))
+    compact_file(args.path, progress=Progress("compact"), **_layout_kwargs(args))
     print(f"{args.path}: {before / 1e6:.1f} MB -> {os.path.getsize(args.path) / 1e6:.1f} MB")
     return 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import socket
+import sys
 import tempfile
 import time
 from typing import Any
@@ -59,7 +60,7 @@ def check_rows(batch: dict[str, Any]) -> int:
     return int(bad.sum())
 
 
-def _actor(endpoint: str, actor: int, episodes: int, seed: int, out: Any) -> None:
+def _actor(endpoint: str, actor: int, episodes: int, seed: int, out: Any, committed_count: Any) -> None:
     from h5replay.client import ActorClient
 
     rng = np.random.default_rng(seed)
@@ -76,6 +77,8 @@ def _actor(endpoint: str, actor: int, episodes: int, seed: int, out: Any) -> Non
                         "id": data["id"][t], "note": data["note"][t],
                     })
             committed.append((actor, episode, length))
+            with committed_count.get_lock():
+                committed_count.value += 1
     out.put(committed)
 
 
@@ -102,6 +105,27 @@ def _learner(endpoint: str, stop: Any, out: Any) -> None:
             windows_bad += int(np.sum(~((ids[:, :, 0] == ids[:, :1, 0]) & (ids[:, :, 1] == ids[:, :1, 1])
                                         & (np.diff(ids[:, :, 2], axis=1, prepend=ids[:, :1, 2] - 1) == 1)).all(axis=1)))
     out.put((batches, rows, bad, windows_bad, latencies))
+
+
+def _wait_for_actors(results: Any, actors: int, committed_count: Any, total: int) -> list[tuple[int, int, int]]:
+    """Every actor's committed episodes, showing how many are committed meanwhile (on a terminal)."""
+    import queue
+
+    from h5replay.progress import Progress
+
+    progress = Progress("  ingest  ", "episodes", stream=sys.stdout)
+    committed: list[tuple[int, int, int]] = []
+    finished = 0
+    deadline = time.monotonic() + 600
+    while finished < actors:
+        try:
+            committed.extend(results.get(timeout=0.1))
+            finished += 1
+        except queue.Empty:
+            if time.monotonic() > deadline:
+                raise TimeoutError("the demo's actors did not finish within 600 s") from None
+        progress(min(committed_count.value, total) if finished < actors else total, total)
+    return committed
 
 
 def _free_port() -> int:
@@ -140,11 +164,13 @@ def _run_demo(num_actors: int, episodes_per_actor: int, workdir: str) -> int:
     try:
         print(f"  server ready on {endpoint} (pid {server.pid})")
         started = time.perf_counter()
-        actors = [ctx.Process(target=_actor, args=(endpoint, a, episodes_per_actor, a, results)) for a in range(num_actors)]
+        committed_count = ctx.Value("q", 0)
+        actors = [ctx.Process(target=_actor, args=(endpoint, a, episodes_per_actor, a, results, committed_count))
+                  for a in range(num_actors)]
         learner = ctx.Process(target=_learner, args=(endpoint, stop, learned))
         for proc in [*actors, learner]:
             proc.start()
-        committed = [e for _ in actors for e in results.get(timeout=600)]
+        committed = _wait_for_actors(results, len(actors), committed_count, num_actors * episodes_per_actor)
         ingest_seconds = time.perf_counter() - started
         stop.set()
         batches, rows_read, bad, windows_bad, latencies = learned.get(timeout=60)

@@ -357,8 +357,7 @@ class Service:
             reply = read_reply(self.buffer, request, self._rng, self.limits)
             rows = reply_rows(reply)
             self.stats.rows_out += rows
-            if reply.DRAWN:
-                self.stats.rows_sampled += rows
+            self.stats.rows_sampled += rows if reply.DRAWN else 0
             return reply
         if request.WRITES and session.role != "actor":
             raise ReadOnlyError(f"a {session.role} may not {request.KIND.value.replace('_', ' ')}; connect as an actor")
@@ -685,8 +684,7 @@ class Service:
             "requests": self.stats.requests,
             "errors": self.stats.errors,
             "rows_out": self.stats.rows_out,
-            "rows_sampled": self.stats.rows_sampled,  # with the readers' (added by the service)
-            "role": "writer",
+            "rows_sampled": self.stats.rows_sampled, "role": "writer",  # (readers' rows_sampled: added below)
             "file_bytes": os.path.getsize(path) if path and os.path.exists(path) else 0,
             "uptime": round(uptime, 3),
             "server_version": __version__,
