@@ -20,7 +20,7 @@ from h5replay import protocol as P
 from h5replay.config import ClientConfig
 from h5replay.errors import ClosedError, ConfigError, ProtocolError, ServerUnavailableError
 
-__all__ = ["Connection", "NotSentError", "Retried", "curve_keys", "say_hello"]
+__all__ = ["Connection", "NotSentError", "Retried", "curve_keys", "dealer", "no_answer", "say_hello"]
 
 
 class NotSentError(ServerUnavailableError):
@@ -62,6 +62,47 @@ def curve_keys(secret_key: str | os.PathLike[str] | None, server_key: str | os.P
     return {"public_key": public, "secret_key": secret, "server_key": server_public}
 
 
+def dealer(ctx: Any, endpoint: str, config: ClientConfig, curve: dict[str, bytes] | None) -> Any:
+    """A DEALER socket of `ctx` (a zmq or zmq.asyncio context) set up as every client's is, connected
+    to `endpoint` (closed again when the endpoint cannot be dialled)."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.sndhwm = config.max_in_flight
+    sock.rcvhwm = 0
+    sock.heartbeat_ivl = int(config.heartbeat_interval * 1000)
+    sock.heartbeat_timeout = int(max(config.timeout, 3 * config.heartbeat_interval) * 1000)
+    # Not ZMQ_IMMEDIATE: with it, a connection that drops makes libzmq end the socket's pipe at
+    # once, even between two frames of a reply being read, and libzmq 4.3.5 then aborts the
+    # process (`Assertion failed: !_more (src/fq.cpp:80)`). Without it, what this client sends
+    # while the server is away waits in its socket (bounded by SNDHWM) and leaves on reconnect;
+    # replies it no longer waits for are dropped, and commits carry idempotency keys.
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+    # Every send gives up after the timeout too (the timed poll before it is not enough: the
+    # peer may vanish in between).
+    sock.sndtimeo = int(config.timeout * 1000)
+    if curve is not None:
+        sock.curve_secretkey = curve["secret_key"]
+        sock.curve_publickey = curve["public_key"]
+        sock.curve_serverkey = curve["server_key"]
+    try:
+        sock.connect(endpoint)
+    except zmq.ZMQError:  # an endpoint no socket can dial (a lying hello's): nothing to keep open
+        sock.close(0)
+        raise
+    return sock
+
+
+def no_answer(endpoint: str, timeout: float, with_keys: bool) -> str:
+    """Why nothing came back, as far as a client can tell (a refused CURVE handshake looks like
+    a dead server from here; the server logs each refusal)."""
+    if with_keys:
+        return (f"no answer from {endpoint} within {timeout} s: the server is down, or it refused this "
+                "client's CURVE keys (is the client's public key in the server's actors/ or learners/ folder, and "
+                "is server_key the server's own server.key? The server logs each refusal)")
+    return (f"no answer from {endpoint} within {timeout} s: the server is down, or it requires CURVE keys "
+            "(a server started with --auth: pass secret_key= and server_key=, or --secret-key/--server-key)")
+
+
 class Connection:
     """A request/reply channel to one endpoint. Guarded by a lock: usable from several threads."""
 
@@ -77,30 +118,7 @@ class Connection:
         self._closed = False
         self._with_keys = curve is not None
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.linger = 0
-        self._sock.sndhwm = config.max_in_flight
-        self._sock.rcvhwm = 0
-        self._sock.heartbeat_ivl = int(config.heartbeat_interval * 1000)
-        self._sock.heartbeat_timeout = int(max(config.timeout, 3 * config.heartbeat_interval) * 1000)
-        # Not ZMQ_IMMEDIATE: with it, a connection that drops makes libzmq end the socket's pipe at
-        # once, even between two frames of a reply being read, and libzmq 4.3.5 then aborts the
-        # process (`Assertion failed: !_more (src/fq.cpp:80)`). Without it, what this client sends
-        # while the server is away waits in its socket (bounded by SNDHWM) and leaves on reconnect;
-        # replies it no longer waits for are dropped, and commits carry idempotency keys.
-        self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
-        # Every send gives up after the timeout too (the timed poll before it is not enough: the
-        # peer may vanish in between).
-        self._sock.sndtimeo = int(config.timeout * 1000)
-        if curve is not None:
-            self._sock.curve_secretkey = curve["secret_key"]
-            self._sock.curve_publickey = curve["public_key"]
-            self._sock.curve_serverkey = curve["server_key"]
-        try:
-            self._sock.connect(endpoint)
-        except zmq.ZMQError:  # an endpoint no socket can dial (a lying hello's): nothing to keep open
-            self._sock.close(0)
-            raise
+        self._sock = dealer(self._ctx, endpoint, config, curve)
 
     @property
     def closed(self) -> bool:
@@ -135,6 +153,14 @@ class Connection:
     def wait(self, request_id: int, timeout: float | None = None) -> P.Reply:
         """The reply to `request_id`. Raises the server's error as an exception, or
         ServerUnavailableError when no reply comes within the timeout."""
+        reply = self.wait_reply(request_id, timeout)
+        if isinstance(reply, P.ErrorReply):
+            raise reply.exception()
+        return reply
+
+    def wait_reply(self, request_id: int, timeout: float | None = None) -> P.Reply:
+        """The reply to `request_id`, a refusal (ErrorReply) too; ServerUnavailableError when
+        none comes within the timeout (the client's by default)."""
         timeout = self.config.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         with self._lock:
@@ -149,8 +175,6 @@ class Connection:
                 self._take_reply()  # the poll said one is there
             reply = self._replies.pop(request_id)
             self._outstanding.discard(request_id)
-        if isinstance(reply, P.ErrorReply):
-            raise reply.exception()
         return reply
 
     def arrived(self, request_id: int) -> bool:
@@ -170,14 +194,7 @@ class Connection:
             self._replies[reply.request_id] = reply
 
     def _no_answer(self, timeout: float) -> str:
-        """Why nothing came back, as far as a client can tell (a refused CURVE handshake looks like
-        a dead server from here; the server logs each refusal)."""
-        if self._with_keys:
-            return (f"no answer from {self.endpoint} within {timeout} s: the server is down, or it refused this "
-                    "client's CURVE keys (is the client's public key in the server's actors/ or learners/ folder, and "
-                    "is server_key the server's own server.key? The server logs each refusal)")
-        return (f"no answer from {self.endpoint} within {timeout} s: the server is down, or it requires CURVE keys "
-                "(a server started with --auth: pass secret_key= and server_key=, or --secret-key/--server-key)")
+        return no_answer(self.endpoint, timeout, self._with_keys)
 
     def request(self, request_factory: Any, timeout: float | None = None) -> P.Reply:
         """Send and wait for the reply, `timeout` for each (the client's by default)."""

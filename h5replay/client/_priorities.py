@@ -17,7 +17,7 @@ import numpy as np
 
 from h5replay import protocol as P
 from h5replay.client._connection import Connection
-from h5replay.client._reads import _chunks, _request
+from h5replay.client._core.reads import update_requests
 from h5replay.errors import ClosedError, ServerUnavailableError
 
 __all__ = ["PriorityUpdates"]
@@ -96,8 +96,7 @@ class PriorityUpdates:
     def requests(self, ids: np.ndarray, values: np.ndarray, table: str | None = None) -> list[Callable[[int], P.Request]]:
         """Checked updates of `table` as requests that fit a message each (ids and priorities
         share it; one empty request for no ids)."""
-        parts = _chunks(ids.shape[0], self._ids_per_message // 2) or [(0, 0)]
-        return [_request(P.UpdatePriorities, ids[lo:hi], values[lo:hi], table) for lo, hi in parts]
+        return update_requests(ids, values, table, self._ids_per_message)
 
     def _send_held(self, block: bool) -> None:
         """Send the held updates, merged, once replies make room among those in flight; with

@@ -97,7 +97,7 @@ class TableDraws:
 
     asked: str | None  # the name the caller gave (None: the server's only table), sent as is
     name: str  # the table's name ('' from a server that names no tables)
-    samples: Any  # the Connection its samples go to: the writer's when they change the buffer
+    samples: Any  # the target its samples go to ("writer" when they change the buffer, else "reads")
     consuming: bool  # its draws change the server's state (a rate limit, removals): none is dropped
     removes: bool  # max_times_sampled is set: rows drawn leave the table
     sampler: Sampler | None  # the priorities' sampler (their bound is checked here too), or None

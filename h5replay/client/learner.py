@@ -17,51 +17,36 @@ copy); copy them to modify.
 
 from __future__ import annotations
 
-import collections
 import itertools
 import logging
 import os
-import time
-import typing
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Literal, overload
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal, TypeVar, overload
 
-import numpy as np
-
-from h5replay import protocol as P
 from h5replay.client._connection import Connection, curve_keys, say_hello
-from h5replay.client._draws import ConsumingDraws
-from h5replay.client._kept import Kept, join_parts, kept_error
+from h5replay.client._core import batches as plan_batches
+from h5replay.client._core import draws as plan_draws
+from h5replay.client._core import reads as plan_reads
+from h5replay.client._core.ops import Plan, finished
+from h5replay.client._core.state import LearnerState
+from h5replay.client._drive import BlockingDriver
 from h5replay.client._priorities import PriorityUpdates
-from h5replay.client._reads import (
-    TableDraws,
-    View,
-    _chunks,
-    _integer_array,
-    _positive,
-    _reachable,
-    _request,
-    _seed,
-    sample_info,
-    table_draws,
-)
-from h5replay.client._sequences import SequenceReads
+from h5replay.client._reads import TableDraws, View, _positive, _reachable, _seed
 from h5replay.client._shards import ShardedLearner
-from h5replay.client._transitions import TransitionReads
 from h5replay.config import DEFAULT_ENDPOINT, ClientConfig, process_name
-from h5replay.errors import ConfigError, NotEnoughDataError, ProtocolError
-from h5replay.priorities import check_priorities
+from h5replay.errors import ProtocolError
 from h5replay.records import Episode, SampleInfo
-from h5replay.spaces import Schema, Space, space_from_json
+from h5replay.spaces import Schema, Space
+from h5replay.transitions import TransitionKeys
 
 log = logging.getLogger("h5replay.client")
 
 __all__ = ["LearnerClient", "View"]
 
-_REQUEST_BYTES = 1 << 20  # rows one request of `batches` carries for several batches, at most
+T = TypeVar("T")
 
 
-class LearnerClient(SequenceReads, TransitionReads):
+class LearnerClient:
     """Reads from a server. Calls are serialised by a lock; one per thread is fastest.
 
     Args:
@@ -78,6 +63,10 @@ class LearnerClient(SequenceReads, TransitionReads):
         ConfigError: the shards hold different spaces, or two endpoints reach the same file.
     """
 
+    # Every read is a plan of the client core (h5replay.client._core: requests built, replies
+    # folded), which this client's driver (h5replay.client._drive) runs over its two sockets;
+    # h5replay.client.aio.AsyncLearnerClient runs the same plans on asyncio.
+
     def __init__(
         self,
         endpoint: str = DEFAULT_ENDPOINT,
@@ -92,7 +81,6 @@ class LearnerClient(SequenceReads, TransitionReads):
         self.config = config or ClientConfig(endpoint=endpoint, timeout=timeout, name=name or process_name("learner"))
         #: Over several servers: the routing (h5replay.client._shards), which every call goes through.
         self._router: ShardedLearner[LearnerClient] | None = None
-        self._view: View | None = None
         self._reads: Connection | None = None
         if endpoints is not None:
             self._router = ShardedLearner(endpoints, self.config, secret_key, server_key, client_class=LearnerClient)
@@ -114,37 +102,26 @@ class LearnerClient(SequenceReads, TransitionReads):
         except BaseException:
             self._conn.close()  # nothing else is open yet (close() would look for what is not made)
             raise
-        self.limits = hello.limits
-        self.space = space_from_json(hello.space)
-        self.capacity = hello.capacity
+        #: What this client knows of its server (limits, tables, its view, kept rows): the core's.
+        self._state = state = LearnerState(self.config, hello, separate_reads=self._reads is not self._conn)
+        self.limits, self.space, self.capacity, self.schema = state.limits, state.space, state.capacity, state.schema
         self.read_endpoint = read_endpoint
         self.server_version = hello.server_version
         self.replay_id = hello.replay_id
         self.instance_id = hello.instance_id
         #: The server's sampling settings (sampler, rate limit, ...) as its hello gave them.
-        self.sampling: dict[str, Any] = dict(hello.sampling)
-        # Samples that change the buffer (a rate limit, removals) are drawn by the writer, and are
-        # never drawn again: what a failed call had drawn is kept for the next (see _kept.py).
-        self._draws = ConsumingDraws(self._conn, self.config, self._observe)
-        # How each table is drawn from (by the name asked for), as the hello describes it; a
-        # prioritized table's exponent bounds each priority, checked here too, so that updates
-        # merged into one message are refused only all for one reason.
-        self._table_draws: dict[str | None, TableDraws] = {}
-        self._kept = Kept()
-        # A priority update's reply waits for the publish carrying it: up to the server's interval.
-        interval = hello.sampling.get("priority_publish_interval", 0.0)
-        valid = isinstance(interval, (int, float)) and not isinstance(interval, bool) and 0 <= interval <= 1
-        update_timeout = self.config.timeout + (float(interval) if valid else 1.0)
-        self.schema = Schema(self.space)
-        row_bytes = self.schema.row_bytes
-        room = self.limits.max_message_bytes - P.ROWS_MESSAGE_OVERHEAD
-        #: Rows one reply may carry, with their ids and probabilities: a bigger read is split (a
-        #: single row bigger than a message is refused).
-        self.rows_per_message = max(1, min(self.limits.max_rows_per_message, room // (row_bytes + P.SAMPLE_INFO_BYTES)))
-        # A request naming rows carries their ids: it must fit a message too.
-        self._ids_per_message = max(1, min(self.rows_per_message, room // P.ID_BYTES))
-        # Priority updates sent with wait=False (see _priorities.py).
-        self._updates = PriorityUpdates(self._conn, self.config.max_in_flight, update_timeout, self._ids_per_message)
+        self.sampling: dict[str, Any] = state.sampling
+        #: Rows one reply may carry, with their ids and probabilities: a bigger read is split.
+        self.rows_per_message = state.rows_per_message
+        # Priority updates sent with wait=False (see _priorities.py); every read flushes them first.
+        self._updates = PriorityUpdates(self._conn, self.config.max_in_flight, state.update_timeout,
+                                        state.ids_per_message)
+        state.updates_pending = lambda: self._updates.pending
+        state.updates_seq = lambda: self._updates.seen_seq
+        self._driver = BlockingDriver(self._conn, self._reads, self.flush_priorities)
+
+    def _run(self, plan: Plan[T]) -> T:
+        return self._driver.run(plan)
 
     def _table(self, table: str | None) -> TableDraws:
         """How to draw from `table` (None: the server's only table).
@@ -152,21 +129,20 @@ class LearnerClient(SequenceReads, TransitionReads):
         Raises:
             ConfigError: the server has no such table, or several and none was named.
         """
-        found = self._table_draws.get(table)
-        if found is None:
-            found = self._table_draws[table] = table_draws(self.sampling, table, self._conn, self._reads,
-                                                           self.rows_per_message)
-        return found
+        return self._state.table(table)
 
-    def _table_figure(self, t: TableDraws, figure: str) -> Any:
-        return self.sampling.get(f"table.{t.name}.{figure}", self.sampling.get(figure))
-
-    @property
-    def _consuming(self) -> bool:
-        """Whether some table's draws change the server's state."""
-        return bool(self.sampling.get("writer_samples"))
+    def _kind_schema(self, kind: Any) -> Schema:
+        return self._state.kind_schema(kind)
 
     # ------------------------------------------------------------------ the view
+
+    @property
+    def _view(self) -> View | None:
+        return self._state.view
+
+    @_view.setter
+    def _view(self, view: View | None) -> None:  # the shard router hands a restarted shard its last view
+        self._state.view = view
 
     @property
     def view(self) -> View | None:
@@ -193,7 +169,7 @@ class LearnerClient(SequenceReads, TransitionReads):
         it first. Over several servers, those of every shard."""
         if self._router is not None:
             return self._router.num_kept
-        return self._kept.count()
+        return self._state.kept.count()
 
     @property
     def ignored_priority_updates(self) -> int:
@@ -207,32 +183,9 @@ class LearnerClient(SequenceReads, TransitionReads):
     def _take_kept(self) -> dict[Any, list[tuple[Any, SampleInfo]]]:
         """Everything kept, taken out and decoded (a shard's client about to be dropped hands it over)."""
         return {kind: [(self._kind_schema(kind).decode(arrays), info) for arrays, info in parts]
-                for kind, parts in self._kept.take_all().items()}
-
-    @property
-    def _min_seq(self) -> int:
-        if self._updates.pending:  # every read sees this client's own priority updates
-            self.flush_priorities()
-        return max(self._view.seq if self._view is not None else 0, self._updates.seen_seq)
-
-    def _observe(self, reply: P.ReadReply) -> View:
-        view = View(reply.seq, reply.generation, reply.begin, reply.end)
-        if self._view is None or view.seq >= self._view.seq:
-            self._view = view
-        return view
-
-    def _observe_stats(self, stats: Mapping[str, Any]) -> None:
-        seq = stats.get("seq")
-        if isinstance(seq, int) and (self._view is None or seq >= self._view.seq):
-            begin = int(stats.get("oldest_row_id", 0) or 0)
-            self._view = View(seq, int(stats.get("generation", 0) or 0), begin, begin + int(stats.get("length", 0) or 0))
+                for kind, parts in self._state.kept.take_all().items()}
 
     # ------------------------------------------------------------------ figures
-
-    def _reader_stats(self) -> dict[str, Any]:
-        stats = dict(self._read(lambda rid: P.Info(rid)).stats)
-        self._observe_stats(stats)
-        return stats
 
     def info(self) -> dict[str, Any]:
         """The server's figures (clients, rows in and out, commits, ...), with the buffer's own
@@ -240,16 +193,12 @@ class LearnerClient(SequenceReads, TransitionReads):
         servers: the shards' figures added up, each shard's under "shards"."""
         if self._router is not None:
             return self._router.info()
-        writer = dict(self._conn.request(lambda rid: P.Info(rid)).stats)  # type: ignore[attr-defined]
-        if self._reads is self._conn:
-            self._observe_stats(writer)
-            return writer
-        return {**writer, **self._reader_stats()}
+        return self._run(plan_reads.info(self._state))
 
     def __len__(self) -> int:
         if self._router is not None:
             return len(self._router)
-        return int(self._reader_stats()["length"])
+        return self._run(plan_reads.length(self._state))
 
     def wait_for_size(self, size: int, timeout: float | None = None) -> int:
         """Block until at least `size` rows may be sampled (over every shard with `endpoints=`),
@@ -262,65 +211,10 @@ class LearnerClient(SequenceReads, TransitionReads):
             NotEnoughDataError: fewer than `size` rows after `timeout` (the message says how many).
             ServerUnavailableError: the server stopped answering.
         """
-        if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 0:
-            raise ConfigError(f"size must be an int >= 0, got {size!r}")
-        wanted = int(size)
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                    or not timeout >= 0):
-            raise ConfigError(f"timeout must be a number of seconds >= 0 or None, got {timeout!r}")
-        deadline = None if timeout is None else time.monotonic() + float(timeout)
-        pause = 0.01
-        while (held := len(self)) < wanted:
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise NotEnoughDataError(f"{held} rows may be sampled after {timeout} s of waiting, fewer than the "
-                                         f"{wanted} asked for")
-            time.sleep(pause if left is None else min(pause, left))
-            pause = min(pause * 2, 0.2)
-        return held
-
-    # ------------------------------------------------------------------ plumbing
-
-    def _decode(self, arrays: Mapping[str, np.ndarray]) -> Any:
-        return self.schema.decode(arrays)
-
-    def _read(self, factory: Callable[[int], P.Request]) -> Any:
-        if self._reads is None:
-            raise ProtocolError("this learner has no read connection")
-        return self._reads.request(factory)
-
-    def _read_many(
-        self, factories: Sequence[Callable[[int], P.Request]], conn: Connection | None = None, timeout: float | None = None,
-    ) -> list[Any]:
-        """Replies to several reads (on the read connection, or `conn`), keeping up to
-        `max_in_flight` of them travelling at once."""
-        conn = conn if conn is not None else self._reads
-        if conn is None:
-            raise ProtocolError("this learner has no read connection")
-        window = self.config.max_in_flight
-        replies: list[Any] = []
-        pending: list[int] = []
-        try:
-            for factory in factories:
-                if len(pending) >= window:
-                    replies.append(conn.wait(pending.pop(0), timeout))
-                pending.append(conn.send(factory))
-            while pending:
-                replies.append(conn.wait(pending.pop(0), timeout))
-        except BaseException:
-            for request_id in pending:
-                conn.forget(request_id)
-            raise
-        for reply in replies:
-            if isinstance(reply, P.ReadReply):
-                self._observe(reply)
-        return replies
-
-    def _joined(self, parts: list[Mapping[str, np.ndarray]], names: Sequence[str] | None = None) -> dict[str, np.ndarray]:
-        """The leaves `names` (the rows' own by default) of several replies, one after another."""
-        if len(parts) == 1:
-            return dict(parts[0])
-        return {name: np.concatenate([p[name] for p in parts]) for name in (names or self.schema.names)}
+        router = self._router
+        if router is not None:
+            return BlockingDriver.alone(plan_reads.wait_for_size(lambda: finished(len(router)), size, timeout))
+        return self._run(plan_reads.wait_for_size(lambda: plan_reads.length(self._state), size, timeout))
 
     # ------------------------------------------------------------------ reads
 
@@ -337,20 +231,7 @@ class LearnerClient(SequenceReads, TransitionReads):
         """
         if self._router is not None:
             return self._router.get(indices)
-        idx = _integer_array(indices, "indices")
-        per = self._ids_per_message
-        first = self._read_many([_request(P.Get, self._min_seq, idx[:per])])[0]
-        if idx.shape[0] <= per:
-            return self._decode(first.arrays)
-        # The rest by row id, resolved against the view the first part came from.
-        view = View(first.seq, first.generation, first.begin, first.end)
-        rest = idx[per:].copy()
-        rest[rest < 0] += view.length
-        bad = (rest < 0) | (rest >= view.length)
-        if bad.any():
-            raise IndexError(f"index {int(idx[per:][np.argmax(bad)])} is out of range for {view.length} rows")
-        parts = [first.arrays, self._rows_by_id(rest + view.begin, view.seq)]
-        return self._decode(self._joined(parts))
+        return self.schema.decode(self._run(plan_reads.get(self._state, indices)))
 
     def get_rows(self, row_ids: Any) -> Any:
         """Rows by global row id (any order, duplicates kept); returned flat (n, ...). Over several
@@ -365,16 +246,7 @@ class LearnerClient(SequenceReads, TransitionReads):
         """
         if self._router is not None:
             return self._router.get_rows(row_ids)
-        ids = _integer_array(row_ids, "row ids")
-        if ids.size and int(ids.min()) < 0:
-            raise IndexError(f"row id {int(ids.min())} is negative; row ids count from 0")
-        return self._decode(self._rows_by_id(ids, self._min_seq))
-
-    def _rows_by_id(self, ids: np.ndarray, min_seq: int) -> dict[str, np.ndarray]:
-        parts = _chunks(ids.shape[0], self._ids_per_message) or [(0, 0)]
-        min_seq = max(min_seq, self._min_seq)
-        replies = self._read_many([_request(P.GetRows, min_seq, ids[lo:hi]) for lo, hi in parts])
-        return self._joined([r.arrays for r in replies])
+        return self.schema.decode(self._run(plan_reads.get_rows(self._state, row_ids)))
 
     def sample(self, batch_size: int, seed: int | None = None, *, with_info: bool = False,
                table: str | None = None) -> Any:
@@ -398,46 +270,45 @@ class LearnerClient(SequenceReads, TransitionReads):
         """
         if self._router is not None:
             return self._router.sample(batch_size, seed, with_info=with_info, table=table)
-        size = _positive(batch_size, "batch_size")
-        t = self._table(table)
-        if t.consuming:
-            return self._consume(("rows", *t.kind), size, lambda n: self._sample_requests(n, seed, t), with_info)
-        return self._sampled(self._read_many(self._sample_requests(size, seed, t)), with_info)
+        return self._run(plan_draws.sample(self._state, batch_size, seed, with_info, table)).result()
 
-    def _consume(self, kind: Any, size: int, requests: Callable[[int], list[Callable[[int], P.Request]]],
-                 with_info: bool, schema: Schema | None = None) -> Any:
-        """`size` rows (windows) of a draw that changes the server's state: those kept first,
-        then `requests(rest)`; when one of those fails, everything drawn is kept, in order."""
-        parts = self._kept.take(kind, size)
-        have = sum(len(info) for _, info in parts)
-        if have < size:
-            drawn, error = self._draws.draw_all(requests(size - have))
-            parts += drawn
-            if error is not None:
-                self._kept.give_back(kind, parts)
-                raise kept_error(error, sum(len(info) for _, info in parts))
-        schema = schema or self._kind_schema(kind)
-        arrays, info = join_parts(parts, schema.names)
-        batch = schema.decode(arrays)
-        return (batch, info) if with_info else batch
+    def sample_sequences(self, batch_size: int, length: int, seed: int | None = None, *, with_info: bool = False,
+                         table: str | None = None, pad: bool = False) -> Any:
+        """`batch_size` windows of `length` consecutive steps, each inside one complete episode;
+        leaves come back shaped (batch_size, length, ...). With `with_info=True` returns
+        (batch, SampleInfo) of each window's first row. `pad=True`: windows may start in an
+        episode's last `length - 1` steps, zero-padded past its end, with `batch["mask"]` of the
+        valid steps (see `ReplayBuffer.sample_sequences`). `table` and over several servers, as
+        `sample`."""
+        if self._router is not None:
+            return self._router.sample_sequences(batch_size, length, seed, with_info=with_info, table=table, pad=pad)
+        return self._run(plan_draws.sample_sequences(self._state, batch_size, length, seed, with_info, table, pad)).result()
 
-    def _sample_many(self, factories: Sequence[Callable[[int], P.Request]], t: TableDraws) -> list[Any]:
-        """Sample requests go to whoever draws them: readers, or the writer when samples change the
-        buffer (then each may wait up to `rate_limit_timeout` for the rate limit)."""
-        if t.samples is self._reads:
-            return self._read_many(factories)
-        return self._read_many(factories, t.samples, self.config.timeout + self.config.rate_limit_timeout)
+    @property
+    def transition_keys(self) -> TransitionKeys | None:
+        """The server's observation keys and reward / end-flag leaves (None: it keeps no finals)."""
+        if self._router is not None:
+            return self._router.transition_keys
+        return self._state.transition_keys
 
-    def _sample_requests(self, size: int, seed: int | None, t: TableDraws) -> list[Callable[[int], P.Request]]:
-        """The Sample requests of one batch: one per message's worth of rows."""
-        limit = self.config.rate_limit_timeout
-        return [_request(P.Sample, hi - lo, _seed(seed, k), self._min_seq, limit, t.asked)
-                for k, (lo, hi) in enumerate(_chunks(size, t.rows_per_sample))]
+    def sample_transitions(self, batch_size: int, *, n_step: int = 1, gamma: float = 0.99, with_info: bool = False,
+                           seed: int | None = None, table: str | None = None) -> Any:
+        """`batch_size` n-step transitions drawn by the server (see
+        `ReplayBuffer.sample_transitions`): the step's leaves with `reward` summed over the next
+        `k` steps, `discount` = gamma ** k, `next` (the observation n steps on, or the episode's
+        final) and the end flags of the last step summed. With `with_info=True`, (batch,
+        SampleInfo) with `has_final`. Drawn in parts, kept on a failure, over shards: as `sample`.
 
-    def _sampled(self, replies: list[Any], with_info: bool) -> Any:
-        """The batch the replies of one sample carry (and its SampleInfo when asked)."""
-        batch = self._decode(self._joined([r.arrays for r in replies]))
-        return (batch, sample_info(replies)) if with_info else batch
+        Raises:
+            ConfigError: the server keeps no final observations (`serve --observation-keys`), a
+                bad n_step or gamma, or no such table.
+            NotEnoughDataError, RateLimitedError: as `sample`.
+        """
+        if self._router is not None:
+            return self._router.sample_transitions(batch_size, n_step=n_step, gamma=gamma, with_info=with_info,
+                                                   seed=seed, table=table)
+        return self._run(plan_draws.sample_transitions(self._state, batch_size, n_step, gamma, with_info, seed,
+                                                   table)).result()
 
     def batches(
         self, batch_size: int, *, prefetch: int = 4, sequence_length: int | None = None, with_info: bool = False,
@@ -463,102 +334,28 @@ class LearnerClient(SequenceReads, TransitionReads):
             NotEnoughDataError, RateLimitedError, ServerUnavailableError: as `sample`; the
                 iterator ends with the error.
         """
+        if self._router is not None:
+            return self._routed_batches(batch_size, prefetch, sequence_length, with_info, seed, table)
+        plan = plan_batches.batches(self._state, batch_size, prefetch, sequence_length, with_info, seed, table)
+        return self._driver.stream(plan)
+
+    def _routed_batches(self, batch_size: int, prefetch: int, sequence_length: int | None, with_info: bool,
+                        seed: int | None, table: str | None) -> Iterator[Any]:
+        """Over several servers each batch is one `sample` across the shards (which already fans out)."""
         size = _positive(batch_size, "batch_size")
         steps = None if sequence_length is None else _positive(sequence_length, "sequence_length")
-        ahead = _positive(prefetch, "prefetch")
+        _positive(prefetch, "prefetch")
+        router = self._router
+        if router is None:
+            raise ProtocolError("this learner has no shards")
+        router.check_table(table)
 
         def one_batch(k: int) -> Any:
             if steps is None:
-                return self.sample(size, _seed(seed, k), with_info=with_info, table=table)
-            return self.sample_sequences(size, steps, _seed(seed, k), with_info=with_info, table=table)
+                return router.sample(size, _seed(seed, k), with_info=with_info, table=table)
+            return router.sample_sequences(size, steps, _seed(seed, k), with_info=with_info, table=table)
 
-        if self._router is not None:
-            self._router.check_table(table)
-            return (one_batch(k) for k in itertools.count())  # shards fan out
-        t = self._table(table)
-        if steps is not None and t.rows_per_sample < steps:
-            return (one_batch(k) for k in itertools.count())  # huge windows are read by id
-
-        group = 1 if seed is not None else self._batches_per_request(size * (steps or 1), ahead, t)
-
-        def requests(batch_seed: int | None) -> list[Callable[[int], P.Request]]:
-            if steps is None:
-                return self._sample_requests(size * group, batch_seed, t)
-            return self._window_requests(size * group, steps, batch_seed, t) or []
-
-        parts = len(requests(None))
-        kind = (("rows",) if steps is None else ("windows", steps)) + t.kind
-        pipelined = self._pipelined(lambda k: requests(_seed(seed, k * parts)), -(-ahead // group), with_info, t,
-                                    group, kind)
-        if not t.consuming:
-            return pipelined
-        return self._kept_first(kind, one_batch, pipelined)
-
-    def _kept_first(self, kind: Any, one_batch: Callable[[int], Any], then: Iterator[Any]) -> Iterator[Any]:
-        """Batches of the rows kept from a failed call first (each topped up by a fresh draw), then `then`."""
-        k = 0
-        while self._kept.count(kind):
-            yield one_batch(k)
-            k += 1
-        yield from then
-
-    def _batches_per_request(self, rows: int, ahead: int, t: TableDraws) -> int:
-        """How many batches of `rows` rows one request of `batches` may carry: 1 when the writer
-        draws (a rate limit counts, or rows are removed, as each batch is asked for), else up to
-        half of `ahead` (two requests or more stay in flight), within one message and 1 MiB."""
-        if t.samples is not self._reads:
-            return 1
-        fit = min(self.rows_per_message // rows, _REQUEST_BYTES // max(1, rows * int(self.schema.row_bytes)))
-        return int(max(1, min(ahead // 2, fit)))
-
-    def _pipelined(
-        self, group_requests: Callable[[int], list[Callable[[int], P.Request]]], ahead: int, with_info: bool,
-        t: TableDraws, group: int = 1, kind: Any = ("rows",),
-    ) -> Iterator[Any]:
-        """The batches the replies to `group_requests(k)` carry, `group` batches each, with
-        `ahead` groups' requests in flight. From a server whose draws change its state, no reply
-        is given up on: when one fails, or the loop is left, the requests still in flight are
-        cancelled where they wait for the rate limit, and what was drawn is kept (`num_kept`)."""
-        conn = t.samples
-        timeout = None if conn is self._reads else self.config.timeout + self.config.rate_limit_timeout
-        in_flight: collections.deque[list[int]] = collections.deque()
-        try:
-            for k in itertools.count():
-                while len(in_flight) < ahead:
-                    in_flight.append([conn.send(request) for request in group_requests(k + len(in_flight))])
-                if t.consuming:
-                    parts, error = self._draws.collect(in_flight.popleft(), cancel=False,
-                                                 timeout=typing.cast(float, timeout))
-                    if error is not None:
-                        self._kept.give_back(kind, parts)
-                        raise kept_error(error, self._kept.count(kind))
-                    arrays, info = join_parts(parts, self.schema.names)
-                    batch = self._decode(arrays)
-                    yield (batch, info) if with_info else batch
-                    continue
-                replies = [conn.wait(request_id, timeout) for request_id in in_flight.popleft()]
-                for reply in replies:
-                    if isinstance(reply, P.ReadReply):
-                        self._observe(reply)
-                yield from self._split(replies, group, with_info)
-        finally:
-            if t.consuming and in_flight and not conn.closed:
-                parts, _ = self._draws.collect([rid for ids in in_flight for rid in ids], cancel=True,
-                                         timeout=typing.cast(float, timeout))
-                self._kept.put(kind, parts)
-            else:
-                for request_ids in in_flight:
-                    for request_id in request_ids:
-                        conn.forget(request_id)
-
-    def _split(self, replies: list[Any], group: int, with_info: bool) -> Iterator[Any]:
-        """The `group` batches of equal size that the replies of one request carry, in order."""
-        arrays = self._joined([r.arrays for r in replies])
-        info = sample_info(replies) if with_info else None
-        size = next(iter(arrays.values())).shape[0] // group
-        for lo in range(0, size * group, size):
-            batch = self._decode({name: a[lo : lo + size] for name, a in arrays.items()})
-            yield (batch, info.slice(lo, lo + size)) if info is not None else batch
+        return (one_batch(k) for k in itertools.count())
 
     @overload
     def update_priorities(self, row_ids: Any, priorities: Any, *, wait: Literal[True] = True,
@@ -604,22 +401,13 @@ class LearnerClient(SequenceReads, TransitionReads):
         """
         if self._router is not None:
             return self._router.update_priorities(row_ids, priorities, table=table)
-        ids = _integer_array(row_ids, "row ids")
-        t = self._table(table)
-        if t.keeps_priorities is False:
-            raise ConfigError(f"table {t.name!r} samples by {self._table_figure(t, 'sampler')}, not by priority: only "
-                              "a Prioritized sampler keeps priorities")
-        values = check_priorities(priorities, ids.shape[0], sampler=t.sampler)
-        if ids.size and int(ids.min()) < 0:
-            raise IndexError(f"row id {int(ids.min())} is negative; row ids count from 0")
-        updates = self._updates
-        if not wait:
-            with updates.lock:
-                updates.send(ids, values, self._view.end if self._view is not None else 0, t.asked)
-            return None
-        replies = self._read_many(updates.requests(ids, values, t.asked), self._conn, updates.timeout)
-        updates.seen_seq = max(updates.seen_seq, *(int(r.seq) for r in replies))
-        return sum(int(r.ignored) for r in replies)
+        if wait:
+            return self._run(plan_reads.update_priorities(self._state, row_ids, priorities, table))
+        ids, values = plan_reads.check_update(self._state, row_ids, priorities, table)
+        view = self._state.view
+        with self._updates.lock:
+            self._updates.send(ids, values, view.end if view is not None else 0, self._state.table(table).asked)
+        return None
 
     def flush_priorities(self) -> None:
         """Send the priority updates made with wait=False that are still held here, and wait for
@@ -633,35 +421,14 @@ class LearnerClient(SequenceReads, TransitionReads):
         Over several servers, shard by shard, with packed ids (`h5replay.records.pack_ids`)."""
         if self._router is not None:
             return self._router.episodes()
-        table, _ = self._episode_table()
+        table, _ = self._run(plan_reads.episode_table(self._state))
         return [Episode(*row) for row in table.tolist()]
-
-    def _episode_table(self) -> tuple[np.ndarray, View]:
-        """(every complete episode as (episode_id, first_row_id, length) rows, the view of the
-        last page): read in pages of what fits a message, each page from the episode after the
-        last one the previous page gave. Episodes the ring dropped before the last page came
-        are left out, so the list is the episodes that last view holds."""
-        per = max(1, min(self.limits.max_rows_per_message,
-                         (self.limits.max_message_bytes - P.ROWS_MESSAGE_OVERHEAD) // (3 * P.ID_BYTES)))
-        pages: list[np.ndarray] = []
-        first = 0
-        while True:
-            reply = self._read_many([_request(P.Episodes, self._min_seq, first, per)])[0]
-            pages.append(reply.episodes)
-            if len(reply.episodes) < per:
-                break
-            first = int(reply.episodes[-1, 0]) + 1
-        view = View(reply.seq, reply.generation, reply.begin, reply.end)
-        table = np.concatenate(pages) if len(pages) > 1 else pages[0]
-        if len(pages) > 1:
-            table = table[table[:, 1] >= view.begin]
-        return table, view
 
     def get_segments(self) -> list[tuple[int, int]]:
         """(logical start, length) of every complete episode held, oldest first (one server only)."""
         if self._router is not None:
             return self._router.get_segments()
-        table, view = self._episode_table()
+        table, view = self._run(plan_reads.episode_table(self._state))
         return [(first - view.begin, n) for _, first, n in table.tolist()]
 
     # ------------------------------------------------------------------ closing
@@ -673,10 +440,11 @@ class LearnerClient(SequenceReads, TransitionReads):
         if self._router is not None:
             self._router.close()
             return
-        if self._kept.count():
+        kept = self._state.kept
+        if kept.count():
             log.warning("closing a learner that still keeps %d rows (or windows) drawn for it that no call returned: "
-                        "they are gone (call sample() until num_kept is 0 first)", self._kept.count())
-            self._kept.take_all()
+                        "they are gone (call sample() until num_kept is 0 first)", kept.count())
+            kept.take_all()
         if self._updates.pending and not self._conn.closed:
             try:
                 self.flush_priorities()
