@@ -50,7 +50,8 @@ targets are informational: PASS/MISS never changes the exit code):
    against a server on the same file (default: one reader process behind the writer's proxy
    thread), and, for comparison, against a server with `num_readers=0` (the writer's loop
    answers; no proxy hop), and `LearnerClient.batches(256, prefetch=8)` on the default server
-   (requests kept in flight). Raw: a bare ROUTER answering each request with a ready-made reply
+   (requests kept in flight), and `AsyncLearnerClient.batches(256, prefetch=8)` (the asyncio
+   client, the same plans on `zmq.asyncio`: its ratio to the blocking `batches`, target >= 0.9x). Raw: a bare ROUTER answering each request with a ready-made reply
    of the same frames. Targets (issue 9), for `batches`: >= 5,000 batches/s of small rows, and
    >= 0.5x local (SWMR reader) for images.
 3. rss: one actor streams image episodes growing from 100 to 10,000 steps (--quick: to 1,000)
@@ -104,6 +105,7 @@ except ModuleNotFoundError:  # run from a checkout without `pip install -e .`
 
 from h5replay import protocol as P
 from h5replay.client import ActorClient, LearnerClient
+from h5replay.client.aio import AsyncLearnerClient
 from h5replay.config import ServerConfig
 from h5replay.server import Server, ServerProcess
 from h5replay.storage import BoxSpace, DictSpace, ReplayBuffer
@@ -125,6 +127,8 @@ IN_FLIGHT_SCALE = {"pipelined": 2, "batched": 16, "streamed": 4}
 BATCH = 256
 PREFETCH = 8  # batches a pipelined learner keeps requested ahead
 PIPELINED = f"wire, LearnerClient.batches(prefetch={PREFETCH})"
+ASYNC_PIPELINED = f"wire, AsyncLearnerClient.batches(prefetch={PREFETCH})"
+ASYNC_VS_BLOCKING_TARGET = 0.9  # AsyncLearnerClient.batches against the blocking batches (issue 23)
 SMALL_BATCHES_TARGET = 5_000  # sample(256) batches/s of small rows over the wire, one learner (issue 9)
 SMALL_INGEST_TARGET = 1_000_000  # rows/s, small rows, whole episodes (extend), 4 actors (issue 9)
 STREAM_INGEST_TARGET = 500_000  # rows/s, small rows streamed step by step (append), 4 actors (issue 9)
@@ -875,6 +879,33 @@ def time_batches(fn: Any, sizes: Sizes) -> dict[str, Any]:
     return {"seconds": seconds, "batches": len(times), "batches_per_s": len(times) / seconds, **latency(times)}
 
 
+def time_async_batches(endpoint: str, sizes: Sizes) -> dict[str, Any]:
+    """`time_batches` of `AsyncLearnerClient.batches(BATCH, prefetch=PREFETCH)` on an event loop of its own."""
+    import asyncio
+
+    async def timed() -> dict[str, Any]:
+        async with AsyncLearnerClient(endpoint, timeout=30.0) as learner:
+            stream: Any = learner.batches(BATCH, prefetch=PREFETCH)
+            try:
+                t0 = perf()
+                for _ in range(10):
+                    await stream.__anext__()
+                    if perf() - t0 > sizes.sample_budget / 4:
+                        break
+                times: list[float] = []
+                t0 = perf()
+                while len(times) < sizes.sample_batches and perf() - t0 < sizes.sample_budget:
+                    ts = perf()
+                    await stream.__anext__()
+                    times.append(perf() - ts)
+                seconds = perf() - t0
+            finally:
+                await stream.aclose()
+        return {"seconds": seconds, "batches": len(times), "batches_per_s": len(times) / seconds, **latency(times)}
+
+    return asyncio.run(timed())
+
+
 def sample_methods(path: str, endpoints: Endpoints, kind: str, n: int, sizes: Sizes) -> dict[str, dict[str, Any]]:
     """Time every sampling method on the file at `path` (written by `fill_file`)."""
     got: dict[str, dict[str, Any]] = {}
@@ -906,6 +937,7 @@ def sample_methods(path: str, endpoints: Endpoints, kind: str, n: int, sizes: Si
                     batches = learner.batches(BATCH, prefetch=PREFETCH)
                     got[PIPELINED] = time_batches(functools.partial(next, batches), sizes)
                     batches.close()
+                    got[ASYNC_PIPELINED] = time_async_batches(bind, sizes)
         finally:
             server.stop()
     bind, _ = endpoints.pair()
@@ -962,6 +994,11 @@ def run_sample(tmp: str, endpoints: Endpoints, sizes: Sizes) -> dict[str, Any]:
             elif name == PIPELINED:
                 m["target_met"] = m["batches_per_s"] >= SMALL_BATCHES_TARGET
                 check = f">={SMALL_BATCHES_TARGET:,}/s {verdict(m['batches_per_s'] / SMALL_BATCHES_TARGET, 1.0)}"
+            elif name == ASYNC_PIPELINED:
+                m["vs_blocking_batches"] = m["batches_per_s"] / got[PIPELINED]["batches_per_s"]
+                m["target_met"] = m["vs_blocking_batches"] >= ASYNC_VS_BLOCKING_TARGET
+                check = (f"{m['vs_blocking_batches']:.2f}x batches, >={ASYNC_VS_BLOCKING_TARGET}x "
+                         f"{verdict(m['vs_blocking_batches'], ASYNC_VS_BLOCKING_TARGET)}")
             elif name.startswith("wire"):
                 check = "info"
             table.append([name, fmt(m["batches_per_s"]), fmt(m["rows_per_s"]), fmt(m["mb_per_s"]),

@@ -1,0 +1,349 @@
+"""AsyncLearnerClient: a learner's reads as coroutines, on asyncio (`zmq.asyncio`).
+
+The same verbs as `LearnerClient`, run by the same plans of the client core
+(h5replay.client._core) on an asyncio driver: requests are built, split and their replies
+joined and checked exactly as the blocking client does; only the waiting differs. Many
+coroutines may use one client at once (each request has its own future; replies are matched by
+request id). Timeouts raise `ServerUnavailableError`, never `asyncio.TimeoutError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+from h5replay.client._connection import curve_keys
+from h5replay.client._core import batches as plan_batches
+from h5replay.client._core import draws as plan_draws
+from h5replay.client._core import reads as plan_reads
+from h5replay.client._core.draws import Drawn
+from h5replay.client._core.ops import Plan
+from h5replay.client._core.state import LearnerState
+from h5replay.client._reads import View, _positive, _reachable, _seed
+from h5replay.client.aio._connection import AsyncConnection
+from h5replay.client.aio._drive import AsyncDriver
+from h5replay.config import DEFAULT_ENDPOINT, ClientConfig, process_name
+from h5replay.errors import ClosedError, ConfigError
+from h5replay.records import Episode
+from h5replay.spaces import Schema, Space
+
+__all__ = ["AsyncLearnerClient"]
+
+log = logging.getLogger("h5replay.client")
+
+
+class AsyncLearnerClient:
+    """Reads from one server, as coroutines. Connects at `async with` (or `await connect()`);
+    every verb connects first when that was not done.
+
+    ::
+
+        async with AsyncLearnerClient("tcp://127.0.0.1:5555") as learner:
+            await learner.wait_for_size(1000)
+            batch, info = await learner.sample(256, with_info=True)
+            async for batch in learner.batches(256, prefetch=8):
+                ...
+
+    Args:
+        endpoint, timeout, name, config, secret_key, server_key: as `LearnerClient`.
+        endpoints: several servers: not yet (raises ConfigError; use `LearnerClient(endpoints=)`).
+
+    Not yet: shards; `update_priorities(wait=False)` (every update is awaited: run it in a task of
+    its own to overlap it); from a server whose draws change its state (a queue, a rate limit),
+    `batches` draws one batch at a time, each a `sample` (no prefetch).
+
+    Consuming draws (a queue, a rate limit): a call cancelled while its rows are drawn does not
+    lose them. Its draw goes on to its end (within `timeout` plus `rate_limit_timeout`) and what
+    it drew is kept (`num_kept`), returned first by the next call of the same kind, which waits
+    for it. Such draws of one client are made one after another, in call order.
+
+    Raises:
+        ConfigError: `endpoints=` was given, or only one of secret_key / server_key.
+    """
+
+    def __init__(
+        self,
+        endpoint: str = DEFAULT_ENDPOINT,
+        timeout: float = 10.0,
+        *,
+        name: str | None = None,
+        config: ClientConfig | None = None,
+        secret_key: str | os.PathLike[str] | None = None,
+        server_key: str | os.PathLike[str] | None = None,
+        endpoints: Any = None,
+    ) -> None:
+        if endpoints is not None:
+            raise ConfigError("AsyncLearnerClient(endpoints=...) is not yet supported: one server only for now; "
+                              "use LearnerClient(endpoints=...) for shards")
+        self.config = config or ClientConfig(endpoint=endpoint, timeout=timeout, name=name or process_name("learner"))
+        self._curve = curve_keys(secret_key, server_key)
+        self._state: LearnerState | None = None
+        self._conn: AsyncConnection | None = None
+        self._reads: AsyncConnection | None = None
+        self._driver: AsyncDriver | None = None
+        self._connecting: asyncio.Lock | None = None
+        self._draw_lock: asyncio.Lock | None = None  # consuming draws, one after another
+        self._drawing: set[asyncio.Task[Drawn | None]] = set()
+        self._closed = False
+        self.read_endpoint = ""
+        self.server_version = self.replay_id = self.instance_id = ""
+
+    # ------------------------------------------------------------------ connecting
+
+    async def connect(self) -> AsyncLearnerClient:
+        """Say hello to the server (once; later calls return at once). Returns self.
+
+        Raises:
+            ServerUnavailableError: no answer within `timeout`.
+            ClosedError: the client was closed.
+        """
+        if self._closed:
+            raise ClosedError("this learner was closed")
+        if self._state is not None:
+            return self
+        if self._connecting is None:
+            self._connecting = asyncio.Lock()
+        async with self._connecting:
+            if self._state is None:
+                await self._hello()
+        return self
+
+    async def _hello(self) -> None:
+        conn = AsyncConnection(self.config.endpoint, self.config, curve=self._curve)
+        try:
+            hello = await AsyncDriver(conn, conn).run(plan_reads.hello(self.config.name))
+            conn.limits = hello.limits
+            read_endpoint = _reachable(hello.read_endpoint, self.config.endpoint)
+            reads = conn
+            if read_endpoint != self.config.endpoint:
+                reads = AsyncConnection(read_endpoint, self.config, curve=self._curve)
+                reads.limits = hello.limits
+        except BaseException:
+            await conn.aclose()
+            raise
+        self._conn, self._reads, self._driver = conn, reads, AsyncDriver(conn, reads)
+        self._state = LearnerState(self.config, hello, separate_reads=reads is not conn)
+        self.read_endpoint = read_endpoint
+        self.server_version, self.replay_id, self.instance_id = hello.server_version, hello.replay_id, hello.instance_id
+
+    async def _ready(self) -> tuple[LearnerState, AsyncDriver]:
+        if self._state is None or self._driver is None:
+            await self.connect()
+        if self._closed:
+            raise ClosedError("this learner was closed")
+        return self._state, self._driver  # type: ignore[return-value]
+
+    def _known(self) -> LearnerState:
+        if self._state is None:
+            raise ConfigError("this learner is not connected yet: `await learner.connect()` (or `async with`) first")
+        return self._state
+
+    @property
+    def space(self) -> Space:
+        return self._known().space
+
+    @property
+    def schema(self) -> Schema:
+        return self._known().schema
+
+    @property
+    def limits(self) -> Any:
+        return self._known().limits
+
+    @property
+    def capacity(self) -> int | None:
+        return self._known().capacity
+
+    @property
+    def sampling(self) -> dict[str, Any]:
+        """The server's sampling settings (sampler, rate limit, ...) as its hello gave them."""
+        return self._known().sampling
+
+    @property
+    def view(self) -> View | None:
+        """The newest published state a reply of this client came from (None before any read)."""
+        return self._state.view if self._state is not None else None
+
+    @property
+    def num_kept(self) -> int:
+        """Rows (windows) consuming draws handed to this client that no call returned yet (see
+        `LearnerClient.num_kept`); a cancelled call's rows count once its draw has ended."""
+        return self._state.kept.count() if self._state is not None else 0
+
+    # ------------------------------------------------------------------ figures
+
+    async def info(self) -> dict[str, Any]:
+        """The server's figures, with the buffer's own as this client's view shows them."""
+        state, driver = await self._ready()
+        return await driver.run(plan_reads.info(state))
+
+    async def size(self) -> int:
+        """Rows held, as a reader sees them (the blocking client's `len(learner)`)."""
+        state, driver = await self._ready()
+        return await driver.run(plan_reads.length(state))
+
+    async def wait_for_size(self, size: int, timeout: float | None = None) -> int:
+        """Wait until at least `size` rows may be sampled; returns the count seen. Polls `size()`,
+        every 10 ms at first and every 0.2 s at most. `timeout`: seconds, None for no end.
+
+        Raises:
+            ConfigError: `size` is not an int >= 0, or `timeout` not a number >= 0.
+            NotEnoughDataError: fewer than `size` rows after `timeout`.
+            ServerUnavailableError: the server stopped answering.
+        """
+        state, driver = await self._ready()
+        return await driver.run(plan_reads.wait_for_size(lambda: plan_reads.length(state), size, timeout))
+
+    async def episodes(self) -> list[Episode]:
+        """Every complete episode held, oldest first: Episode(episode_id, first_row_id, length)."""
+        state, driver = await self._ready()
+        table, _ = await driver.run(plan_reads.episode_table(state))
+        return [Episode(*row) for row in table.tolist()]
+
+    # ------------------------------------------------------------------ reads
+
+    async def get(self, indices: Any) -> Any:
+        """Rows at logical `indices`, as `LearnerClient.get`."""
+        state, driver = await self._ready()
+        return state.schema.decode(await driver.run(plan_reads.get(state, indices)))
+
+    async def get_rows(self, row_ids: Any) -> Any:
+        """Rows by global row id (any order, duplicates kept), as `LearnerClient.get_rows`."""
+        state, driver = await self._ready()
+        return state.schema.decode(await driver.run(plan_reads.get_rows(state, row_ids)))
+
+    async def sample(self, batch_size: int, seed: int | None = None, *, with_info: bool = False,
+                     table: str | None = None) -> Any:
+        """`batch_size` rows drawn by the server's sampler, as `LearnerClient.sample` (kept rows
+        first from a consuming server; see the class's note on cancellation)."""
+        state, driver = await self._ready()
+        return await self._draw(state, driver, plan_draws.sample(state, batch_size, seed, with_info, table), table)
+
+    async def sample_sequences(self, batch_size: int, length: int, seed: int | None = None, *,
+                               with_info: bool = False, table: str | None = None, pad: bool = False) -> Any:
+        """`batch_size` windows of `length` consecutive steps, as `LearnerClient.sample_sequences`."""
+        state, driver = await self._ready()
+        plan = plan_draws.sample_sequences(state, batch_size, length, seed, with_info, table, pad)
+        return await self._draw(state, driver, plan, table)
+
+    async def sample_transitions(self, batch_size: int, *, n_step: int = 1, gamma: float = 0.99,
+                                 with_info: bool = False, seed: int | None = None, table: str | None = None) -> Any:
+        """`batch_size` n-step transitions, as `LearnerClient.sample_transitions`."""
+        state, driver = await self._ready()
+        plan = plan_draws.sample_transitions(state, batch_size, n_step, gamma, with_info, seed, table)
+        return await self._draw(state, driver, plan, table)
+
+    async def _draw(self, state: LearnerState, driver: AsyncDriver, plan: Plan[Drawn], table: str | None) -> Any:
+        """The result of a draw plan. A consuming one runs in a task of its own that a cancelled
+        caller cannot stop half-way: when the caller went away, its rows are kept."""
+        if not state.table(table).consuming:
+            return (await driver.run(plan)).result()
+        if self._draw_lock is None:
+            self._draw_lock = asyncio.Lock()
+        lock = self._draw_lock
+        abandoned = False
+
+        async def draw() -> Drawn | None:
+            async with lock:
+                if abandoned:  # nothing drawn yet: nothing to keep
+                    plan.close()
+                    return None
+                drawn = await driver.run(plan)
+                if abandoned:
+                    drawn.keep(state)
+                    return None
+                return drawn
+
+        task = asyncio.get_running_loop().create_task(draw(), name="h5replay-draw")
+        self._drawing.add(task)
+        task.add_done_callback(self._drawn)
+        try:
+            drawn = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if not task.done():
+                abandoned = True
+            elif not task.cancelled() and task.exception() is None and task.result() is not None:
+                task.result().keep(state)  # type: ignore[union-attr]
+            raise
+        if drawn is None:
+            raise ClosedError("this learner was closed while it drew")
+        return drawn.result()
+
+    def _drawn(self, task: asyncio.Task[Drawn | None]) -> None:
+        self._drawing.discard(task)
+        if not task.cancelled() and task.exception() is not None and not isinstance(task.exception(), Exception):
+            log.warning("a draw of a cancelled call ended with %r", task.exception())
+
+    def batches(self, batch_size: int, *, prefetch: int = 4, sequence_length: int | None = None,
+                with_info: bool = False, seed: int | None = None, table: str | None = None) -> AsyncIterator[Any]:
+        """Batches without end, as `LearnerClient.batches`: `prefetch` batches requested ahead
+        (several batches a request without a seed, from readers). Leave the loop (or `aclose()`
+        the iterator) to stop: requests still travelling are dropped. From a server whose draws
+        change its state, each batch is one `sample` (or `sample_sequences`), no prefetch.
+        Arguments are checked at once when connected, else at the first batch.
+
+        Raises:
+            ConfigError, NotEnoughDataError, RateLimitedError, ServerUnavailableError: as `sample`.
+        """
+        size = _positive(batch_size, "batch_size")
+        steps = None if sequence_length is None else _positive(sequence_length, "sequence_length")
+        _positive(prefetch, "prefetch")
+        if self._state is not None:
+            self._state.table(table)
+        return self._batches(size, prefetch, steps, with_info, seed, table)
+
+    async def _batches(self, size: int, prefetch: int, steps: int | None, with_info: bool, seed: int | None,
+                       table: str | None) -> AsyncIterator[Any]:
+        state, driver = await self._ready()
+        if state.table(table).consuming:
+            for k in itertools.count():
+                if steps is None:
+                    yield await self.sample(size, _seed(seed, k), with_info=with_info, table=table)
+                else:
+                    yield await self.sample_sequences(size, steps, _seed(seed, k), with_info=with_info, table=table)
+        plan = plan_batches.batches(state, size, prefetch, steps, with_info, seed, table)
+        stream = driver.stream(plan)
+        try:
+            async for batch in stream:
+                yield batch
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+
+    async def update_priorities(self, row_ids: Any, priorities: Any, *, table: str | None = None) -> int:
+        """Set the priorities of rows by id, as `LearnerClient.update_priorities` with wait=True:
+        returns once the writer has applied and published them (every later read of this client
+        sees them); how many ids were ignored (no longer held).
+
+        Raises:
+            ConfigError: the table keeps no priorities, or a bad priority (nothing is changed).
+            IndexError: an id was never committed (nothing of that message is changed).
+        """
+        state, driver = await self._ready()
+        return await driver.run(plan_reads.update_priorities(state, row_ids, priorities, table))
+
+    # ------------------------------------------------------------------ closing
+
+    async def aclose(self) -> None:
+        """Wait for the draws of cancelled calls (their rows are then kept), then close both
+        sockets. Rows still kept are dropped, with a warning. Safe to call twice."""
+        if self._closed:
+            return
+        if self._drawing:
+            await asyncio.wait(set(self._drawing), timeout=self.config.timeout + self.config.rate_limit_timeout)
+        self._closed = True
+        if self._state is not None and self._state.kept.count():
+            log.warning("closing a learner that still keeps %d rows (or windows) drawn for it that no call returned: "
+                        "they are gone (call sample() until num_kept is 0 first)", self._state.kept.count())
+            self._state.kept.take_all()
+        for conn in {id(c): c for c in (self._reads, self._conn) if c is not None}.values():
+            await conn.aclose()
+
+    async def __aenter__(self) -> AsyncLearnerClient:
+        return await self.connect()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
