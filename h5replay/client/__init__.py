@@ -1,4 +1,7 @@
-"""Clients of an h5replay server (or of several: `endpoints=[...]`): actors write episodes, learners read and sample."""
+"""Clients of an h5replay server (or of several: `endpoints=[...]`): actors write episodes, learners read and sample.
+
+On asyncio: `h5replay.client.aio.AsyncLearnerClient` (not imported here, so that blocking users never load it).
+"""
 
 from __future__ import annotations
 

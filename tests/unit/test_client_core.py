@@ -5,13 +5,16 @@ checked in milliseconds."""
 
 from __future__ import annotations
 
+import ast
 import itertools
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
+import h5replay.client._core as core
 from h5replay import protocol as P
 from h5replay.client._core import batches as plan_batches
 from h5replay.client._core import draws as plan_draws
@@ -131,6 +134,17 @@ def refusal(request: Any, error: Exception) -> P.ErrorReply:
 
 
 # ------------------------------------------------------------------ ops and folds
+
+
+def test_the_core_does_no_io_of_its_own() -> None:
+    """No module of the core imports what waits or talks: sockets, threads, clocks, event loops."""
+    waiting = {"zmq", "socket", "threading", "time", "asyncio", "select", "selectors", "h5py"}
+    for path in sorted(Path(core.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            used = {name.split(".")[0] for name in names} & waiting
+            assert not used, f"{path.name} imports {sorted(used)}: the core must stay apart from how it waits"
 
 
 def test_checked_turns_a_refusal_into_its_exception_by_code() -> None:

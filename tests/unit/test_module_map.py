@@ -134,14 +134,15 @@ def opened() -> None:
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("start", ["h5replay.storage", "h5replay.client", "h5replay.server", "h5replay.integrations", "h5replay"])
+@pytest.mark.parametrize("start", ["h5replay.storage", "h5replay.client", "h5replay.client.aio", "h5replay.server",
+                                   "h5replay.integrations", "h5replay"])
 def test_no_import_cycle_below(start: str) -> None:
     cycle = _cycle(_reachable(start))
     assert cycle is None, f"import cycle below {start}: " + " -> ".join(cycle or [])
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("start", ["h5replay.client", "h5replay.protocol"])
+@pytest.mark.parametrize("start", ["h5replay.client", "h5replay.client.aio", "h5replay.protocol"])
 def test_no_h5py_below(start: str) -> None:
     """Actors, learners and DataLoader workers import the clients: no module they may reach imports h5py."""
     users = sorted(name for name in _reachable(start) if "h5py" in GRAPH[name])
