@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from service_helpers import endpoint
 
 from h5replay.client import ActorClient
 from h5replay.config import ServerConfig
@@ -147,8 +148,10 @@ def cartpole_server(directory: Path) -> Iterator[ServerProcess]:
     """The server a `server` block is given: docker/cartpole-space.json's rows, final observations
     kept, 10 episodes of 20-60 steps held."""
     spec = json.loads((ROOT / "docker" / "cartpole-space.json").read_text())
+    # Ports below the ephemeral range, from this xdist worker's slice (service_helpers.free_port):
+    # a port 0 one the kernel hands out can be taken by the tests beside this one.
     config = ServerConfig(path=str(directory / "served-to-snippet.h5"), space=space_from_json(spec), capacity=100_000,
-                          bind="tcp://127.0.0.1:0", observation_keys=tuple(spec["observation_keys"]))
+                          bind=endpoint(), read_bind=endpoint(), observation_keys=tuple(spec["observation_keys"]))
     server = ServerProcess(config, timeout=60)
     try:
         rng = np.random.default_rng(0)
