@@ -91,6 +91,7 @@ def _numpy_dtype(key: tuple[str, ...], value: Any) -> np.dtype[Any]:
                           f"tensors only (exclude it, e.g. td.exclude({_name(key)}), before extend)")
     if value.dtype == torch.bool:
         return np.dtype(bool)
+    dtype: np.dtype[Any] | None
     try:
         dtype = np.dtype(torch.empty((), dtype=value.dtype).numpy().dtype)
     except TypeError:  # bfloat16 and friends: numpy has no such dtype
