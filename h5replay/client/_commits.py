@@ -11,64 +11,14 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import Protocol
 
-import numpy as np
-
-from h5replay import protocol as P
-from h5replay.client._connection import Connection, Retried
-from h5replay.priorities import Given, join_priorities
+from h5replay.client._connection import Connection
+from h5replay.client._core.actor import Ready, Retried, Settled, receipts, settle_commit
+from h5replay.client._drive import BlockingDriver
 from h5replay.records import Receipt
 
 __all__ = ["PendingCommit"]
-
-
-def _receipt(reply: Any) -> Receipt:
-    """The receipt of a commit or push reply: global ids, or (-1, -1, 0) when nothing was recorded."""
-    if reply.episode_id is None or reply.first_row_id is None or reply.length == 0:
-        return Receipt(-1, -1, 0)
-    return Receipt(int(reply.episode_id), int(reply.first_row_id), int(reply.length))
-
-
-#: Told how a commit in flight ended: (receipt, None) or (None, the error).
-Settled = Callable[[Receipt | None, Exception | None], None]
-
-
-class Ready(NamedTuple):
-    """An episode ready to go in a message."""
-
-    rows: dict[str, np.ndarray]  # by leaf, in storage form
-    n: int
-    priorities: Given | None
-    key: bytes  # its idempotency key
-    final: dict[str, np.ndarray] | None = None  # its final observation, one row a leaf (None: none)
-
-
-def _push_request(episodes: Sequence[Ready], limit: float) -> Callable[[int], P.Request]:
-    """request_id -> the message that commits `episodes`: a push for one, push_episodes (their
-    rows one after another, NaN priorities for steps given none) for several."""
-    if len(episodes) == 1:
-        one = episodes[0]
-        every, tables, by_table = P.priorities_to_wire(one.priorities)
-        return lambda rid: P.PushEpisode(rid, one.n, one.rows, limit, every, one.key, tables, by_table, one.final or {})
-    lengths = np.array([e.n for e in episodes], dtype=np.int64)
-    total = int(lengths.sum())
-    arrays = {path: np.concatenate([e.rows[path] for e in episodes]) for path in episodes[0].rows}
-    every, tables, by_table = P.priorities_to_wire(join_priorities([(e.priorities, e.n) for e in episodes]))
-    keys = np.frombuffer(b"".join(e.key for e in episodes), dtype=np.uint8).reshape(len(episodes), -1)
-    with_final = [e.final for e in episodes if e.final is not None]
-    has_final = np.array([e.final is not None for e in episodes], dtype=np.uint8) if with_final else np.zeros(0, np.uint8)
-    finals = {path: np.concatenate([f[path] for f in with_final]) for path in with_final[0]} if with_final else {}
-    return lambda rid: P.PushEpisodes(rid, total, lengths, keys, arrays, limit, every, tables, by_table, has_final,
-                                      finals)
-
-
-def _receipts(reply: Any) -> list[Receipt]:
-    """The receipts a commit, push or push_episodes reply carries, in the order sent."""
-    if isinstance(reply, P.PushEpisodesReply):
-        return [Receipt(int(e), int(f), int(n)) for e, f, n in reply.episodes]
-    return [_receipt(reply)]
 
 
 class _CommitQueue(Protocol):
@@ -84,10 +34,11 @@ class _Flight:
     client (segments committed with wait=False, see `ActorClient._queue_commit`), then in flight
     (sent again with the same keys while no reply comes), then settled."""
 
-    def __init__(self, conn: Connection | None, retried: Retried | None, settled: list[Settled | None] | None = None,
-                 failures: deque[_Flight] | None = None, receipts: list[Receipt] | None = None,
-                 client: _CommitQueue | None = None) -> None:
+    def __init__(self, conn: Connection | None, driver: BlockingDriver | None, retried: Retried | None,
+                 settled: list[Settled | None] | None = None, failures: deque[_Flight] | None = None,
+                 receipts: list[Receipt] | None = None, client: _CommitQueue | None = None) -> None:
         self.conn = conn
+        self.driver = driver
         self.retried = retried
         self.settled = settled  # one callback (or None) per episode, told its receipt or the error
         self.failures = failures  # where a failure waits for `flush` (messages in flight only)
@@ -113,11 +64,11 @@ class _Flight:
         if client is not None:
             client._send_queue()  # before this flight's lock: the client's lock comes first
         with self.lock:
-            retried, conn = self.retried, self.conn
-            if retried is None or conn is None:
+            retried, driver = self.retried, self.driver
+            if retried is None or driver is None:
                 return
             try:
-                self.receipts = _receipts(conn.wait_retried(retried))
+                self.receipts = receipts(driver.run(settle_commit(retried)))
             except Exception as exc:
                 self._failed(exc)
             self.retried = None  # the request (and the episodes' arrays it holds) can go
@@ -172,7 +123,7 @@ class PendingCommit:
     @classmethod
     def done_with(cls, receipt: Receipt, key: bytes = b"") -> PendingCommit:
         """One already settled (an empty episode, or a commit over several servers, waited for)."""
-        return cls(_Flight(None, None, receipts=[receipt]), key)
+        return cls(_Flight(None, None, None, receipts=[receipt]), key)
 
     def done(self) -> bool:
         """Whether the outcome is here: `result()` then returns (or raises) without waiting."""

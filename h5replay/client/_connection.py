@@ -11,7 +11,6 @@ import itertools
 import os
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -20,24 +19,7 @@ from h5replay import protocol as P
 from h5replay.config import ClientConfig
 from h5replay.errors import ClosedError, ConfigError, ProtocolError, ServerUnavailableError
 
-__all__ = ["Connection", "NotSentError", "Retried", "curve_keys", "dealer", "no_answer", "say_hello"]
-
-
-class NotSentError(ServerUnavailableError):
-    """A request that never left this client (no server connected in time): not in doubt."""
-
-
-@dataclass
-class Retried:
-    """A request that is sent again while no reply comes (`Connection.send_retried`), in flight."""
-
-    request_factory: Any  # request_id -> the request, the same for every attempt
-    timeout: float  # seconds for every attempt in all, counted from the first send
-    attempts: int  # sends at most
-    deadline: float  # time.monotonic() at which the last attempt gives up
-    hold: float  # seconds the server may hold the first attempt back (its rate limit)
-    request_id: int  # of the latest attempt
-    sent_at: float  # when the latest attempt left
+__all__ = ["Connection", "curve_keys", "dealer", "no_answer", "say_hello"]
 
 
 def curve_keys(secret_key: str | os.PathLike[str] | None, server_key: str | os.PathLike[str] | None) -> dict[str, bytes] | None:
@@ -200,73 +182,6 @@ class Connection:
         """Send and wait for the reply, `timeout` for each (the client's by default)."""
         with self._lock:
             return self.wait(self.send(request_factory, timeout), timeout)
-
-    def request_again(self, request_factory: Any, timeout: float, attempts: int, hold: float = 0.0) -> P.Reply:
-        """Send, and when no reply comes within the client's timeout (plus `hold`, the time the
-        server may hold the request back, for the first attempt), send the same request again:
-        up to `attempts` sends in all, within `timeout` in all (the last attempt waits for whatever
-        is left). Only for requests that take effect once however often they arrive: a commit or
-        push with its idempotency key. A first send that cannot leave (no server connected within
-        the client's timeout) raises at once: that request is not in doubt.
-
-        Raises:
-            NotSentError: the request could not be sent (a ServerUnavailableError).
-            ServerUnavailableError: no attempt got a reply within `timeout`.
-        """
-        with self._lock:
-            return self.wait_retried(self.send_retried(request_factory, timeout, attempts, hold))
-
-    def send_retried(self, request_factory: Any, timeout: float, attempts: int, hold: float = 0.0) -> Retried:
-        """The first send of `request_again`; `wait_retried` waits for its reply (sending it again
-        as needed), so that other requests can travel in between. `timeout` counts from now.
-
-        Raises:
-            NotSentError: the request could not be sent (a ServerUnavailableError).
-        """
-        deadline = time.monotonic() + timeout
-        with self._lock:
-            try:
-                request_id = self.send(request_factory, min(self.config.timeout, timeout))
-            except ServerUnavailableError as exc:
-                raise NotSentError(str(exc)) from exc
-            return Retried(request_factory, timeout, attempts, deadline, hold, request_id, time.monotonic())
-
-    def wait_retried(self, retried: Retried) -> P.Reply:
-        """The reply to a request sent by `send_retried`, sending it again with the same factory
-        when an attempt's reply does not come (see `request_again`).
-
-        Raises:
-            ServerUnavailableError: no attempt got a reply within the request's `timeout`.
-        """
-        with self._lock:
-            left = max(1, retried.attempts)
-            while True:
-                # A held-back request is not lost: the first attempt waits the hold out before a
-                # retry, so the server's waiting room never holds two copies of one request.
-                share_end = retried.deadline if left == 1 else \
-                    min(retried.sent_at + self.config.timeout + retried.hold, retried.deadline)
-                retried.hold = 0.0
-                try:
-                    return self.wait(retried.request_id, max(0.001, share_end - time.monotonic()))
-                except ServerUnavailableError as exc:
-                    left -= 1
-                    if left <= 0 or time.monotonic() >= retried.deadline:
-                        raise ServerUnavailableError(
-                            f"{exc} ({retried.attempts} attempt(s) within {retried.timeout:g} s)") from exc
-                    # A refusal that came at once (busy, shutting down): wait out this attempt's share.
-                    time.sleep(max(0.0, share_end - time.monotonic()))
-                    # Sent again: the server may have restarted, or lost the first on a broken connection.
-                    retried.request_id = self._send_again(retried.request_factory, retried.deadline)
-                    retried.sent_at = time.monotonic()
-
-    def _send_again(self, request_factory: Any, deadline: float) -> int:
-        """Send a retry, waiting for a connection until `deadline` at most."""
-        while True:
-            try:
-                return self.send(request_factory, min(self.config.timeout, max(0.0, deadline - time.monotonic())))
-            except ServerUnavailableError:
-                if time.monotonic() >= deadline:
-                    raise
 
     def forget(self, request_id: int) -> None:
         """Drop a reply that arrived (or will arrive) for a request the caller gave up on."""

@@ -48,7 +48,7 @@ class BlockingDriver:
 
     def _do(self, op: Op) -> Any:
         if isinstance(op, Send):
-            return self._conn(op.target).send(op.request)
+            return self._conn(op.target).send(op.request, op.timeout)
         if isinstance(op, Wait):
             return self._conn(op.target).wait_reply(op.request_id, op.timeout)
         if isinstance(op, Forget):

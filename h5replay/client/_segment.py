@@ -1,30 +1,27 @@
 """ActorSegment: one episode streamed to the server in batches, then committed or aborted.
 
-Rows wait in one preallocated batch per leaf and leave as append messages (up to `max_in_flight`
-unacknowledged); an episode that fits in one message leaves whole at commit, as one push. The
-segment goes through its client (`SegmentClient`: an ActorClient, or a shard's client over several
-servers) for the connection and for commits in flight.
+The segment's rows, state and messages are the client core's (h5replay.client._core.segments);
+this front runs them on the blocking driver of its client (`SegmentClient`: an ActorClient, or a
+shard's client over several servers), which also holds the commits in flight.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import os
 import time
 from collections.abc import Mapping
 from typing import Any, Literal, Protocol, overload
 
 import numpy as np
 
-from h5replay import protocol as P
-from h5replay.client._commits import PendingCommit, Ready, Settled, _Flight, _push_request
-from h5replay.client._connection import Connection, NotSentError
+from h5replay.client._commits import PendingCommit, _Flight
+from h5replay.client._core.actor import ActorState, Ready, Settled, push_request
+from h5replay.client._core.segments import SegmentRows, SegmentState, abort, commit_request, send_rows, wait_appends
+from h5replay.client._drive import BlockingDriver
 from h5replay.config import ClientConfig
-from h5replay.errors import ClosedError, DiskFullError, RateLimitedError, SegmentStateError, ServerUnavailableError
-from h5replay.priorities import Given, PriorityColumns, one_row_priorities
+from h5replay.errors import ClosedError
+from h5replay.priorities import Given, one_row_priorities
 from h5replay.records import Receipt
-from h5replay.spaces import Schema
 
 __all__ = ["ActorSegment", "SegmentClient"]
 
@@ -33,24 +30,17 @@ class SegmentClient(Protocol):
     """What a segment needs of the client that opened it (an ActorClient)."""
 
     config: ClientConfig
-    rows_per_message: int
-    schema: Schema
 
     @property
-    def connection(self) -> Connection: ...
+    def state(self) -> ActorState: ...
 
-    def encode_one(self, step: Any) -> dict[str, np.ndarray]: ...
-
-    def encode_batch(self, batch: Any) -> tuple[dict[str, np.ndarray], int]: ...
-
-    def check_priorities(self, priorities: Any, n: int) -> Given | None: ...
+    @property
+    def driver(self) -> BlockingDriver: ...
 
     def _send_commit(self, request: Any, *, track: bool, settled: Settled | None = None) -> _Flight: ...
 
     def _queue_commit(self, rows: dict[str, np.ndarray], n: int, priorities: Given | None, key: bytes,
                       settled: Settled, final: dict[str, np.ndarray] | None = None) -> PendingCommit: ...
-
-    def encode_final(self, final: Any) -> dict[str, np.ndarray] | None: ...
 
 
 class ActorSegment:
@@ -62,134 +52,87 @@ class ActorSegment:
 
     def __init__(self, client: SegmentClient, key: bytes | None = None) -> None:
         self._client = client
-        #: The episode's idempotency key (`key`, or 16 random bytes), sent with every commit attempt.
-        self.key = key if key is not None else os.urandom(P.IDEMPOTENCY_KEY_BYTES)
-        self._conn = client.connection
         self._config = client.config
-        self.segment_id: int | None = None  # assigned by the server when the first batch leaves
-        self._pending: collections.deque[int] = collections.deque()
-        # Rows wait in one preallocated batch per leaf; a full batch leaves as one message.
-        self._batch_capacity = client.rows_per_message
-        self._batch: dict[str, np.ndarray] | None = None
-        self._columns: list[np.ndarray] = []  # the batch's arrays, in the schema's leaf order
-        self._put_exact_row = client.schema.put_exact_row
-        self._priorities: PriorityColumns | None = None  # per buffered row, once one is given one
-        self._final: dict[str, np.ndarray] | None = None  # the episode's final observation, once given
-        self._buffered_rows = 0
-        self._buffered_since = 0.0
-        self.length = 0
-        self.receipt: Receipt | None = None
-        #: Whether the commit (or push) was sent and no reply came: the server may have applied
-        #: it. Commit the same rows again with `key` to settle it without storing it twice.
-        self.in_doubt = False
-        #: Abort the segment when its commit in flight is refused and leaves it open (a full
-        #: disk, the rate limit): set by `push_episode`, whose caller holds the episode.
-        self.abandon_on_failure = False
-        self._state = "open"
+        self._actor = client.state
+        self._driver = client.driver
+        self._seg = SegmentState(key)
+        self._rows = SegmentRows(self._actor.schema, self._actor.rows_per_message, self._config.batch_seconds,
+                                 time.monotonic)
+
+    @property
+    def key(self) -> bytes:
+        """The episode's idempotency key (given, or 16 random bytes), sent with every commit attempt."""
+        return self._seg.key
+
+    @property
+    def segment_id(self) -> int | None:
+        """Assigned by the server when the first batch leaves (None until then)."""
+        return self._seg.segment_id
+
+    @property
+    def length(self) -> int:
+        return self._seg.length
+
+    @property
+    def receipt(self) -> Receipt | None:
+        """The commit's receipt, once it settled."""
+        return self._seg.receipt
+
+    @property
+    def in_doubt(self) -> bool:
+        """Whether the commit (or push) was sent and no reply came: the server may have applied
+        it. Commit the same rows again with `key` to settle it without storing it twice."""
+        return self._seg.in_doubt
+
+    @property
+    def abandon_on_failure(self) -> bool:
+        """Abort the segment when its commit in flight is refused and leaves it open (a full
+        disk, the rate limit): set by `push_episode`, whose caller holds the episode."""
+        return self._seg.abandon_on_failure
+
+    @abandon_on_failure.setter
+    def abandon_on_failure(self, value: bool) -> None:
+        self._seg.abandon_on_failure = value
+
+    @property
+    def _state(self) -> str:
+        return self._seg.status
 
     def __len__(self) -> int:
-        return self.length
-
-    def _require_open(self, what: str) -> None:
-        if self._state != "open":
-            raise SegmentStateError(f"cannot {what} a segment that was {self._state}")
+        return self._seg.length
 
     def append(self, step: Any, priority: float | Mapping[str, float] | None = None) -> None:
         """Add one step (with its priority for every prioritized table of the server, or by table
         name: `{"replay": 2.0}`); checked against the space
         now, sent in a batch soon. A step of exactly the stored dtypes and shapes (a dict of
         ndarrays) is copied straight into the batch."""
-        self._require_open("append to")
-        if priority is None and self._priorities is None and self._batch is not None:
-            row = self._buffered_rows
-            if self._put_exact_row(self._columns, row, step):  # the per-step hot path: a row copy per leaf
-                self._buffered_rows = row + 1
-                self.length += 1
-                if self._batch_due():
-                    self._send_buffered()
-                return
-        given = self._client.check_priorities(None if priority is None else one_row_priorities(priority), 1)
-        self._add(self._client.encode_one(step), 1, given)
+        self._seg.require_open("append to")
+        rows = self._rows
+        if priority is None and rows.put_exact(step):
+            self._seg.length += 1
+            if rows.due():
+                self._driver.run(send_rows(self._seg, rows, self._config.max_in_flight))
+            return
+        given = self._actor.check_priorities(None if priority is None else one_row_priorities(priority), 1)
+        self._add(self._actor.encode_one(step), 1, given)
 
     def extend(self, batch: Any, priorities: Any = None) -> None:
         """Add a batch of steps (a leading axis on every leaf), with one priority per step if given
         (an array for every prioritized table, or {table: array})."""
-        self._require_open("extend")
-        encoded, n = self._client.encode_batch(batch)
-        self.extend_encoded(encoded, n, self._client.check_priorities(priorities, n))
+        self._seg.require_open("extend")
+        encoded, n = self._actor.encode_batch(batch)
+        self.extend_encoded(encoded, n, self._actor.check_priorities(priorities, n))
 
     def extend_encoded(self, encoded: dict[str, np.ndarray], n: int, priorities: Given | None = None) -> None:
         """Add rows already checked and in storage form (from `ActorClient.encode_batch`), with
         priorities already checked (`check_priorities`; None: none given)."""
-        self._require_open("extend")
+        self._seg.require_open("extend")
         self._add(encoded, n, priorities)
 
     def _add(self, encoded: dict[str, np.ndarray], n: int, priorities: Given | None) -> None:
-        offset = 0
-        while offset < n:
-            if self._batch is None:
-                self._batch = {
-                    path: np.empty((self._batch_capacity, *leaf.shape), leaf.storage_dtype)
-                    for path, leaf in self._client.schema.leaves
-                }
-                self._columns = list(self._batch.values())  # in the schema's leaf order
-                self._buffered_since = time.monotonic()
-            take = min(n - offset, self._batch_capacity - self._buffered_rows)
-            first = self._buffered_rows
-            for path, arr in encoded.items():  # a copy: the caller may reuse its arrays at once
-                self._batch[path][first : first + take] = arr[offset : offset + take]
-            if priorities or self._priorities is not None:
-                if self._priorities is None:
-                    self._priorities = PriorityColumns()
-                self._priorities.put(first, take, priorities and {t: p[offset : offset + take] for t, p in priorities.items()})
-            self._buffered_rows += take
-            self.length += take
-            offset += take
-            if self._batch_due():
-                self._send_buffered()
-
-    def _batch_due(self) -> bool:
-        """Whether the buffered rows leave now: the batch is full, or its first row is old enough."""
-        return (self._buffered_rows == self._batch_capacity
-                or time.monotonic() - self._buffered_since >= self._config.batch_seconds)
-
-    def _send_buffered(self) -> None:
-        if not self._buffered_rows or self._batch is None:
-            return
-        if self.segment_id is None:
-            reply = self._conn.request(lambda rid: P.OpenSegment(rid))
-            self.segment_id = int(reply.segment_id)  # type: ignore[attr-defined]
-        n = self._buffered_rows
-        arrays = {path: batch[:n] for path, batch in self._batch.items()}
-        every, tables, by_table = P.priorities_to_wire(None if self._priorities is None else self._priorities.rows(n))
-        # The message owns these arrays until it is sent (frames leave without a copy).
-        self._batch, self._priorities, self._buffered_rows = None, None, 0
-        while len(self._pending) >= self._config.max_in_flight:
-            self._settle_oldest()
-        segment_id = self.segment_id
-        self._pending.append(self._conn.send(lambda rid: P.Append(rid, segment_id, n, arrays, every, tables, by_table)))
-
-    def _settle_oldest(self) -> None:
-        request_id = self._pending.popleft()
-        try:
-            self._conn.wait(request_id)
-        except BaseException:
-            self._fail()
-            raise
-
-    def _fail(self) -> None:
-        """An append was refused or lost: the episode cannot be committed whole; abort it."""
-        self._state = "aborted"
-        for request_id in self._pending:
-            self._conn.forget(request_id)
-        self._pending.clear()
-        segment_id = self.segment_id
-        if segment_id is None:
-            return  # the server never heard of it
-        try:
-            self._conn.request(lambda rid: P.Abort(rid, segment_id))
-        except Exception:  # the server may already have dropped it; it is gone either way
-            pass
+        self._seg.length += n
+        for rows in self._rows.add(encoded, n, priorities):
+            self._driver.run(send_rows(self._seg, rows, self._config.max_in_flight))
 
     def set_final(self, final: Any) -> None:
         """The observation after the episode's last step (the value of the server's one
@@ -199,12 +142,12 @@ class ActorSegment:
             ConfigError: the server keeps no final observations (`serve --observation-keys`).
             SpaceMismatchError: it is not the observation part of the server's space.
         """
-        self._require_open("set the final observation of")
-        self._final = self._client.encode_final(final)
+        self._seg.require_open("set the final observation of")
+        self._seg.final = self._actor.encode_final(final)
 
     def set_final_encoded(self, final: dict[str, np.ndarray] | None) -> None:
         """`set_final` of a final already checked and in storage form (`encode_final`)."""
-        self._final = final
+        self._seg.final = final
 
     @overload
     def commit(self, *, wait: Literal[True] = True, final: Any = None) -> Receipt: ...
@@ -234,28 +177,28 @@ class ActorSegment:
             RateLimitedError: the server's rate limit held the commit back for the client's
                 `rate_limit_timeout`; the segment stays open on the server: call commit again.
         """
-        self._require_open("commit")
+        seg = self._seg
+        seg.require_open("commit")
         if final is not None:
             self.set_final(final)
-        if self.segment_id is None:
+        if seg.segment_id is None:
             return self._push_whole(wait)
-        self._send_buffered()
-        while self._pending:
-            self._settle_oldest()
-        segment_id, limit, key, finals = self.segment_id, self._config.rate_limit_timeout, self.key, self._final or {}
-        return self._conclude(lambda rid: P.Commit(rid, segment_id, limit, key, finals), wait)
+        self._driver.run(send_rows(seg, self._rows, self._config.max_in_flight))
+        self._driver.run(wait_appends(seg))
+        return self._conclude(commit_request(seg, self._config.rate_limit_timeout), wait)
 
     def _conclude(self, request: Any, wait: bool) -> Receipt | PendingCommit:
         """Send the request that commits the episode, again with the same key when no reply comes
         within `timeout` (`commit_attempts` in all, within the client's `commit_timeout`); its
         reply is the receipt. Refused for a full disk (DiskFullError) or by the rate limit, the
         segment stays open: commit again later, or abort."""
+        seg = self._seg
         try:
-            pending = PendingCommit(self._client._send_commit(request, track=not wait, settled=self._settled), self.key)
+            pending = PendingCommit(self._client._send_commit(request, track=not wait, settled=self._settled), seg.key)
         except BaseException:
-            self._state = "failed"  # it never left: not in doubt
+            seg.status = "failed"  # it never left: not in doubt
             raise
-        self._state = "committing"
+        seg.status = "committing"
         if not wait:
             return pending
         try:
@@ -263,53 +206,41 @@ class ActorSegment:
         except Exception:
             raise  # `_settled` has set the state
         except BaseException:  # interrupted while waiting: the commit may or may not be applied
-            self._state, self.in_doubt = "failed", True
+            seg.status, seg.in_doubt = "failed", True
             raise
 
     def _settled(self, receipt: Receipt | None, error: Exception | None) -> None:
         """The commit's outcome came (or none came in time): the segment's state follows it."""
         if error is None:
-            self._state = "committed"
-            self.receipt = receipt
-            self._batch, self._priorities, self._buffered_rows = None, None, 0
-        elif isinstance(error, (DiskFullError, RateLimitedError)):
-            self._state = "open"  # the server keeps the segment (a push's rows stay here): commit again
-            if self.abandon_on_failure:
-                with contextlib.suppress(Exception):
-                    self.abort()
-        else:
-            self._state = "failed"
-            self.in_doubt = isinstance(error, ServerUnavailableError) and not isinstance(error, NotSentError)
+            self._rows.clear()
+        if self._seg.settled(receipt, error):
+            with contextlib.suppress(Exception):
+                self.abort()
 
     def _push_whole(self, wait: bool) -> Receipt | PendingCommit:
         """Commit an episode that never left the client: one push, one round trip (with
         `wait=False`, perhaps in one message with the next ones)."""
-        n, batch = self._buffered_rows, self._batch
-        if not n or batch is None:
-            self._batch, self._priorities, self._buffered_rows = None, None, 0
-            self._state = "committed"
-            self.receipt = Receipt(-1, -1, 0)
-            return self.receipt if wait else PendingCommit.done_with(self.receipt, self.key)
-        arrays = {path: rows[:n] for path, rows in batch.items()}
-        given = None if self._priorities is None else self._priorities.rows(n)
-        limit, key = self._config.rate_limit_timeout, self.key
+        seg = self._seg
+        taken = self._rows.peek()  # kept until the commit settles: a refused one may be made again
+        if taken is None:
+            seg.status, seg.receipt = "committed", Receipt(-1, -1, 0)
+            return seg.receipt if wait else PendingCommit.done_with(seg.receipt, seg.key)
+        arrays, n, given = taken
         if not wait:  # it may share a message with the next episodes committed so (see _queue_commit)
-            self._state = "committing"
-            return self._client._queue_commit(arrays, n, given, key, self._settled, self._final)
-        return self._conclude(_push_request([Ready(arrays, n, given, key, self._final)], limit), wait)
+            seg.status = "committing"
+            return self._client._queue_commit(arrays, n, given, seg.key, self._settled, seg.final)
+        return self._conclude(push_request([Ready(arrays, n, given, seg.key, seg.final)], self._config.rate_limit_timeout),
+                              wait)
 
     def abort(self) -> None:
         """Drop the episode: nothing of it becomes visible. Safe to call twice."""
-        if self._state != "open":
-            return
-        self._batch, self._buffered_rows = None, 0
-        self._fail()
+        self._driver.run(abort(self._seg, self._rows))
 
     def __enter__(self) -> ActorSegment:
         return self
 
     def __exit__(self, exc_type: object, *rest: object) -> None:
-        if self._state != "open":
+        if self._seg.status != "open":
             return
         if exc_type is None:
             self.commit()

@@ -13,7 +13,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
-import sys
 import threading
 import typing
 from collections.abc import Sequence
@@ -22,17 +21,16 @@ from typing import Any, Literal, overload
 import numpy as np
 
 from h5replay import protocol as P
-from h5replay.client._commits import PendingCommit, Ready, Settled, _Flight, _push_request, _Queue
+from h5replay.client._commits import PendingCommit, _Flight, _Queue
 from h5replay.client._connection import Connection, curve_keys, say_hello
+from h5replay.client._core.actor import ActorState, Ready, Settled, push_request, send_commit
+from h5replay.client._drive import BlockingDriver
 from h5replay.client._segment import ActorSegment
 from h5replay.client._shards import InDoubt, ShardedActor, ShardedSegment
 from h5replay.config import DEFAULT_ENDPOINT, ClientConfig, process_name
 from h5replay.errors import ConfigError
-from h5replay.priorities import Given, check_by_table, check_given_priorities
+from h5replay.priorities import Given
 from h5replay.records import Receipt
-from h5replay.sampling import described_samplers, rows_at_once
-from h5replay.spaces import Schema, Space, space_from_json
-from h5replay.transitions import final_schema
 
 __all__ = ["ActorClient", "ActorSegment", "PendingCommit", "Receipt"]
 
@@ -44,6 +42,10 @@ def _own_copies(encoded: dict[str, np.ndarray], given: dict[str, Any]) -> dict[s
 
 
 _KEPT_FAILURES = 1000  # failed commit messages in flight kept for `flush` to report, at most (the newest)
+
+
+def _no_updates() -> None:
+    """An actor holds no priority updates back (its driver's flush does nothing)."""
 
 
 class ActorClient:
@@ -90,87 +92,53 @@ class ActorClient:
             self._adopt(self._router.codec)
             return
         self._conn, hello = say_hello(self.config, "actor", curve_keys(secret_key, server_key))
-        self.limits = hello.limits
-        self.space: Space = space_from_json(hello.space)
-        self.capacity = hello.capacity
-        self.server_version = hello.server_version
-        self.replay_id: str = hello.replay_id
-        self.instance_id: str = hello.instance_id
-        self._samplers = described_samplers(hello.sampling)  # the server's tables (None: it does not say)
-        self._final_schema = final_schema(self.space, hello.sampling)  # None: the server keeps no finals
-        #: Seconds a commit or push may take in all: `commit_attempts` sends, each waiting `timeout`
-        #: for its reply, and the rate limit's hold when the server has one (else it holds none).
-        #: Seconds the server may hold a commit back (its rate limit), 0 when it has none.
-        self.commit_hold = self.config.rate_limit_timeout if hello.sampling.get("writer_samples") else 0.0
-        self.commit_timeout = self.config.commit_attempts * self.config.timeout + self.commit_hold
-        self.schema = Schema(self.space)
-        self._row_bytes = self.schema.row_bytes
-        # Rows per message: the client's batching settings, within the server's message limits
-        # (leaving room for the header).
-        room = max(1, self.limits.max_message_bytes - P.ROWS_MESSAGE_OVERHEAD)
-        self.rows_per_message = max(1, min(
-            self.config.batch_rows,
-            self.limits.max_rows_per_message,
-            self.config.batch_bytes // max(1, self._row_bytes),
-            room // max(1, self._row_bytes),
-        ))
-        # Rows of whole episodes one `push_episodes` message carries: not bound by `batch_rows`,
-        # which sizes the messages of a streamed episode, but by the capacity (the server places a
-        # message's episodes at once) and by the rate limit's window (the server admits a message
-        # whole: one bigger than the window could never go ahead).
-        self.rows_per_push = min(
-            self.capacity or sys.maxsize,
-            rows_at_once(hello.sampling, sampling=False) or sys.maxsize,
-            max(self.rows_per_message, min(
-                self.limits.max_rows_per_message,
-                self.config.batch_bytes // max(1, self._row_bytes),
-                room // max(1, self._row_bytes),
-            )),
-        )
+        self._adopt_state(ActorState(self.config, hello), BlockingDriver(self._conn, self._conn, _no_updates))
+
+    def _adopt_state(self, state: ActorState, driver: BlockingDriver) -> None:
+        self._state, self._driver = state, driver
+        self.limits, self.space, self.capacity = state.limits, state.space, state.capacity
+        self.server_version, self.replay_id, self.instance_id = state.server_version, state.replay_id, state.instance_id
+        self.schema = state.schema
+        self.rows_per_message, self.rows_per_push = state.rows_per_message, state.rows_per_push
+        self.commit_timeout, self.commit_hold = state.commit_timeout, state.commit_hold
 
     def _adopt(self, shard: ActorClient) -> None:
         """Take the figures of a shard's client as this client's (all shards hold the same space)."""
         self._conn = shard.connection
-        self.limits, self.space, self.capacity = shard.limits, shard.space, shard.capacity
-        self.server_version, self.replay_id, self.instance_id = shard.server_version, shard.replay_id, shard.instance_id
-        self.schema, self._row_bytes, self.rows_per_message = shard.schema, shard._row_bytes, shard.rows_per_message
-        self.rows_per_push = shard.rows_per_push
-        self.commit_timeout, self.commit_hold = shard.commit_timeout, shard.commit_hold
-        self._samplers = shard._samplers
-        self._final_schema = shard._final_schema
+        self._adopt_state(shard.state, shard.driver)
+
+    @property
+    def state(self) -> ActorState:
+        """What this client knows of its server (h5replay.client._core.actor)."""
+        return self._state
+
+    @property
+    def driver(self) -> BlockingDriver:
+        """Runs the core's plans on this client's connection."""
+        return self._driver
 
     @property
     def keeps_finals(self) -> bool:
         """Whether the server keeps episodes' final observations (`serve --observation-keys`)."""
-        return self._final_schema is not None
+        return self._state.keeps_finals
+
+    def encode_one(self, step: Any) -> dict[str, np.ndarray]:
+        """One step checked against the server's space, in storage form (a batch of one row)."""
+        return self._state.encode_one(step)
+
+    def encode_batch(self, batch: Any) -> tuple[dict[str, np.ndarray], int]:
+        """A batch checked against the server's space, in storage form; and its number of rows."""
+        return self._state.encode_batch(batch)
 
     def encode_final(self, final: Any) -> dict[str, np.ndarray] | None:
-        """An episode's final observation (the value of the server's one observation key, or a
-        dict of its observation keys) in storage form, checked before it leaves (None: none).
-
-        Raises:
-            ConfigError: the server keeps no final observations (`serve --observation-keys`).
-            SpaceMismatchError: it is not the observation part of the server's space.
-        """
-        if final is None:
-            return None
-        if self._final_schema is None:
-            raise ConfigError("this server keeps no final observations: serve a file created with "
-                              "--observation-keys (observation_keys=) to give episodes a final")
-        schema, keys = self._final_schema
-        return schema.encode_one(keys.as_observation(final))
+        """An episode's final observation in storage form, checked before it leaves (None: none);
+        see `ActorState.encode_final`."""
+        return self._state.encode_final(final)
 
     def check_priorities(self, priorities: Any, n: int) -> Given | None:
-        """Priorities for n steps (an array for every prioritized table, or {table: array}),
-        checked against the server's tables before anything leaves (None: none given).
-
-        Raises:
-            ConfigError: a bad value or count, a table the server does not have or that keeps
-                no priorities, a value beyond its table's bound (names the table).
-        """
-        if self._samplers is None:
-            return check_given_priorities(priorities, n)
-        return check_by_table(priorities, n, self._samplers, whose="server")
+        """Priorities for n steps checked against the server's tables (None: none given); see
+        `ActorState.check_priorities`."""
+        return self._state.check_priorities(priorities, n)
 
     @property
     def shard(self) -> int:
@@ -257,7 +225,7 @@ class ActorClient:
                 encoded = _own_copies(encoded, self.schema.flatten(batch))
                 given = given and {table: values.copy() for table, values in given.items()}
             limit, key = self.config.rate_limit_timeout, os.urandom(P.IDEMPOTENCY_KEY_BYTES)
-            pending = PendingCommit(self._send_commit(_push_request([Ready(encoded, n, given, key, final)], limit),
+            pending = PendingCommit(self._send_commit(push_request([Ready(encoded, n, given, key, final)], limit),
                                                       track=not wait), key)
             return pending.result() if wait else pending
         seg = ActorSegment(self)
@@ -358,7 +326,7 @@ class ActorClient:
             return
         ready = [Ready(episodes[i][0], episodes[i][1], episodes[i][2], os.urandom(P.IDEMPOTENCY_KEY_BYTES), episodes[i][4])
                  for i in group]
-        flight = self._send_commit(_push_request(ready, self.config.rate_limit_timeout), track=True)
+        flight = self._send_commit(push_request(ready, self.config.rate_limit_timeout), track=True)
         for j, i in enumerate(group):
             pending[i] = PendingCommit(flight, ready[j].key, j)
 
@@ -373,13 +341,11 @@ class ActorClient:
             if self._queue is not None:  # commits leave in the order they were made
                 self._send_queue()
             if not track:
-                retried = self._conn.send_retried(request, self.commit_timeout, self.config.commit_attempts,
-                                                  self.commit_hold)
-                return _Flight(self._conn, retried, [settled])
+                retried = self._driver.run(send_commit(self._state, request))
+                return _Flight(self._conn, self._driver, retried, [settled])
             self._make_room()
-            retried = self._conn.send_retried(request, self.commit_timeout, self.config.commit_attempts,
-                                              self.commit_hold)
-            flight = _Flight(self._conn, retried, [settled], self._failures)
+            retried = self._driver.run(send_commit(self._state, request))
+            flight = _Flight(self._conn, self._driver, retried, [settled], self._failures)
             self._in_flight.append(flight)
             return flight
 
@@ -396,7 +362,7 @@ class ActorClient:
                 self._send_queue()
                 queue = None
             if queue is None:
-                queue = self._queue = _Queue(_Flight(self._conn, None, [], self._failures, client=self))
+                queue = self._queue = _Queue(_Flight(self._conn, self._driver, None, [], self._failures, client=self))
             flight = queue.flight
             queue.episodes.append(Ready(rows, n, priorities, key, final))
             typing.cast("list[Settled | None]", flight.settled).append(settled)
@@ -421,11 +387,10 @@ class ActorClient:
             if queue is None:
                 return
             flight = queue.flight
-            request = _push_request(queue.episodes, self.config.rate_limit_timeout)
+            request = push_request(queue.episodes, self.config.rate_limit_timeout)
             try:
                 self._make_room()
-                retried = self._conn.send_retried(request, self.commit_timeout, self.config.commit_attempts,
-                                                  self.commit_hold)
+                retried = self._driver.run(send_commit(self._state, request))
             except Exception as exc:  # its episodes are told; the caller of this send may be another's
                 flight.fail_unsent(exc)
                 return
@@ -473,14 +438,6 @@ class ActorClient:
         if self._router is not None:
             return self._router.info()
         return dict(self._conn.request(lambda rid: P.Info(rid)).stats)  # type: ignore[attr-defined]
-
-    def encode_one(self, step: Any) -> dict[str, np.ndarray]:
-        """One step checked against the server's space, in storage form (a batch of one row)."""
-        return self.schema.encode_one(step)
-
-    def encode_batch(self, batch: Any) -> tuple[dict[str, np.ndarray], int]:
-        """A batch checked against the server's space, in storage form; and its number of rows."""
-        return self.schema.encode_batch(batch)
 
     @property
     def connection(self) -> Connection:

@@ -33,10 +33,12 @@ RequestFactory = Callable[[int], P.Request]  # request id -> the request (the dr
 
 @dataclass(frozen=True)
 class Send:
-    """Send `request(request_id)` on `target`; the result is the request id."""
+    """Send `request(request_id)` on `target`; the result is the request id. `timeout`: seconds
+    to wait for room or a connected server (None: the client's), then ServerUnavailableError."""
 
     target: Target
     request: RequestFactory
+    timeout: float | None = None
 
 
 @dataclass(frozen=True)

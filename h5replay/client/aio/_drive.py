@@ -43,7 +43,7 @@ class AsyncDriver:
 
     async def _do(self, op: Op) -> Any:
         if isinstance(op, Send):
-            return await (self.reads if op.target == READS else self.writer).send(op.request)
+            return await (self.reads if op.target == READS else self.writer).send(op.request, op.timeout)
         if isinstance(op, Wait):
             return await (self.reads if op.target == READS else self.writer).wait(op.request_id, op.timeout)
         if isinstance(op, Forget):
