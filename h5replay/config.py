@@ -271,6 +271,13 @@ class ServerConfig:
     def replace(self, **changes: Any) -> ServerConfig:
         return dataclasses.replace(self, **changes)
 
+    def bound_to(self, bind: str) -> ServerConfig:
+        """This config once the actors' endpoint is bound as `bind` (the port the kernel picked
+        for port 0): the learners' endpoint stays what it was resolved to before, so a server
+        bound to port 0 has its readers bind any free port too, never the port after the picked
+        one (which another program may hold)."""
+        return self.replace(bind=bind, read_bind=self.resolved_read_bind)
+
 
 def process_name(prefix: str) -> str:
     """`prefix-host-pid`, unique per process across machines and containers. A pid alone is not:

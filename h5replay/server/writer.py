@@ -193,7 +193,7 @@ class Server:
                 # of the killed server still on the port
                 _check_free(ctx, config.resolved_read_bind, wait=0.0 if config.path in created else _READ_PORT_WAIT)
             buffer = open_buffer(config)
-            bound_config = config.replace(bind=bind)  # what readers name when a client comes to the wrong door
+            bound_config = config.bound_to(bind)  # what readers name when a client comes to the wrong door
             if config.num_readers:  # one binds the learners' endpoint, or a front before several
                 readers = ReaderPool(bound_config, tmpdir, instance_id=self.instance_id, identity=FileIdentity.of(buffer))
                 read_bound = readers.endpoint

@@ -438,3 +438,17 @@ def test_an_actor_copies_each_appended_step_so_the_caller_may_reuse_its_arrays(s
         assert np.array_equal(got[k][:300], rows[k]), k
     assert got["step"][300] == 300 and np.array_equal(got["obs"][300], rows["obs"][0])
     assert server.stop() == 0
+
+
+def test_a_server_bound_to_port_0_lets_its_reader_pick_a_free_port_too(start_server):
+    """Regression: with bind port 0 and no read_bind, the reader bound the port after the one the
+    kernel picked, and failed to start when another socket held it (seen under make test). Both
+    now come from the kernel; on Linux bind(0) hands out ports of one parity, so the read port is
+    never the next one."""
+    server = start_server(bind="tcp://127.0.0.1:0", read_bind=None, num_readers=1)
+    write_port, read_port = (int(endpoint.rpartition(":")[2]) for endpoint in server.endpoints)
+    assert read_port not in (0, write_port + 1)
+    with ActorClient(server.endpoint) as actor, LearnerClient(server.endpoint) as learner:
+        actor.push_episode(episode_rows(1, 0, 10))
+        assert learner.wait_for_size(10, timeout=10) == 10
+        assert learner.read_endpoint.endswith(f":{read_port}")

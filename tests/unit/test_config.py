@@ -61,6 +61,16 @@ def test_the_default_read_port_after_port_65535_is_refused_naming_read_bind():
         server(bind="tcp://127.0.0.1:65535", read_bind=None)
 
 
+def test_a_server_bound_to_port_0_keeps_its_readers_on_port_0_once_the_kernel_picked_its_port():
+    """Regression: bound to tcp://127.0.0.1:0 without read_bind, the readers were given the port
+    after the one the kernel picked, which another program may hold (a reader that "failed to
+    start" with EADDRINUSE, seen in make test); they must take any free port as well."""
+    config = server(read_bind=None)
+    assert config.bound_to("tcp://127.0.0.1:40000").resolved_read_bind == "tcp://127.0.0.1:0"
+    explicit = server(bind="tcp://127.0.0.1:7000", read_bind=None).bound_to("tcp://127.0.0.1:7000")
+    assert explicit.resolved_read_bind == "tcp://127.0.0.1:7001"  # a chosen port keeps the next one
+
+
 GOOD_SERVER = [
     {"bind": "tcp://127.0.0.1:65535", "read_bind": "tcp://127.0.0.1:65534"}, {"bind": "tcp://*:5555", "insecure": True},
     {"bind": "tcp://[::1]:5555", "read_bind": None}, {"bind": "ipc:///tmp/x.sock", "read_bind": None},
