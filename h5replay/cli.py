@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="rows the file holds, a ring (needed for a new file; an existing one must have it)")
     size.add_argument("--unbounded", action="store_true", help="a new file that grows without limit")
     serve.add_argument("--bind", default=DEFAULT_ENDPOINT, help=f"actors' endpoint (default {DEFAULT_ENDPOINT})")
-    serve.add_argument("--read-bind", help="learners' endpoint (default: the next port, or <ipc path>.read)")
+    serve.add_argument("--read-bind", help="learners' endpoint (default: the next port; any free port when --bind has port 0; <ipc path>.read)")
     serve.add_argument("--advertise-read", metavar="ENDPOINT",
                        help="read endpoint told to learners, when --read-bind is not reachable as written "
                             "(e.g. tcp://server:5556 for a bind on 0.0.0.0 in a container)")

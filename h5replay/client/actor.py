@@ -23,7 +23,7 @@ import numpy as np
 from h5replay import protocol as P
 from h5replay.client._commits import PendingCommit, _Flight, _Queue
 from h5replay.client._connection import Connection, curve_keys, say_hello
-from h5replay.client._core.actor import ActorState, Ready, Settled, push_request, send_commit
+from h5replay.client._core.actor import ActorState, Ready, Settled, group_pushes, own_copies, push_request, send_commit
 from h5replay.client._drive import BlockingDriver
 from h5replay.client._segment import ActorSegment
 from h5replay.client._shards import InDoubt, ShardedActor, ShardedSegment
@@ -33,12 +33,6 @@ from h5replay.priorities import Given
 from h5replay.records import Receipt
 
 __all__ = ["ActorClient", "ActorSegment", "PendingCommit", "Receipt"]
-
-
-def _own_copies(encoded: dict[str, np.ndarray], given: dict[str, Any]) -> dict[str, np.ndarray]:
-    """`encoded` with a copy of every array that shares memory with the caller's `given` leaves."""
-    return {path: arr.copy() if isinstance(given.get(path), np.ndarray) and np.may_share_memory(arr, given[path])
-            else arr for path, arr in encoded.items()}
 
 
 _KEPT_FAILURES = 1000  # failed commit messages in flight kept for `flush` to report, at most (the newest)
@@ -222,7 +216,7 @@ class ActorClient:
             return empty if wait else PendingCommit.done_with(empty)
         if n <= self.rows_per_message:
             if not wait:  # the message (and its retries) must not borrow arrays the caller may reuse
-                encoded = _own_copies(encoded, self.schema.flatten(batch))
+                encoded = own_copies(encoded, self.schema.flatten(batch))
                 given = given and {table: values.copy() for table, values in given.items()}
             limit, key = self.config.rate_limit_timeout, os.urandom(P.IDEMPOTENCY_KEY_BYTES)
             pending = PendingCommit(self._send_commit(push_request([Ready(encoded, n, given, key, final)], limit),
@@ -291,22 +285,11 @@ class ActorClient:
             encoded, n = self.encode_batch(batch)
             episodes.append((encoded, n, self.check_priorities(given, n), batch, self.encode_final(final)))
         pending: list[PendingCommit | None] = [None] * len(episodes)
-        group: list[int] = []  # episodes that go in the next message, in order
-        rows = 0  # theirs
-        for i, (encoded, n, given, batch, final) in enumerate(episodes):
-            if n == 0:  # records nothing, sends nothing
-                pending[i] = PendingCommit.done_with(Receipt(-1, -1, 0))
-            elif n > self.rows_per_message:  # streamed through a segment of its own, after those before it
-                self._push_group(episodes, group, pending)
-                group, rows = [], 0
-                pending[i] = typing.cast(PendingCommit, self._push_encoded(encoded, n, given, False, batch, final))
+        for kind, group in group_pushes([e[1] for e in episodes], self.rows_per_message, self.rows_per_push):
+            if kind == "empty":  # records nothing, sends nothing
+                pending[group[0]] = PendingCommit.done_with(Receipt(-1, -1, 0))
             else:
-                if rows + n > self.rows_per_push:
-                    self._push_group(episodes, group, pending)
-                    group, rows = [], 0
-                group.append(i)
-                rows += n
-        self._push_group(episodes, group, pending)
+                self._push_group(episodes, group, pending)
         commits = typing.cast("list[PendingCommit]", pending)
         if not wait:
             return commits

@@ -10,7 +10,7 @@ key while none comes: the server never stores it twice.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -27,8 +27,8 @@ from h5replay.spaces import Schema, Space, space_from_json
 from h5replay.transitions import final_schema
 
 __all__ = [
-    "ActorState", "NotSentError", "Ready", "Retried", "actor_hello", "push_request", "receipts", "send_commit",
-    "settle_commit",
+    "ActorState", "NotSentError", "Ready", "Retried", "Settled", "actor_hello", "group_pushes", "own_copies",
+    "push_request", "receipts", "send_commit", "settle_commit",
 ]
 
 
@@ -244,6 +244,40 @@ def _send_again(retried: Retried) -> Plan[int]:
         except ServerUnavailableError:
             if (yield Now()) >= retried.deadline:
                 raise
+
+
+def group_pushes(lengths: Sequence[int], rows_per_message: int, rows_per_push: int) -> list[tuple[str, list[int]]]:
+    """How whole episodes of these lengths leave, in order: ("empty", [i]) records and sends
+    nothing; ("streamed", [i]) goes through a segment of its own (longer than one message);
+    ("push", [i, ...]) leaves in one message (one episode: a push; several: push_episodes, at most
+    `rows_per_push` rows)."""
+    plan: list[tuple[str, list[int]]] = []
+    group: list[int] = []
+    rows = 0
+    for i, n in enumerate(lengths):
+        if n == 0:
+            plan.append(("empty", [i]))
+        elif n > rows_per_message:
+            if group:
+                plan.append(("push", group))
+                group, rows = [], 0
+            plan.append(("streamed", [i]))
+        else:
+            if group and rows + n > rows_per_push:
+                plan.append(("push", group))
+                group, rows = [], 0
+            group.append(i)
+            rows += n
+    if group:
+        plan.append(("push", group))
+    return plan
+
+
+def own_copies(encoded: dict[str, np.ndarray], given: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """`encoded` with a copy of every array that shares memory with the caller's `given` leaves (a
+    message in flight, and its retries, must not borrow arrays the caller may reuse)."""
+    return {path: arr.copy() if isinstance(given.get(path), np.ndarray) and np.may_share_memory(arr, given[path])
+            else arr for path, arr in encoded.items()}
 
 
 #: Told how a commit ended: (receipt, None) or (None, the error).
