@@ -16,9 +16,11 @@ import pytest
 
 import h5replay.client._core as core
 from h5replay import protocol as P
+from h5replay.client._core import actor as plan_actor
 from h5replay.client._core import batches as plan_batches
 from h5replay.client._core import draws as plan_draws
 from h5replay.client._core import reads as plan_reads
+from h5replay.client._core import segments as plan_segments
 from h5replay.client._core.exchange import collect, joined, read_many
 from h5replay.client._core.ops import (
     READS,
@@ -38,12 +40,15 @@ from h5replay.client._core.state import LearnerState
 from h5replay.config import ClientConfig
 from h5replay.errors import (
     ConfigError,
+    DiskFullError,
     EvictedError,
     NotEnoughDataError,
     ProtocolError,
     RateLimitedError,
+    SegmentStateError,
     ServerUnavailableError,
 )
+from h5replay.records import Receipt
 from h5replay.spaces import BoxSpace, DictSpace
 
 pytestmark = pytest.mark.timeout(30)
@@ -455,3 +460,170 @@ def test_batches_of_a_consuming_table_cancel_what_waits_and_keep_what_was_drawn_
 def test_batches_check_their_arguments_before_the_first_batch() -> None:
     with pytest.raises(ConfigError, match="prefetch must be a positive int"):
         plan_batches.batches(make_state(), 10, 0, None, False, None, None)
+
+
+# ------------------------------------------------------------------ the actor's side
+
+
+def actor_state(sampling: dict[str, Any] | None = None, *, attempts: int = 3, max_in_flight: int = 2,
+                batch_seconds: float = 1.0, capacity: int = 1000) -> plan_actor.ActorState:
+    hello = P.HelloReply(1, SPACE.to_json(), capacity, 0, 0, "test", P.PROTOCOL_VERSION, LIMITS, "tcp://127.0.0.1:2",
+                         "replay", "instance", sampling or {"sampler": "Uniform"})
+    config = ClientConfig(endpoint="tcp://127.0.0.1:1", timeout=1.0, max_in_flight=max_in_flight,
+                          rate_limit_timeout=2.0, commit_attempts=attempts, batch_seconds=batch_seconds)
+    return plan_actor.ActorState(config, hello)
+
+
+class TimedScript(Script):
+    """A Script whose clock moves by a wait's timeout when its answer is "no reply"."""
+
+    def run(self, plan: Any, *, stop_after: int | None = None) -> Any:
+        answer = self.answer
+
+        def timed(request: P.Request) -> Any:
+            reply = answer(request)
+            if isinstance(reply, ServerUnavailableError):
+                waits = [op for op in self.ops if isinstance(op, Wait)]
+                self.clock += waits[-1].timeout or 0.0
+            return reply
+
+        self.answer = timed
+        try:
+            return super().run(plan, stop_after=stop_after)
+        finally:
+            self.answer = answer
+
+
+def ready(n: int = 3, key: bytes = b"k" * 16) -> plan_actor.Ready:
+    return plan_actor.Ready({"x": np.arange(n, dtype=np.float32)}, n, None, key)
+
+
+def commit_reply(request: Any, first: int = 0) -> P.Reply:
+    return P.PushEpisodeReply(request.request_id, 7, first, request.num_rows)
+
+
+def test_a_commit_whose_reply_is_lost_is_sent_again_with_the_same_key_within_its_attempts() -> None:
+    state = actor_state()
+    answers = iter([ServerUnavailableError("no answer"), None])
+    script = TimedScript(lambda r: next(answers) or commit_reply(r, 40))
+    request = plan_actor.push_request([ready()], 2.0)
+    retried = script.run(plan_actor.send_commit(state, request))
+    assert retried.deadline == 100.0 + state.commit_timeout == 103.0
+    got = plan_actor.receipts(script.run(plan_actor.settle_commit(retried)))
+    assert got == [Receipt(7, 40, 3)]
+    pushes = [req for _, req in script.sent]
+    assert len(pushes) == 2 and pushes[0].idempotency_key == pushes[1].idempotency_key == b"k" * 16, "a retry carries the key"
+    assert [op.timeout for op in script.ops if isinstance(op, Wait)][0] == pytest.approx(1.0)
+
+
+def test_a_commit_with_no_reply_to_any_attempt_is_in_doubt_after_commit_attempts_sends() -> None:
+    state = actor_state(attempts=3)
+    script = TimedScript(lambda r: ServerUnavailableError("no answer from the server"))
+    retried = script.run(plan_actor.send_commit(state, plan_actor.push_request([ready()], 2.0)))
+    with pytest.raises(ServerUnavailableError, match=r"3 attempt\(s\) within 3 s"):
+        script.run(plan_actor.settle_commit(retried))
+    assert len(script.sent) == 3 and script.clock <= 100.0 + state.commit_timeout + 1e-9
+
+
+def test_a_commit_that_cannot_leave_is_not_sent_not_in_doubt() -> None:
+    state = actor_state()
+    plan = plan_actor.send_commit(state, plan_actor.push_request([ready()], 2.0))
+    assert isinstance(next(plan), Now) and isinstance(plan.send(100.0), Send)
+    with pytest.raises(plan_actor.NotSentError, match="no server"):
+        plan.throw(ServerUnavailableError("no server connected"))
+
+
+def test_the_first_attempt_waits_out_the_rate_limits_hold_so_no_second_copy_waits_there() -> None:
+    state = actor_state({"sampler": "Fifo", "writer_samples": True})
+    assert state.commit_hold == 2.0 and state.commit_timeout == 3 * 1.0 + 2.0
+    script = TimedScript(lambda r: commit_reply(r))
+    retried = script.run(plan_actor.send_commit(state, plan_actor.push_request([ready()], 2.0)))
+    script.run(plan_actor.settle_commit(retried))
+    assert [op.timeout for op in script.ops if isinstance(op, Wait)] == [pytest.approx(3.0)]
+
+
+def test_a_refused_commit_raises_its_error_at_once_and_is_never_sent_again() -> None:
+    state = actor_state()
+    script = TimedScript(lambda r: refusal(r, DiskFullError("the disk is full")))
+    retried = script.run(plan_actor.send_commit(state, plan_actor.push_request([ready()], 2.0)))
+    with pytest.raises(DiskFullError, match="disk is full"):
+        script.run(plan_actor.settle_commit(retried))
+    assert len(script.sent) == 1
+
+
+def test_several_episodes_leave_in_one_push_episodes_with_a_key_each_and_their_receipts_in_order() -> None:
+    episodes = [ready(2, b"a" * 16), plan_actor.Ready({"x": np.ones(3, np.float32)}, 3, None, b"b" * 16,
+                                                      {"x": np.zeros(1, np.float32)})]
+    request = plan_actor.push_request(episodes, 2.0)(9)
+    assert isinstance(request, P.PushEpisodes) and request.lengths.tolist() == [2, 3]
+    assert [bytes(k) for k in request.keys] == [b"a" * 16, b"b" * 16] and request.has_final.tolist() == [0, 1]
+    reply = P.PushEpisodesReply(9, np.array([[4, 10, 2], [5, 12, 3]], np.int64))
+    assert plan_actor.receipts(reply) == [Receipt(4, 10, 2), Receipt(5, 12, 3)]
+
+
+@pytest.mark.parametrize(("lengths", "plan"), [
+    # rows_per_message 10, rows_per_push 12: the empty one sends nothing; the long one is streamed
+    # after the group before it left; groups never pass 12 rows
+    ([3, 0, 4, 20, 2, 2], [("empty", [1]), ("push", [0, 2]), ("streamed", [3]), ("push", [4, 5])]),
+    ([5, 5, 5], [("push", [0, 1]), ("push", [2])]),
+    ([10, 3], [("push", [0]), ("push", [1])]),
+    ([], []),
+])
+def test_whole_episodes_leave_grouped_within_rows_per_push_and_long_ones_are_streamed(lengths: list[int],
+                                                                                        plan: list[Any]) -> None:
+    assert plan_actor.group_pushes(lengths, 10, 12) == plan
+
+
+def test_rows_of_a_segment_leave_when_the_batch_is_full_or_old_enough_with_their_priorities() -> None:
+    state = actor_state()
+    clock = [0.0]
+    rows = plan_segments.SegmentRows(state.schema, 4, 0.5, lambda: clock[0])
+    assert not rows.put_exact({"x": np.float32(1)}), "no batch yet: the first rows go through add"
+    out = list(rows.add({"x": np.arange(6, dtype=np.float32)}, 6, {"": np.arange(6, dtype=np.float64)}))
+    assert [r.n for r in out] == [4] and out[0].arrays["x"].tolist() == [0, 1, 2, 3]
+    assert out[0].priorities is not None and out[0].priorities[""].tolist() == [0, 1, 2, 3]
+    assert rows.buffered == 2 and not rows.due()
+    clock[0] = 0.6
+    assert rows.due(), "the first buffered row is batch_seconds old"
+    taken = rows.take()
+    assert taken is not None and taken.n == 2 and rows.take() is None
+
+
+def test_a_streamed_episode_opens_once_keeps_its_window_and_a_refused_append_aborts_it() -> None:
+    state = actor_state(max_in_flight=2)
+    seg = plan_segments.SegmentState(b"s" * 16)
+    answers: dict[type, Any] = {P.OpenSegment: lambda r: P.OpenSegmentReply(r.request_id, 5)}
+    refuse_third = itertools.count()
+
+    def answer(r: Any) -> Any:
+        if isinstance(r, P.Append):
+            return refusal(r, DiskFullError("disk full")) if next(refuse_third) == 2 else P.AppendReply(r.request_id, 4)
+        if isinstance(r, P.Abort):
+            return P.AbortReply(r.request_id)
+        return answers[type(r)](r)
+
+    script = Script(answer)
+    rows = plan_segments.Rows({"x": np.zeros(4, np.float32)}, 4, None)
+    for _ in range(3):
+        script.run(plan_segments.send_rows(seg, rows, state.config.max_in_flight))
+    assert [type(req).__name__ for _, req in script.sent] == ["OpenSegment", "Append", "Append", "Append"]
+    assert len(seg.pending) == 2, "the third append waited for the oldest first"
+    with pytest.raises(DiskFullError):
+        script.run(plan_segments.wait_appends(seg))
+    assert seg.status == "aborted" and not seg.pending
+    assert isinstance(script.sent[-1][1], P.Abort) and script.sent[-1][1].segment_id == 5
+    with pytest.raises(SegmentStateError, match="aborted"):
+        seg.require_open("commit")
+
+
+def test_a_commit_refused_for_a_full_disk_leaves_the_segment_open_and_a_lost_one_in_doubt() -> None:
+    seg = plan_segments.SegmentState()
+    assert not seg.settled(None, DiskFullError("full")) and seg.status == "open"
+    seg.abandon_on_failure = True
+    assert seg.settled(None, DiskFullError("full")), "abandoned: the caller holds the episode"
+    assert not seg.settled(None, plan_actor.NotSentError("never left")) and not seg.in_doubt
+    seg.status = "committing"
+    seg.settled(None, ServerUnavailableError("no answer"))
+    assert seg.status == "failed" and seg.in_doubt
+    with pytest.raises(SegmentStateError, match="never opened"):
+        plan_segments.commit_request(plan_segments.SegmentState(), 1.0)

@@ -1,0 +1,627 @@
+"""AsyncActorClient: an actor's episodes as coroutines, on asyncio (`zmq.asyncio`).
+
+The same verbs as `ActorClient`, run by the same plans of the client core
+(h5replay.client._core.actor and .segments): steps are checked, batched into messages, opened,
+appended, committed and retried with their idempotency key exactly as the blocking client does;
+only the waiting differs. Many coroutines may use one client at once (each request has its own
+future). Timeouts raise `ServerUnavailableError`, never `asyncio.TimeoutError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import os
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, overload
+
+import numpy as np
+
+from h5replay import protocol as P
+from h5replay.client._connection import curve_keys
+from h5replay.client._core.actor import (
+    ActorState,
+    Ready,
+    actor_hello,
+    group_pushes,
+    own_copies,
+    push_request,
+    receipts,
+    send_commit,
+    settle_commit,
+)
+from h5replay.client._core.ops import checked
+from h5replay.client._core.segments import (
+    SegmentRows,
+    SegmentState,
+    abort,
+    commit_request,
+    fail,
+    send_rows,
+    wait_appends,
+)
+from h5replay.client.aio._connection import AsyncConnection
+from h5replay.client.aio._drive import AsyncDriver
+from h5replay.config import DEFAULT_ENDPOINT, ClientConfig, process_name
+from h5replay.errors import ClosedError, ConfigError
+from h5replay.priorities import Given, one_row_priorities
+from h5replay.records import Receipt
+from h5replay.spaces import Schema, Space
+
+__all__ = ["AsyncActorClient", "AsyncActorSegment", "AsyncPendingCommit"]
+
+_KEPT_FAILURES = 1000  # failed commits in flight kept for `flush` to report, at most (the newest)
+
+
+class AsyncPendingCommit:
+    """A commit on its way, from `push_episode(..., wait=False)`, `push_episodes(..., wait=False)`
+    or `commit(wait=False)`: the episode has left; a task of the client's loop waits for the
+    server's acknowledgement (sending the commit again with its idempotency key while no reply
+    comes). `await pending.result()` (or `await pending`) is the receipt, or raises what the
+    commit would have raised. Episodes sent in one message settle together.
+    """
+
+    def __init__(self, settling: asyncio.Future[list[Receipt]], key: bytes, index: int = 0) -> None:
+        #: The episode's idempotency key: a commit of the same rows with it is never stored twice.
+        self.key = key
+        self._settling = settling
+        self._index = index
+        self.observed = False  # the caller saw the outcome through `result()` (or `flush` reported it)
+
+    @classmethod
+    def done_with(cls, receipt: Receipt, key: bytes = b"") -> AsyncPendingCommit:
+        """One already settled (an empty episode)."""
+        future: asyncio.Future[list[Receipt]] = asyncio.get_running_loop().create_future()
+        future.set_result([receipt])
+        return cls(future, key)
+
+    def done(self) -> bool:
+        """Whether the outcome is here: `result()` then returns (or raises) at once."""
+        return self._settling.done()
+
+    async def result(self) -> Receipt:
+        """The receipt, once the server has the episode in the file, flushed.
+
+        Raises:
+            ServerUnavailableError: no reply to any attempt within `commit_timeout`: the commit is
+                in doubt (commit the same rows with `key` to settle it).
+            DiskFullError, RateLimitedError, ...: the server refused the commit.
+        """
+        self.observed = True
+        # A cancelled caller does not cancel the settling: the commit's outcome is still learned.
+        found = await asyncio.shield(self._settling)
+        return found[self._index] if self._index < len(found) else Receipt(-1, -1, 0)
+
+    def __await__(self) -> Any:
+        return self.result().__await__()
+
+    def __repr__(self) -> str:
+        state = "in flight" if not self._settling.done() else "failed" if self._settling.exception() else "done"
+        return f"AsyncPendingCommit({state}, key={self.key.hex()})"
+
+
+class AsyncActorClient:
+    """Writes episodes to one server, as coroutines. Connects at `async with` (or `await
+    connect()`); every verb connects first when that was not done.
+
+    ::
+
+        async with AsyncActorClient("tcp://127.0.0.1:5555") as actor:
+            await actor.push_episode({"obs": obs, "reward": rewards})
+            async with actor.segment() as seg:
+                for step in steps:
+                    await seg.append(step)
+
+    Args:
+        endpoint, timeout, name, config, secret_key, server_key: as `ActorClient`.
+        endpoints: several servers: not yet (raises ConfigError; use `ActorClient(endpoints=)`).
+
+    With `wait=False`, up to `config.max_in_flight` commits are unacknowledged (the next one
+    waits for the oldest); `flush()` (and `aclose()`) waits for them all and raises the first
+    failure not seen through `result()`. Not yet: segments committed with `wait=False` each leave
+    in a message of their own (the blocking client packs those that queue behind a full window).
+
+    Cancellation: a streamed episode whose coroutine is cancelled mid-append is aborted (nothing
+    of it becomes visible); a cancelled commit may have been applied, but whole, never in part.
+
+    Raises:
+        ConfigError: `endpoints=` was given, or only one of secret_key / server_key.
+    """
+
+    def __init__(
+        self,
+        endpoint: str = DEFAULT_ENDPOINT,
+        timeout: float = 10.0,
+        *,
+        name: str | None = None,
+        config: ClientConfig | None = None,
+        secret_key: str | os.PathLike[str] | None = None,
+        server_key: str | os.PathLike[str] | None = None,
+        endpoints: Any = None,
+    ) -> None:
+        if endpoints is not None:
+            raise ConfigError("AsyncActorClient(endpoints=...) is not yet supported: one server only for now; "
+                              "use ActorClient(endpoints=...) for shards")
+        self.config = config or ClientConfig(endpoint=endpoint, timeout=timeout, name=name or process_name("actor"))
+        self._curve = curve_keys(secret_key, server_key)
+        self._state: ActorState | None = None
+        self._conn: AsyncConnection | None = None
+        self._driver: AsyncDriver | None = None
+        self._connecting: asyncio.Lock | None = None
+        self._in_flight: collections.deque[AsyncPendingCommit] = collections.deque()
+        self._failures: collections.deque[AsyncPendingCommit] = collections.deque(maxlen=_KEPT_FAILURES)
+        self._closed = False
+
+    # ------------------------------------------------------------------ connecting
+
+    async def connect(self) -> AsyncActorClient:
+        """Say hello to the server (once; later calls return at once). Returns self.
+
+        Raises:
+            ServerUnavailableError: no answer within `timeout`.
+            ClosedError: the client was closed.
+        """
+        if self._closed:
+            raise ClosedError("this actor was closed")
+        if self._state is not None:
+            return self
+        if self._connecting is None:
+            self._connecting = asyncio.Lock()
+        async with self._connecting:
+            if self._state is None:
+                conn = AsyncConnection(self.config.endpoint, self.config, curve=self._curve)
+                try:
+                    hello = await AsyncDriver(conn, conn).run(actor_hello(self.config.name))
+                except BaseException:
+                    await conn.aclose()
+                    raise
+                conn.limits = hello.limits
+                self._conn, self._driver = conn, AsyncDriver(conn, conn)
+                self._state = ActorState(self.config, hello)
+        return self
+
+    async def _ready(self) -> tuple[ActorState, AsyncDriver]:
+        if self._state is None or self._driver is None:
+            await self.connect()
+        if self._closed:
+            raise ClosedError("this actor was closed")
+        return self._state, self._driver  # type: ignore[return-value]
+
+    @property
+    def state(self) -> ActorState:
+        """What this client knows of its server (h5replay.client._core.actor), once connected.
+
+        Raises:
+            ConfigError: not connected yet.
+        """
+        if self._state is None:
+            raise ConfigError("this actor is not connected yet: `await actor.connect()` (or `async with`) first")
+        return self._state
+
+    @property
+    def space(self) -> Space:
+        return self.state.space
+
+    @property
+    def schema(self) -> Schema:
+        return self.state.schema
+
+    @property
+    def limits(self) -> P.Limits:
+        return self.state.limits
+
+    @property
+    def capacity(self) -> int | None:
+        return self.state.capacity
+
+    @property
+    def keeps_finals(self) -> bool:
+        """Whether the server keeps episodes' final observations (`serve --observation-keys`)."""
+        return self.state.keeps_finals
+
+    @property
+    def rows_per_message(self) -> int:
+        return self.state.rows_per_message
+
+    @property
+    def rows_per_push(self) -> int:
+        return self.state.rows_per_push
+
+    @property
+    def commit_timeout(self) -> float:
+        return self.state.commit_timeout
+
+    # ------------------------------------------------------------------ episodes
+
+    def segment(self) -> AsyncActorSegment:
+        """Open a segment (one episode); connect first. As an async context manager it commits on
+        normal exit and aborts on an exception (a cancellation too)."""
+        return AsyncActorSegment(self)
+
+    @overload
+    async def push_episode(self, batch: Any, priorities: Any = None, *, wait: Literal[True] = True,
+                           final: Any = None) -> Receipt: ...
+    @overload
+    async def push_episode(self, batch: Any, priorities: Any = None, *, wait: Literal[False],
+                           final: Any = None) -> AsyncPendingCommit: ...
+    @overload
+    async def push_episode(self, batch: Any, priorities: Any = None, *, wait: bool,
+                           final: Any = None) -> Receipt | AsyncPendingCommit: ...
+
+    async def push_episode(self, batch: Any, priorities: Any = None, *, wait: bool = True,
+                           final: Any = None) -> Receipt | AsyncPendingCommit:
+        """Send one whole episode and wait for its commit, as `ActorClient.push_episode` does
+        (checked before it leaves; sent again with its key while no reply comes, within
+        `commit_timeout`). With `wait=False`, returns once it has left, with an
+        `AsyncPendingCommit`; the caller may reuse its arrays at once.
+
+        Raises:
+            SpaceMismatchError, ConfigError: the episode (or its priorities, its final) does not
+                fit the server: nothing was sent.
+            RateLimitedError: the server's rate limit held the commit back for `rate_limit_timeout`.
+        """
+        state, _ = await self._ready()
+        encoded, n = state.encode_batch(batch)
+        given, end = state.check_priorities(priorities, n), state.encode_final(final)
+        pending = await self._push_encoded(state, encoded, n, given, end, batch, wait)
+        return await pending.result() if wait else pending
+
+    async def _push_encoded(self, state: ActorState, encoded: dict[str, np.ndarray], n: int, given: Given | None,
+                            final: dict[str, np.ndarray] | None, batch: Any, wait: bool) -> AsyncPendingCommit:
+        """One checked episode on its way: empty (done), one push, or streamed through a segment."""
+        if n == 0:
+            return AsyncPendingCommit.done_with(Receipt(-1, -1, 0))
+        if n <= state.rows_per_message:
+            if not wait:  # the message (and its retries) must not borrow arrays the caller may reuse
+                encoded = own_copies(encoded, state.schema.flatten(batch))
+                given = given and {table: values.copy() for table, values in given.items()}
+            ready = Ready(encoded, n, given, os.urandom(P.IDEMPOTENCY_KEY_BYTES), final)
+            return await self._send_commit(push_request([ready], self.config.rate_limit_timeout), ready.key,
+                                           track=not wait)
+        seg = AsyncActorSegment(self)
+        try:
+            await seg.extend_encoded(encoded, n, given)
+            seg.set_final_encoded(final)
+            seg._seg.abandon_on_failure = True  # the caller holds the episode, not this segment
+            return await seg._commit_pending(track=not wait)
+        except BaseException:
+            # The caller holds the episode, not this segment: nothing of it may stay open on the server.
+            with contextlib.suppress(Exception):
+                await seg.abort()
+            raise
+
+    @overload
+    async def push_episodes(self, batches: Sequence[Any], priorities: Sequence[Any] | None = None, *,
+                            wait: Literal[True] = True, finals: Sequence[Any] | None = None) -> list[Receipt]: ...
+    @overload
+    async def push_episodes(self, batches: Sequence[Any], priorities: Sequence[Any] | None = None, *,
+                            wait: Literal[False], finals: Sequence[Any] | None = None) -> list[AsyncPendingCommit]: ...
+    @overload
+    async def push_episodes(self, batches: Sequence[Any], priorities: Sequence[Any] | None = None, *, wait: bool,
+                            finals: Sequence[Any] | None = None) -> list[Receipt] | list[AsyncPendingCommit]: ...
+
+    async def push_episodes(self, batches: Sequence[Any], priorities: Sequence[Any] | None = None, *,
+                            wait: bool = True,
+                            finals: Sequence[Any] | None = None) -> list[Receipt] | list[AsyncPendingCommit]:
+        """Push several whole episodes, as many as fit in one message, each with its own key, as
+        `ActorClient.push_episodes` does; every episode is checked before any leaves. Returns one
+        receipt per episode, in order (with `wait=False`, one `AsyncPendingCommit` each).
+
+        Raises:
+            ConfigError: `priorities` or `finals` has not one entry per episode.
+            SpaceMismatchError: an episode does not fit the space (nothing was sent).
+            H5ReplayError: the error of a message the server refused, after every message settled.
+        """
+        if not isinstance(batches, Sequence) or isinstance(batches, (str, bytes, dict)):
+            raise ConfigError(f"push_episodes takes a sequence of episodes, got {type(batches).__name__}")
+        if priorities is not None and len(priorities) != len(batches):
+            raise ConfigError(f"push_episodes got {len(priorities)} priority entries for {len(batches)} episodes: "
+                              "give one per episode (None, or one per step)")
+        if finals is not None and len(finals) != len(batches):
+            raise ConfigError(f"push_episodes got {len(finals)} finals for {len(batches)} episodes: give one per "
+                              "episode (None, or its final observation)")
+        state, _ = await self._ready()
+        each = priorities if priorities is not None else [None] * len(batches)
+        ends = finals if finals is not None else [None] * len(batches)
+        episodes = []  # (encoded, rows, priorities, final, batch): all checked before anything leaves
+        for batch, given, final in zip(batches, each, ends):
+            encoded, n = state.encode_batch(batch)
+            episodes.append((encoded, n, state.check_priorities(given, n), state.encode_final(final), batch))
+        pending: list[AsyncPendingCommit | None] = [None] * len(episodes)
+        for kind, group in group_pushes([e[1] for e in episodes], state.rows_per_message, state.rows_per_push):
+            if kind == "empty":
+                pending[group[0]] = AsyncPendingCommit.done_with(Receipt(-1, -1, 0))
+            elif len(group) == 1:
+                encoded, n, given, final, batch = episodes[group[0]]
+                pending[group[0]] = await self._push_encoded(state, encoded, n, given, final, batch, False)
+            else:
+                ready = [Ready(episodes[i][0], episodes[i][1], episodes[i][2], os.urandom(P.IDEMPOTENCY_KEY_BYTES),
+                               episodes[i][3]) for i in group]
+                first = await self._send_commit(push_request(ready, self.config.rate_limit_timeout), ready[0].key,
+                                                track=True)
+                for j, i in enumerate(group):
+                    pending[i] = AsyncPendingCommit(first._settling, ready[j].key, j)
+        commits = [commit for commit in pending if commit is not None]
+        if not wait:
+            return commits
+        await asyncio.wait({commit._settling for commit in commits})  # never cancels them
+        return [await commit.result() for commit in commits]
+
+    async def _send_commit(self, request: Any, key: bytes, *, track: bool,
+                           settled: Any = None) -> AsyncPendingCommit:
+        """Send a commit (or push), then settle it in a task of its own (sent again with its key
+        while no reply comes); with `track`, it counts in the in-flight window and `flush` waits
+        for it. `settled(receipt, error)` is told the outcome.
+
+        Raises:
+            NotSentError: it could not leave (no server connected within the timeout).
+        """
+        state, driver = await self._ready()
+        if track:
+            await self._make_room()
+        retried = await driver.run(send_commit(state, request))
+
+        async def settle() -> list[Receipt]:
+            try:
+                found = receipts(await driver.run(settle_commit(retried)))
+            except Exception as exc:
+                if settled is not None:
+                    settled(None, exc)
+                raise
+            if settled is not None:
+                settled(found[0] if found else None, None)
+            return found
+
+        task = asyncio.get_running_loop().create_task(settle(), name="h5replay-commit")
+        pending = AsyncPendingCommit(task, key)
+        if track:
+            self._in_flight.append(pending)
+            task.add_done_callback(lambda done: self._settled(pending, done))
+        return pending
+
+    def _settled(self, pending: AsyncPendingCommit, task: asyncio.Future[list[Receipt]]) -> None:
+        """A tracked commit ended: out of the window; a failure waits for `flush` unless seen."""
+        with contextlib.suppress(ValueError):
+            self._in_flight.remove(pending)
+        if not task.cancelled() and task.exception() is not None:
+            self._failures.append(pending)
+
+    async def _make_room(self) -> None:
+        """Before another commit leaves: wait for the oldest while `max_in_flight` are unsettled."""
+        while len(self._in_flight) >= self.config.max_in_flight:
+            await asyncio.wait([self._in_flight[0]._settling])
+
+    async def flush(self) -> None:
+        """Wait for every commit sent with `wait=False` to be acknowledged. Raises the first
+        failure since the last flush that `result()` did not show (a note says how many failed);
+        each is reported once."""
+        while self._in_flight:
+            await asyncio.wait([pending._settling for pending in list(self._in_flight)])
+        failed = [pending for pending in self._failures if not pending.observed]
+        self._failures.clear()
+        for pending in failed:
+            pending.observed = True
+        if failed:
+            error = failed[0]._settling.exception()
+            if error is not None:
+                if len(failed) > 1:
+                    error.args = (f"{error.args[0] if error.args else error} (and {len(failed) - 1} more commit(s) in "
+                                  "flight failed since the last flush; their result() raises each)", *error.args[1:])
+                raise error
+
+    async def info(self) -> dict[str, Any]:
+        """The server's figures (length, episodes, clients, rows in, ...)."""
+        _, driver = await self._ready()
+        request_id = await driver.writer.send(lambda rid: P.Info(rid))
+        return dict(checked(await driver.writer.wait(request_id)).stats)
+
+    def encode_one(self, step: Any) -> dict[str, np.ndarray]:
+        """One step checked against the server's space, in storage form (connect first)."""
+        return self.state.encode_one(step)
+
+    def encode_batch(self, batch: Any) -> tuple[dict[str, np.ndarray], int]:
+        """A batch checked against the server's space, in storage form; and its number of rows."""
+        return self.state.encode_batch(batch)
+
+    # ------------------------------------------------------------------ closing
+
+    async def aclose(self) -> None:
+        """Wait for the commits in flight (`wait=False`), close the socket, then raise the first of
+        them that failed unseen, as `flush` does. Safe to call twice."""
+        if self._closed:
+            return
+        try:
+            while self._in_flight:
+                await asyncio.wait([pending._settling for pending in list(self._in_flight)])
+        finally:
+            self._closed = True
+            if self._conn is not None:
+                await self._conn.aclose()
+        await self.flush()
+
+    async def __aenter__(self) -> AsyncActorClient:
+        return await self.connect()
+
+    async def __aexit__(self, exc_type: object, *rest: object) -> None:
+        if exc_type is None:
+            await self.aclose()
+            return
+        with contextlib.suppress(Exception):  # the exception under way is the one to see
+            await self.aclose()
+
+
+class AsyncActorSegment:
+    """One episode being streamed, as coroutines: `await append`, `await extend`, then `await
+    commit` or `await abort`. The same rules as `ActorSegment`: the server hears of it when its
+    first full message leaves; an episode that fits in one message leaves whole at commit."""
+
+    def __init__(self, client: AsyncActorClient, key: bytes | None = None) -> None:
+        self._client = client
+        self._seg = SegmentState(key)
+        self._rows: SegmentRows | None = None  # once the client is connected
+
+    async def _ready(self) -> tuple[ActorState, AsyncDriver, SegmentRows]:
+        state, driver = await self._client._ready()
+        if self._rows is None:
+            self._rows = SegmentRows(state.schema, state.rows_per_message, self._client.config.batch_seconds,
+                                     time.monotonic)
+        return state, driver, self._rows
+
+    @property
+    def key(self) -> bytes:
+        """The episode's idempotency key, sent with every commit attempt."""
+        return self._seg.key
+
+    @property
+    def segment_id(self) -> int | None:
+        return self._seg.segment_id
+
+    @property
+    def receipt(self) -> Receipt | None:
+        return self._seg.receipt
+
+    @property
+    def in_doubt(self) -> bool:
+        """Whether the commit was sent and no reply came (commit the same rows with `key` to settle it)."""
+        return self._seg.in_doubt
+
+    @property
+    def state(self) -> str:
+        """"open", "committing", "committed", "aborted" or "failed"."""
+        return self._seg.status
+
+    def __len__(self) -> int:
+        return self._seg.length
+
+    async def append(self, step: Any, priority: float | Mapping[str, float] | None = None) -> None:
+        """Add one step (with its priority, as `ActorSegment.append` takes it); checked now, sent in
+        a batch soon. A cancellation while its batch is sent aborts the episode."""
+        self._seg.require_open("append to")
+        state, driver, rows = await self._ready()
+        if priority is None and rows.put_exact(step):
+            self._seg.length += 1
+            if rows.due():
+                await self._send(driver, rows)
+            return
+        given = state.check_priorities(None if priority is None else one_row_priorities(priority), 1)
+        await self._add(driver, rows, state.encode_one(step), 1, given)
+
+    async def extend(self, batch: Any, priorities: Any = None) -> None:
+        """Add a batch of steps (a leading axis on every leaf), with one priority per step if given."""
+        self._seg.require_open("extend")
+        state, driver, rows = await self._ready()
+        encoded, n = state.encode_batch(batch)
+        await self._add(driver, rows, encoded, n, state.check_priorities(priorities, n))
+
+    async def extend_encoded(self, encoded: dict[str, np.ndarray], n: int, priorities: Given | None = None) -> None:
+        """Add rows already checked and in storage form (`encode_batch`, `check_priorities`)."""
+        self._seg.require_open("extend")
+        _, driver, rows = await self._ready()
+        await self._add(driver, rows, encoded, n, priorities)
+
+    async def _add(self, driver: AsyncDriver, rows: SegmentRows, encoded: dict[str, np.ndarray], n: int,
+                   priorities: Given | None) -> None:
+        self._seg.length += n
+        for taken in rows.add(encoded, n, priorities):
+            await self._send(driver, taken)
+
+    async def _send(self, driver: AsyncDriver, rows: Any) -> None:
+        try:
+            await driver.run(send_rows(self._seg, rows, self._client.config.max_in_flight))
+        except asyncio.CancelledError:
+            if self._seg.status == "open":  # cancelled before any reply said so: drop the episode
+                rows_left = self._rows
+                if rows_left is not None:
+                    rows_left.clear()
+                await driver.run(fail(self._seg, wait=False))
+            raise
+
+    def set_final(self, final: Any) -> None:
+        """The observation after the episode's last step, sent with the commit (connect first;
+        checked now). See `ActorSegment.set_final`."""
+        self._seg.require_open("set the final observation of")
+        self._seg.final = self._client.state.encode_final(final)
+
+    def set_final_encoded(self, final: dict[str, np.ndarray] | None) -> None:
+        self._seg.final = final
+
+    @overload
+    async def commit(self, *, wait: Literal[True] = True, final: Any = None) -> Receipt: ...
+    @overload
+    async def commit(self, *, wait: Literal[False], final: Any = None) -> AsyncPendingCommit: ...
+    @overload
+    async def commit(self, *, wait: bool, final: Any = None) -> Receipt | AsyncPendingCommit: ...
+
+    async def commit(self, *, wait: bool = True, final: Any = None) -> Receipt | AsyncPendingCommit:
+        """Send what is buffered, wait for every append, then commit (see `ActorSegment.commit`).
+        With `wait=False` the appends are still waited for, and the commit is left in flight.
+
+        Raises:
+            RateLimitedError: the server's rate limit held the commit back; the segment stays
+                open: commit again.
+        """
+        self._seg.require_open("commit")
+        await self._ready()
+        if final is not None:
+            self.set_final(final)
+        pending = await self._commit_pending(track=not wait)
+        return await pending.result() if wait else pending
+
+    async def _commit_pending(self, *, track: bool) -> AsyncPendingCommit:
+        seg = self._seg
+        state, driver, rows = await self._ready()
+        limit = self._client.config.rate_limit_timeout
+        if seg.segment_id is None:  # never left the client: one push
+            taken = rows.peek()  # kept until the commit settles: a refused one may be made again
+            if taken is None:
+                seg.status, seg.receipt = "committed", Receipt(-1, -1, 0)
+                return AsyncPendingCommit.done_with(seg.receipt, seg.key)
+            request = push_request([Ready(taken.arrays, taken.n, taken.priorities, seg.key, seg.final)], limit)
+        else:
+            await self._send(driver, rows)
+            await driver.run(wait_appends(seg))
+            request = commit_request(seg, limit)
+        try:
+            pending = await self._client._send_commit(request, seg.key, track=track, settled=self._settled)
+        except BaseException:
+            seg.status = "failed"  # it never left: not in doubt
+            raise
+        seg.status = "committing"
+        return pending
+
+    def _settled(self, receipt: Receipt | None, error: Exception | None) -> None:
+        if error is None and self._rows is not None:
+            self._rows.clear()
+        if self._seg.settled(receipt, error):
+            asyncio.get_running_loop().create_task(self._abandon(), name="h5replay-abort")
+
+    async def _abandon(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.abort()
+
+    async def abort(self) -> None:
+        """Drop the episode: nothing of it becomes visible. Safe to call twice."""
+        if self._seg.status != "open":
+            return
+        _, driver, rows = await self._ready()
+        await driver.run(abort(self._seg, rows))
+
+    async def __aenter__(self) -> AsyncActorSegment:
+        await self._ready()
+        return self
+
+    async def __aexit__(self, exc_type: object, *rest: object) -> None:
+        if self._seg.status != "open":
+            return
+        if exc_type is None:
+            await self.commit()
+            return
+        if self._rows is not None:
+            self._rows.clear()
+        _, driver, _ = await self._ready()
+        # Leaving on an exception (a cancellation too): never wait for the server's word here.
+        with contextlib.suppress(Exception):
+            await driver.run(fail(self._seg, wait=False))
+
