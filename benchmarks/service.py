@@ -18,7 +18,9 @@ targets are informational: PASS/MISS never changes the exit code):
    "batched", `push_episodes` of 32 episodes a call with `wait=False` (several episodes a
    message), and "streamed": per-step `append`s and `commit(wait=False)` (episodes that wait for
    room in flight leave together in one message). All three end with `flush()`, so every episode
-   is acknowledged before the clock stops. With small rows they send 2x ("pipelined"), 16x
+   is acknowledged before the clock stops. "async-extend" and "async-pipelined" are "extend" and
+   "pipelined" through `AsyncActorClient` (one event loop per actor process); their target is
+   >= 0.9x the blocking client in the same mode (issue 23). With small rows they send 2x ("pipelined"), 16x
    ("batched") and 4x ("streamed") the episodes: they would be over too soon. Their latency columns are the time of each call, which waits only for room in flight.
    The episodes are shared out among the actors (the same total for every actor count). Timing
    runs from a start barrier (every actor connected, its rows built) to the last actor's final
@@ -91,7 +93,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import h5py
@@ -118,12 +120,15 @@ ROW: dict[str, tuple[tuple[int, ...], np.dtype[Any]]] = {
 # push_episodes of BATCHED_EPISODES episodes a call, wait=False ("batched": several episodes a
 # message); and per-step appends with commit(wait=False) ("streamed": under load the client puts
 # the episodes waiting for room in flight in one message).
-MODES = ("extend", "append", "pipelined", "batched", "streamed")
+# "async-extend" and "async-pipelined" are "extend" and "pipelined" through AsyncActorClient
+# (h5replay.client.aio, the same core plans on zmq.asyncio), one event loop per actor process.
+MODES = ("extend", "append", "pipelined", "batched", "streamed", "async-extend", "async-pipelined")
 LOCAL_MODES = ("extend", "append")  # the local baseline has no counterpart of the others
 IN_FLIGHT_MODES = ("pipelined", "batched", "streamed")
+ASYNC_MODES = ("async-extend", "async-pipelined")
 BATCHED_EPISODES = 32
 # Small rows in the in-flight modes: this many times the episodes, or they are over too soon.
-IN_FLIGHT_SCALE = {"pipelined": 2, "batched": 16, "streamed": 4}
+IN_FLIGHT_SCALE = {"pipelined": 2, "batched": 16, "streamed": 4, "async-pipelined": 2}
 BATCH = 256
 PREFETCH = 8  # batches a pipelined learner keeps requested ahead
 PIPELINED = f"wire, LearnerClient.batches(prefetch={PREFETCH})"
@@ -156,7 +161,7 @@ class Sizes:
 FULL = Sizes(100, {SMALL: 2_000, IMAGE: 192}, 30.0, {SMALL: 1_000_000, IMAGE: 20_000}, 2_000, 5.0, 1.0,
              [100, 300, 1_000, 3_000, 10_000])
 QUICK = Sizes(100, {SMALL: 160, IMAGE: 16}, 4.0, {SMALL: 100_000, IMAGE: 2_000}, 100, 0.5, 0.2, [100, 300, 1_000],
-              ("extend",))
+              ("extend", "async-extend"))
 
 
 def space_of(kind: str) -> DictSpace:
@@ -296,6 +301,9 @@ def children_rss(pid: int) -> float:
 def _actor_main(endpoint: str, kind: str, mode: str, num_episodes: int, episode_len: int, seed: int,
                 budget: float, barrier: Any, out: Any) -> None:
     """One actor: ActorClient, `num_episodes` segments of `episode_len` steps, then report."""
+    if mode in ASYNC_MODES:
+        _async_actor_main(endpoint, kind, mode, num_episodes, episode_len, seed, budget, barrier, out)
+        return
     try:
         client = ActorClient(endpoint, timeout=60.0, name=f"bench-actor-{seed}")
         try:
@@ -341,6 +349,42 @@ def _actor_main(endpoint: str, kind: str, mode: str, num_episodes: int, episode_
         finally:
             client.close()
         out.put({"t0": t0, "t1": t1, "episodes": done, "rows": done * episode_len, "times": times})
+    except BaseException:
+        barrier.abort()
+        out.put({"error": traceback.format_exc()})
+
+
+def _async_actor_main(endpoint: str, kind: str, mode: str, num_episodes: int, episode_len: int, seed: int,
+                      budget: float, barrier: Any, out: Any) -> None:
+    """One actor on asyncio: AsyncActorClient, the episodes of "extend" (a segment, one extend,
+    each commit awaited) or "pipelined" (push_episode(wait=False), then flush), then report."""
+    import asyncio
+
+    from h5replay.client.aio import AsyncActorClient
+
+    async def run() -> dict[str, Any]:
+        async with AsyncActorClient(endpoint, timeout=60.0, name=f"bench-actor-{seed}") as client:
+            batches = [{"obs": rows} for rows in episode_pool(kind, episode_len, seed)]
+            await asyncio.to_thread(barrier.wait, START_TIMEOUT)
+            t0 = perf()
+            times, done = [], 0
+            for e in range(num_episodes):
+                ts = perf()
+                if mode == "async-pipelined":
+                    await client.push_episode(batches[e % 2], wait=False)
+                else:
+                    async with client.segment() as seg:
+                        await seg.extend(batches[e % 2])
+                times.append(perf() - ts)
+                done += 1
+                if perf() - t0 > budget:
+                    break
+            await client.flush()  # every episode acknowledged before the clock stops
+            t1 = perf()
+        return {"t0": t0, "t1": t1, "episodes": done, "rows": done * episode_len, "times": times}
+
+    try:
+        out.put(asyncio.run(run()))
     except BaseException:
         barrier.abort()
         out.put({"error": traceback.format_exc()})
@@ -831,6 +875,12 @@ def ingest_targets(name: str, kind: str, m: dict[str, Any], got: dict[str, dict[
                 checks.append((f"commit p99 {m['p99_ms']:.1f} ms <=20", m["p99_ms"] <= COMMIT_P99_TARGET_MS))
     if kind == SMALL and mode in ("append", "streamed") and four:
         checks.append((f">={fmt(STREAM_INGEST_TARGET)} rows/s", m["rows_per_s"] >= STREAM_INGEST_TARGET))
+    if mode in ASYNC_MODES:  # issue 23: the asyncio actor beside the blocking one, same mode
+        blocking = ok(f"service {mode.removeprefix('async-')}, {name.rsplit(', ', 1)[1]}")
+        if blocking is not None:
+            ratio = m["rows_per_s"] / blocking["rows_per_s"]
+            checks.append((f"{ratio:.2f}x blocking >={ASYNC_VS_BLOCKING_TARGET}x", ratio >= ASYNC_VS_BLOCKING_TARGET))
+        return checks
     if kind == IMAGE:
         if m["vs_raw_stream"] is not None:
             checks.append((f"{m['vs_raw_stream']:.2f}x raw stream >=0.5x", m["vs_raw_stream"] >= 0.5))
@@ -1118,6 +1168,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes, < 60 s: a smoke test")
     parser.add_argument("--only", choices=("ingest", "sample", "zmq", "rss"), help="run one section")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    parser.add_argument("--modes", default=None, metavar="MODE,MODE,...",
+                        help=f"the ingest modes to run (default: all but with --quick: {', '.join(MODES)})")
     parser.add_argument("--actors", default=None, metavar="N,N,...",
                         help="actor process counts for ingest (default 1,4,16; --quick: 1,4)")
     parser.add_argument("--transport", choices=("tcp", "ipc"), default="tcp",
@@ -1133,6 +1185,12 @@ def main(argv: list[str] | None = None) -> int:
     if any(a < 1 for a in actor_counts):
         parser.error("--actors counts must be >= 1")
     sizes = QUICK if args.quick else FULL
+    if args.modes:
+        wanted = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+        unknown = [m for m in wanted if m not in MODES]
+        if unknown:
+            parser.error(f"unknown --modes {', '.join(unknown)}; choose from {', '.join(MODES)}")
+        sizes = replace(sizes, modes=wanted)
     print(f"h5replay service benchmark ({'quick' if args.quick else 'full'}, {args.transport}, actors "
           f"{','.join(map(str, actor_counts))}): Python {sys.version.split()[0]}, numpy {np.__version__}, h5py "
           f"{h5py.version.version}, HDF5 {h5py.version.hdf5_version}, pyzmq {zmq.__version__}, libzmq "
