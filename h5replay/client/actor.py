@@ -23,7 +23,16 @@ import numpy as np
 from h5replay import protocol as P
 from h5replay.client._commits import PendingCommit, _Flight, _Queue
 from h5replay.client._connection import Connection, curve_keys, say_hello
-from h5replay.client._core.actor import ActorState, Ready, Settled, group_pushes, own_copies, push_request, send_commit
+from h5replay.client._core.actor import (
+    ActorState,
+    Ready,
+    Settled,
+    episode_entries,
+    group_pushes,
+    own_copies,
+    push_request,
+    send_commit,
+)
 from h5replay.client._drive import BlockingDriver
 from h5replay.client._segment import ActorSegment
 from h5replay.client._shards import InDoubt, ShardedActor, ShardedSegment
@@ -32,7 +41,7 @@ from h5replay.errors import ConfigError
 from h5replay.priorities import Given
 from h5replay.records import Receipt
 
-__all__ = ["ActorClient", "ActorSegment", "PendingCommit", "Receipt"]
+__all__ = ["ActorClient", "ActorSegment", "PendingCommit", "Receipt", "ShardedActorClient"]
 
 
 _KEPT_FAILURES = 1000  # failed commit messages in flight kept for `flush` to report, at most (the newest)
@@ -40,6 +49,12 @@ _KEPT_FAILURES = 1000  # failed commit messages in flight kept for `flush` to re
 
 def _no_updates() -> None:
     """An actor holds no priority updates back (its driver's flush does nothing)."""
+
+
+def _check_settle_timeout(timeout: float | None) -> None:
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not timeout >= 0):
+        raise ConfigError(f"settle's timeout must be a number of seconds >= 0, or None, got {timeout!r}")
 
 
 class ActorClient:
@@ -61,6 +76,11 @@ class ActorClient:
         ConfigError: the shards hold different spaces, or two endpoints reach the same file.
     """
 
+    def __new__(cls, endpoint: str = DEFAULT_ENDPOINT, timeout: float = 10.0, *,
+                endpoints: Sequence[str] | None = None, **kwargs: Any) -> ActorClient:
+        # ActorClient(endpoints=...) is the front of several servers: ShardedActorClient.
+        return super().__new__(ShardedActorClient if endpoints is not None and cls is ActorClient else cls)
+
     def __init__(
         self,
         endpoint: str = DEFAULT_ENDPOINT,
@@ -72,6 +92,9 @@ class ActorClient:
         server_key: str | os.PathLike[str] | None = None,
         endpoints: Sequence[str] | None = None,
     ) -> None:
+        if endpoints is not None:
+            raise ConfigError(f"{type(self).__name__} is the client of one server: give endpoints= to ActorClient "
+                              "itself (its front for several servers)")
         self.config = config or ClientConfig(endpoint=endpoint, timeout=timeout, name=name or process_name("actor"))
         # Commits sent with wait=False and not yet settled (oldest first), and those that failed
         # unseen: `flush` reports them.
@@ -79,12 +102,6 @@ class ActorClient:
         self._failures: collections.deque[_Flight] = collections.deque(maxlen=_KEPT_FAILURES)
         self._flights_lock = threading.RLock()  # over both: calls from several threads take turns
         self._queue: _Queue | None = None  # episodes of segments committed with wait=False, not yet sent
-        #: Over several servers: the routing (h5replay.client._shards), which every call goes through.
-        self._router: ShardedActor[ActorClient] | None = None
-        if endpoints is not None:
-            self._router = ShardedActor(endpoints, self.config, secret_key, server_key, client_class=ActorClient)
-            self._adopt(self._router.codec)
-            return
         self._conn, hello = say_hello(self.config, "actor", curve_keys(secret_key, server_key))
         self._adopt_state(ActorState(self.config, hello), BlockingDriver(self._conn, self._conn, _no_updates))
 
@@ -95,11 +112,6 @@ class ActorClient:
         self.schema = state.schema
         self.rows_per_message, self.rows_per_push = state.rows_per_message, state.rows_per_push
         self.commit_timeout, self.commit_hold = state.commit_timeout, state.commit_hold
-
-    def _adopt(self, shard: ActorClient) -> None:
-        """Take the figures of a shard's client as this client's (all shards hold the same space)."""
-        self._conn = shard.connection
-        self._adopt_state(shard.state, shard.driver)
 
     @property
     def state(self) -> ActorState:
@@ -137,7 +149,7 @@ class ActorClient:
     @property
     def shard(self) -> int:
         """The index (in `endpoints`) of the shard this actor writes to now; 0 for a single server."""
-        return self._router.current if self._router is not None else 0
+        return 0
 
     @property
     def in_doubt(self) -> list[InDoubt]:
@@ -145,7 +157,7 @@ class ActorClient:
         lost the reply and did not answer again within the commit's time). The actor keeps each
         and settles it on that shard, with its idempotency key, once the shard answers; `receipt`
         is None until then. The newest 1000 settled ones are kept here, then those still in doubt."""
-        return self._router.in_doubt if self._router is not None else []
+        return []
 
     def settle(self, timeout: float | None = None) -> list[InDoubt]:
         """Wait up to `timeout` seconds (None: the client's timeout) for every episode in doubt to
@@ -155,17 +167,13 @@ class ActorClient:
         Raises:
             ConfigError: `timeout` is not a number of seconds >= 0 (nor None).
         """
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                    or not timeout >= 0):
-            raise ConfigError(f"settle's timeout must be a number of seconds >= 0, or None, got {timeout!r}")
-        return self._router.settle(timeout) if self._router is not None else []
+        _check_settle_timeout(timeout)
+        return []
 
     def segment(self) -> ActorSegment | ShardedSegment:
         """Open a segment (one episode). As a context manager it commits on normal exit and
         aborts on an exception. Over several servers the episode moves whole to the next live
         shard when its shard stops answering."""
-        if self._router is not None:
-            return self._router.segment()
         return ActorSegment(self)
 
     @overload
@@ -201,9 +209,6 @@ class ActorClient:
             CommitInDoubtError: over several servers, the shard lost the reply and did not answer
                 again: the actor keeps the episode and settles it there (`in_doubt`, `settle`).
         """
-        if self._router is not None:
-            receipt = self._router.push_episode(batch, priorities, final=final)
-            return receipt if wait else PendingCommit.done_with(receipt)
         encoded, n = self.encode_batch(batch)
         return self._push_encoded(encoded, n, self.check_priorities(priorities, n), wait, batch,
                                   self.encode_final(final))
@@ -266,20 +271,7 @@ class ActorClient:
                 message has settled; episodes of other messages may be committed (`wait=False`
                 tells each apart).
         """
-        if not isinstance(batches, Sequence) or isinstance(batches, (str, bytes, dict)):
-            raise ConfigError(f"push_episodes takes a sequence of episodes, got {type(batches).__name__}")
-        if priorities is not None and len(priorities) != len(batches):
-            raise ConfigError(f"push_episodes got {len(priorities)} priority entries for {len(batches)} episodes: "
-                              "give one per episode (None, or one per step)")
-        if finals is not None and len(finals) != len(batches):
-            raise ConfigError(f"push_episodes got {len(finals)} finals for {len(batches)} episodes: give one per "
-                              "episode (None, or its final observation)")
-        each = priorities if priorities is not None else [None] * len(batches)
-        ends = finals if finals is not None else [None] * len(batches)
-        if self._router is not None:
-            receipts = [self._router.push_episode(batch, given, final=final)
-                        for batch, given, final in zip(batches, each, ends)]
-            return receipts if wait else [PendingCommit.done_with(r) for r in receipts]
+        each, ends = episode_entries(batches, priorities, finals)
         episodes = []  # (encoded, rows, priorities given, batch, final): all checked before anything leaves
         for batch, given, final in zip(batches, each, ends):
             encoded, n = self.encode_batch(batch)
@@ -398,8 +390,6 @@ class ActorClient:
         `commit_timeout`). Raises the first failure since the last flush that `result()` did not
         show (a note says how many failed); each is reported once.
         """
-        if self._router is not None:
-            return
         with self._flights_lock:
             self._drain()
             failed = [flight for flight in self._failures if not flight.observed]
@@ -418,14 +408,10 @@ class ActorClient:
     def info(self) -> dict[str, Any]:
         """The server's figures (length, episodes, clients, rows in, ...); over several servers,
         the current shard's, with "shard": its index."""
-        if self._router is not None:
-            return self._router.info()
         return dict(self._conn.request(lambda rid: P.Info(rid)).stats)  # type: ignore[attr-defined]
 
     @property
     def connection(self) -> Connection:
-        if self._router is not None:
-            return self._router.writer()[1].connection
         return self._conn
 
     def close(self) -> None:
@@ -433,9 +419,6 @@ class ActorClient:
         closed, the first of them that failed unseen, as `flush` does. Over several servers,
         after settling the episodes in doubt on shards that answer at once (`settle(timeout)`
         first to wait for the others). Safe to call twice."""
-        if self._router is not None:
-            self._router.close()
-            return
         if self._conn.closed:
             return
         try:
@@ -453,3 +436,84 @@ class ActorClient:
             return
         with contextlib.suppress(Exception):  # the exception under way is the one to see
             self.close()
+
+
+class ShardedActorClient(ActorClient):
+    """`ActorClient(endpoints=[...])`: an actor over several servers ("shards").
+
+    It writes to its home shard (a stable hash of its name) and moves to the next live shard when
+    that one stops answering, the episode in flight pushed again whole; every call goes through
+    the shard router (h5replay.client._shards), whose shards' clients are one-server ActorClients.
+    Commits over several servers are always waited for: with `wait=False` a done
+    `PendingCommit` is returned.
+    """
+
+    def __init__(
+        self,
+        endpoint: str = DEFAULT_ENDPOINT,
+        timeout: float = 10.0,
+        *,
+        name: str | None = None,
+        config: ClientConfig | None = None,
+        secret_key: str | os.PathLike[str] | None = None,
+        server_key: str | os.PathLike[str] | None = None,
+        endpoints: Sequence[str] | None = None,
+    ) -> None:
+        if endpoints is None:
+            raise ConfigError("ShardedActorClient needs endpoints= (the servers, the same list for every client)")
+        self.config = config or ClientConfig(endpoint=endpoint, timeout=timeout, name=name or process_name("actor"))
+        self._router = ShardedActor(endpoints, self.config, secret_key, server_key, client_class=ActorClient)
+        codec = self._router.codec  # all shards hold the same space: one shard's figures are every one's
+        self._conn = codec.connection
+        self._adopt_state(codec.state, codec.driver)
+
+    @property
+    def shard(self) -> int:
+        """The index (in `endpoints`) of the shard this actor writes to now."""
+        return self._router.current
+
+    @property
+    def in_doubt(self) -> list[InDoubt]:
+        """The episodes whose commit raised CommitInDoubtError (see `ActorClient.in_doubt`)."""
+        return self._router.in_doubt
+
+    def settle(self, timeout: float | None = None) -> list[InDoubt]:
+        """Wait up to `timeout` seconds for every episode in doubt to be settled on its shard;
+        returns those still in doubt (see `ActorClient.settle`)."""
+        _check_settle_timeout(timeout)
+        return self._router.settle(timeout)
+
+    def segment(self) -> ShardedSegment:
+        """Open a segment (one episode), which moves whole to the next live shard when its shard
+        stops answering."""
+        return self._router.segment()
+
+    def push_episode(self, batch: Any, priorities: Any = None, *, wait: bool = True,  # type: ignore[override]
+                     final: Any = None) -> Receipt | PendingCommit:
+        """`ActorClient.push_episode` over the shards, always waited for."""
+        receipt = self._router.push_episode(batch, priorities, final=final)
+        return receipt if wait else PendingCommit.done_with(receipt)
+
+    def push_episodes(self, batches: Sequence[Any], priorities: Sequence[Any] | None = None, *,  # type: ignore[override]
+                      wait: bool = True, finals: Sequence[Any] | None = None) -> list[Receipt] | list[PendingCommit]:
+        """Each episode pushed as by `push_episode`, in order (every one checked first)."""
+        each, ends = episode_entries(batches, priorities, finals)
+        receipts = [self._router.push_episode(batch, given, final=final) for batch, given, final in zip(batches, each, ends)]
+        return receipts if wait else [PendingCommit.done_with(r) for r in receipts]
+
+    def flush(self) -> None:
+        """Nothing is in flight over several servers: commits are waited for."""
+
+    def info(self) -> dict[str, Any]:
+        """The current shard's figures, with "shard": its index."""
+        return self._router.info()
+
+    @property
+    def connection(self) -> Connection:
+        """The current shard's connection."""
+        return self._router.writer()[1].connection
+
+    def close(self) -> None:
+        """Close every shard's client, after settling the episodes in doubt on shards that answer
+        at once (`settle(timeout)` first to wait for the others). Safe to call twice."""
+        self._router.close()

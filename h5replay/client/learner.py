@@ -34,14 +34,14 @@ from h5replay.client._priorities import PriorityUpdates
 from h5replay.client._reads import TableDraws, View, _positive, _reachable, _seed
 from h5replay.client._shards import ShardedLearner
 from h5replay.config import DEFAULT_ENDPOINT, ClientConfig, process_name
-from h5replay.errors import ProtocolError
+from h5replay.errors import ConfigError
 from h5replay.records import Episode, SampleInfo
-from h5replay.spaces import Schema, Space
+from h5replay.spaces import Schema
 from h5replay.transitions import TransitionKeys
 
 log = logging.getLogger("h5replay.client")
 
-__all__ = ["LearnerClient", "View"]
+__all__ = ["LearnerClient", "ShardedLearnerClient", "View"]
 
 T = TypeVar("T")
 
@@ -67,6 +67,11 @@ class LearnerClient:
     # folded), which this client's driver (h5replay.client._drive) runs over its two sockets;
     # h5replay.client.aio.AsyncLearnerClient runs the same plans on asyncio.
 
+    def __new__(cls, endpoint: str = DEFAULT_ENDPOINT, timeout: float = 10.0, *,
+                endpoints: Sequence[str] | None = None, **kwargs: Any) -> LearnerClient:
+        # LearnerClient(endpoints=...) is the front of several servers: ShardedLearnerClient.
+        return super().__new__(ShardedLearnerClient if endpoints is not None and cls is LearnerClient else cls)
+
     def __init__(
         self,
         endpoint: str = DEFAULT_ENDPOINT,
@@ -78,18 +83,11 @@ class LearnerClient:
         server_key: str | os.PathLike[str] | None = None,
         endpoints: Sequence[str] | None = None,
     ) -> None:
-        self.config = config or ClientConfig(endpoint=endpoint, timeout=timeout, name=name or process_name("learner"))
-        #: Over several servers: the routing (h5replay.client._shards), which every call goes through.
-        self._router: ShardedLearner[LearnerClient] | None = None
-        self._reads: Connection | None = None
         if endpoints is not None:
-            self._router = ShardedLearner(endpoints, self.config, secret_key, server_key, client_class=LearnerClient)
-            self.space: Space = self._router.codec_space
-            self.limits, self.capacity = self._router.limits, self._router.capacity
-            self.endpoints = self._router.endpoints
-            # Per shard: learner.shards.shard(i).replay_id, ...
-            self.read_endpoint, self.server_version, self.replay_id, self.instance_id = "", "", "", ""
-            return
+            raise ConfigError(f"{type(self).__name__} is the client of one server: give endpoints= to LearnerClient "
+                              "itself (its front for several servers)")
+        self.config = config or ClientConfig(endpoint=endpoint, timeout=timeout, name=name or process_name("learner"))
+        self._reads: Connection | None = None
         curve = curve_keys(secret_key, server_key)
         self._conn, hello = say_hello(self.config, "learner", curve)
         try:
@@ -153,13 +151,13 @@ class LearnerClient:
     @property
     def views(self) -> tuple[View | None, ...]:
         """Each shard's view (one entry for a single server)."""
-        return self._router.views if self._router is not None else (self._view,)
+        return (self._view,)
 
     @property
     def shards(self) -> ShardedLearner[LearnerClient] | None:
         """Over several servers, the routing: `live_shards`, `num_skipped`, `shard(i)` (the client of
         one shard); None for a single server."""
-        return self._router
+        return None
 
     @property
     def num_kept(self) -> int:
@@ -167,8 +165,6 @@ class LearnerClient:
         handed to this client and no call has returned yet: a call that failed part-way keeps
         what it had drawn, and the next `sample` (or `sample_sequences` of that length) returns
         it first. Over several servers, those of every shard."""
-        if self._router is not None:
-            return self._router.num_kept
         return self._state.kept.count()
 
     @property
@@ -191,13 +187,9 @@ class LearnerClient:
         """The server's figures (clients, rows in and out, commits, ...), with the buffer's own
         (length, num_episodes, seq, ...) as this client's view of the file shows them. Over several
         servers: the shards' figures added up, each shard's under "shards"."""
-        if self._router is not None:
-            return self._router.info()
         return self._run(plan_reads.info(self._state))
 
     def __len__(self) -> int:
-        if self._router is not None:
-            return len(self._router)
         return self._run(plan_reads.length(self._state))
 
     def wait_for_size(self, size: int, timeout: float | None = None) -> int:
@@ -211,9 +203,6 @@ class LearnerClient:
             NotEnoughDataError: fewer than `size` rows after `timeout` (the message says how many).
             ServerUnavailableError: the server stopped answering.
         """
-        router = self._router
-        if router is not None:
-            return BlockingDriver.alone(plan_reads.wait_for_size(lambda: finished(len(router)), size, timeout))
         return self._run(plan_reads.wait_for_size(lambda: plan_reads.length(self._state), size, timeout))
 
     # ------------------------------------------------------------------ reads
@@ -229,8 +218,6 @@ class LearnerClient:
             EvictedError: a request split over several messages met rows the ring dropped meanwhile.
             NotImplementedError: over several servers (shards have no common order: use get_rows).
         """
-        if self._router is not None:
-            return self._router.get(indices)
         return self.schema.decode(self._run(plan_reads.get(self._state, indices)))
 
     def get_rows(self, row_ids: Any) -> Any:
@@ -244,8 +231,6 @@ class LearnerClient:
             TypeError: the ids are not integers.
             ServerUnavailableError: over several servers, a shard named does not answer.
         """
-        if self._router is not None:
-            return self._router.get_rows(row_ids)
         return self.schema.decode(self._run(plan_reads.get_rows(self._state, row_ids)))
 
     def sample(self, batch_size: int, seed: int | None = None, *, with_info: bool = False,
@@ -268,8 +253,6 @@ class LearnerClient:
             RateLimitedError: the server's rate limit held the sample back for `rate_limit_timeout`.
             ConfigError: the server has no such table, or several and none was named.
         """
-        if self._router is not None:
-            return self._router.sample(batch_size, seed, with_info=with_info, table=table)
         return self._run(plan_draws.sample(self._state, batch_size, seed, with_info, table)).result()
 
     def sample_sequences(self, batch_size: int, length: int, seed: int | None = None, *, with_info: bool = False,
@@ -280,15 +263,11 @@ class LearnerClient:
         episode's last `length - 1` steps, zero-padded past its end, with `batch["mask"]` of the
         valid steps (see `ReplayBuffer.sample_sequences`). `table` and over several servers, as
         `sample`."""
-        if self._router is not None:
-            return self._router.sample_sequences(batch_size, length, seed, with_info=with_info, table=table, pad=pad)
         return self._run(plan_draws.sample_sequences(self._state, batch_size, length, seed, with_info, table, pad)).result()
 
     @property
     def transition_keys(self) -> TransitionKeys | None:
         """The server's observation keys and reward / end-flag leaves (None: it keeps no finals)."""
-        if self._router is not None:
-            return self._router.transition_keys
         return self._state.transition_keys
 
     def sample_transitions(self, batch_size: int, *, n_step: int = 1, gamma: float = 0.99, with_info: bool = False,
@@ -304,9 +283,6 @@ class LearnerClient:
                 bad n_step or gamma, or no such table.
             NotEnoughDataError, RateLimitedError: as `sample`.
         """
-        if self._router is not None:
-            return self._router.sample_transitions(batch_size, n_step=n_step, gamma=gamma, with_info=with_info,
-                                                   seed=seed, table=table)
         return self._run(plan_draws.sample_transitions(self._state, batch_size, n_step, gamma, with_info, seed,
                                                    table)).result()
 
@@ -334,28 +310,8 @@ class LearnerClient:
             NotEnoughDataError, RateLimitedError, ServerUnavailableError: as `sample`; the
                 iterator ends with the error.
         """
-        if self._router is not None:
-            return self._routed_batches(batch_size, prefetch, sequence_length, with_info, seed, table)
         plan = plan_batches.batches(self._state, batch_size, prefetch, sequence_length, with_info, seed, table)
         return self._driver.stream(plan)
-
-    def _routed_batches(self, batch_size: int, prefetch: int, sequence_length: int | None, with_info: bool,
-                        seed: int | None, table: str | None) -> Iterator[Any]:
-        """Over several servers each batch is one `sample` across the shards (which already fans out)."""
-        size = _positive(batch_size, "batch_size")
-        steps = None if sequence_length is None else _positive(sequence_length, "sequence_length")
-        _positive(prefetch, "prefetch")
-        router = self._router
-        if router is None:
-            raise ProtocolError("this learner has no shards")
-        router.check_table(table)
-
-        def one_batch(k: int) -> Any:
-            if steps is None:
-                return router.sample(size, _seed(seed, k), with_info=with_info, table=table)
-            return router.sample_sequences(size, steps, _seed(seed, k), with_info=with_info, table=table)
-
-        return (one_batch(k) for k in itertools.count())
 
     @overload
     def update_priorities(self, row_ids: Any, priorities: Any, *, wait: Literal[True] = True,
@@ -399,8 +355,6 @@ class LearnerClient:
                 negative, NaN or infinite, or the counts differ (nothing is changed).
             IndexError: an id was never committed (nothing of that message is changed).
         """
-        if self._router is not None:
-            return self._router.update_priorities(row_ids, priorities, table=table)
         if wait:
             return self._run(plan_reads.update_priorities(self._state, row_ids, priorities, table))
         ids, values = plan_reads.check_update(self._state, row_ids, priorities, table)
@@ -419,15 +373,11 @@ class LearnerClient:
     def episodes(self) -> list[Episode]:
         """Every complete episode held, oldest first: Episode(episode_id, first_row_id, length).
         Over several servers, shard by shard, with packed ids (`h5replay.records.pack_ids`)."""
-        if self._router is not None:
-            return self._router.episodes()
         table, _ = self._run(plan_reads.episode_table(self._state))
         return [Episode(*row) for row in table.tolist()]
 
     def get_segments(self) -> list[tuple[int, int]]:
         """(logical start, length) of every complete episode held, oldest first (one server only)."""
-        if self._router is not None:
-            return self._router.get_segments()
         table, view = self._run(plan_reads.episode_table(self._state))
         return [(first - view.begin, n) for _, first, n in table.tolist()]
 
@@ -437,9 +387,6 @@ class LearnerClient:
         """Close both sockets (after reading the replies of priority updates sent with
         wait=False; a refusal among them is logged). Rows still kept (`num_kept`) are dropped,
         with a warning. Safe to call twice."""
-        if self._router is not None:
-            self._router.close()
-            return
         kept = self._state.kept
         if kept.count():
             log.warning("closing a learner that still keeps %d rows (or windows) drawn for it that no call returned: "
@@ -459,3 +406,140 @@ class LearnerClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class ShardedLearnerClient(LearnerClient):
+    """`LearnerClient(endpoints=[...])`: a learner over several servers ("shards").
+
+    Reads go to every live shard and are put together; a shard that does not answer is skipped
+    with a warning; every call goes through the shard router (h5replay.client._shards), whose
+    shards' clients are one-server LearnerClients. Priority updates are always waited for.
+    """
+
+    def __init__(
+        self,
+        endpoint: str = DEFAULT_ENDPOINT,
+        timeout: float = 10.0,
+        *,
+        name: str | None = None,
+        config: ClientConfig | None = None,
+        secret_key: str | os.PathLike[str] | None = None,
+        server_key: str | os.PathLike[str] | None = None,
+        endpoints: Sequence[str] | None = None,
+    ) -> None:
+        if endpoints is None:
+            raise ConfigError("ShardedLearnerClient needs endpoints= (the servers, the same list for every client)")
+        self.config = config or ClientConfig(endpoint=endpoint, timeout=timeout, name=name or process_name("learner"))
+        self._router = router = ShardedLearner(endpoints, self.config, secret_key, server_key,
+                                               client_class=LearnerClient)
+        self.space, self.limits, self.capacity = router.codec_space, router.limits, router.capacity
+        self.endpoints = router.endpoints
+        # Per shard: learner.shards.shard(i).replay_id, ...
+        self.read_endpoint, self.server_version, self.replay_id, self.instance_id = "", "", "", ""
+
+    @property
+    def view(self) -> View | None:
+        """None: each shard has its own (see `views`)."""
+        return None
+
+    @property
+    def views(self) -> tuple[View | None, ...]:
+        """Each shard's view, in `endpoints` order."""
+        return self._router.views
+
+    @property
+    def shards(self) -> ShardedLearner[LearnerClient]:
+        """The routing: `live_shards`, `num_skipped`, `shard(i)` (the client of one shard)."""
+        return self._router
+
+    @property
+    def num_kept(self) -> int:
+        """Rows (and windows) kept for this client by every shard (see `LearnerClient.num_kept`)."""
+        return self._router.num_kept
+
+    @property
+    def ignored_priority_updates(self) -> int:
+        """0: over several servers updates are waited for, and return their ignored count."""
+        return 0
+
+    @ignored_priority_updates.setter
+    def ignored_priority_updates(self, count: int) -> None:
+        pass
+
+    def info(self) -> dict[str, Any]:
+        """The shards' figures added up, each shard's under "shards"."""
+        return self._router.info()
+
+    def __len__(self) -> int:
+        return len(self._router)
+
+    def wait_for_size(self, size: int, timeout: float | None = None) -> int:
+        """Block until every live shard together holds at least `size` rows (see `LearnerClient.wait_for_size`)."""
+        router = self._router
+        return BlockingDriver.alone(plan_reads.wait_for_size(lambda: finished(len(router)), size, timeout))
+
+    def get(self, indices: Any) -> Any:
+        """Raises NotImplementedError: shards have no common order (use `get_rows`)."""
+        return self._router.get(indices)
+
+    def get_rows(self, row_ids: Any) -> Any:
+        """Rows by packed id or (shard, row_id) pairs (see `LearnerClient.get_rows`)."""
+        return self._router.get_rows(row_ids)
+
+    def sample(self, batch_size: int, seed: int | None = None, *, with_info: bool = False,
+               table: str | None = None) -> Any:
+        """From every live shard in proportion to the rows it holds (see `LearnerClient.sample`)."""
+        return self._router.sample(batch_size, seed, with_info=with_info, table=table)
+
+    def sample_sequences(self, batch_size: int, length: int, seed: int | None = None, *, with_info: bool = False,
+                         table: str | None = None, pad: bool = False) -> Any:
+        """Windows from every live shard (see `LearnerClient.sample_sequences`)."""
+        return self._router.sample_sequences(batch_size, length, seed, with_info=with_info, table=table, pad=pad)
+
+    @property
+    def transition_keys(self) -> TransitionKeys | None:
+        return self._router.transition_keys
+
+    def sample_transitions(self, batch_size: int, *, n_step: int = 1, gamma: float = 0.99, with_info: bool = False,
+                           seed: int | None = None, table: str | None = None) -> Any:
+        """Transitions from every live shard (see `LearnerClient.sample_transitions`)."""
+        return self._router.sample_transitions(batch_size, n_step=n_step, gamma=gamma, with_info=with_info,
+                                               seed=seed, table=table)
+
+    def batches(
+        self, batch_size: int, *, prefetch: int = 4, sequence_length: int | None = None, with_info: bool = False,
+        seed: int | None = None, table: str | None = None,
+    ) -> Iterator[Any]:
+        """Each batch is one `sample` (or `sample_sequences`) across the shards, which already fans
+        out (arguments checked at once; see `LearnerClient.batches`)."""
+        size = _positive(batch_size, "batch_size")
+        steps = None if sequence_length is None else _positive(sequence_length, "sequence_length")
+        _positive(prefetch, "prefetch")
+        router = self._router
+        router.check_table(table)
+
+        def one_batch(k: int) -> Any:
+            if steps is None:
+                return router.sample(size, _seed(seed, k), with_info=with_info, table=table)
+            return router.sample_sequences(size, steps, _seed(seed, k), with_info=with_info, table=table)
+
+        return (one_batch(k) for k in itertools.count())
+
+    def update_priorities(self, row_ids: Any, priorities: Any, *, wait: bool = True,  # type: ignore[override]
+                          table: str | None = None) -> int | None:
+        """Set priorities by packed id on their shards, always waited for (see `LearnerClient.update_priorities`)."""
+        return self._router.update_priorities(row_ids, priorities, table=table)
+
+    def flush_priorities(self) -> None:
+        """Nothing is held back over several servers: updates are waited for."""
+
+    def episodes(self) -> list[Episode]:
+        """Every complete episode, shard by shard, with packed ids."""
+        return self._router.episodes()
+
+    def get_segments(self) -> list[tuple[int, int]]:
+        return self._router.get_segments()
+
+    def close(self) -> None:
+        """Close every shard's client. Safe to call twice."""
+        self._router.close()

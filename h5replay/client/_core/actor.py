@@ -27,7 +27,7 @@ from h5replay.spaces import Schema, Space, space_from_json
 from h5replay.transitions import final_schema
 
 __all__ = [
-    "ActorState", "NotSentError", "Ready", "Retried", "Settled", "actor_hello", "group_pushes", "own_copies",
+    "ActorState", "NotSentError", "Ready", "Retried", "Settled", "actor_hello", "episode_entries", "group_pushes", "own_copies",
     "push_request", "receipts", "send_commit", "settle_commit",
 ]
 
@@ -244,6 +244,26 @@ def _send_again(retried: Retried) -> Plan[int]:
         except ServerUnavailableError:
             if (yield Now()) >= retried.deadline:
                 raise
+
+
+def episode_entries(batches: Any, priorities: Sequence[Any] | None,
+                    finals: Sequence[Any] | None) -> tuple[Sequence[Any], Sequence[Any]]:
+    """The priorities and finals of `push_episodes`, one entry per episode (None where none given).
+
+    Raises:
+        ConfigError: `batches` is not a sequence of episodes, or `priorities` or `finals` has not
+            one entry per episode.
+    """
+    if not isinstance(batches, Sequence) or isinstance(batches, (str, bytes, dict)):
+        raise ConfigError(f"push_episodes takes a sequence of episodes, got {type(batches).__name__}")
+    if priorities is not None and len(priorities) != len(batches):
+        raise ConfigError(f"push_episodes got {len(priorities)} priority entries for {len(batches)} episodes: "
+                          "give one per episode (None, or one per step)")
+    if finals is not None and len(finals) != len(batches):
+        raise ConfigError(f"push_episodes got {len(finals)} finals for {len(batches)} episodes: give one per "
+                          "episode (None, or its final observation)")
+    none = [None] * len(batches)
+    return (none if priorities is None else priorities), (none if finals is None else finals)
 
 
 def group_pushes(lengths: Sequence[int], rows_per_message: int, rows_per_push: int) -> list[tuple[str, list[int]]]:

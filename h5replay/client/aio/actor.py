@@ -25,6 +25,7 @@ from h5replay.client._core.actor import (
     ActorState,
     Ready,
     actor_hello,
+    episode_entries,
     group_pushes,
     own_copies,
     push_request,
@@ -314,17 +315,8 @@ class AsyncActorClient:
             SpaceMismatchError: an episode does not fit the space (nothing was sent).
             H5ReplayError: the error of a message the server refused, after every message settled.
         """
-        if not isinstance(batches, Sequence) or isinstance(batches, (str, bytes, dict)):
-            raise ConfigError(f"push_episodes takes a sequence of episodes, got {type(batches).__name__}")
-        if priorities is not None and len(priorities) != len(batches):
-            raise ConfigError(f"push_episodes got {len(priorities)} priority entries for {len(batches)} episodes: "
-                              "give one per episode (None, or one per step)")
-        if finals is not None and len(finals) != len(batches):
-            raise ConfigError(f"push_episodes got {len(finals)} finals for {len(batches)} episodes: give one per "
-                              "episode (None, or its final observation)")
+        each, ends = episode_entries(batches, priorities, finals)
         state, _ = await self._ready()
-        each = priorities if priorities is not None else [None] * len(batches)
-        ends = finals if finals is not None else [None] * len(batches)
         episodes = []  # (encoded, rows, priorities, final, batch): all checked before anything leaves
         for batch, given, final in zip(batches, each, ends):
             encoded, n = state.encode_batch(batch)
