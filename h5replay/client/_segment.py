@@ -129,6 +129,10 @@ class ActorSegment:
         self._seg.require_open("extend")
         self._add(encoded, n, priorities)
 
+    def _send_buffered(self) -> None:
+        """Send the rows buffered now as one append (opening the segment on the server first)."""
+        self._driver.run(send_rows(self._seg, self._rows, self._config.max_in_flight))
+
     def _add(self, encoded: dict[str, np.ndarray], n: int, priorities: Given | None) -> None:
         self._seg.length += n
         for rows in self._rows.add(encoded, n, priorities):
@@ -183,7 +187,7 @@ class ActorSegment:
             self.set_final(final)
         if seg.segment_id is None:
             return self._push_whole(wait)
-        self._driver.run(send_rows(seg, self._rows, self._config.max_in_flight))
+        self._send_buffered()
         self._driver.run(wait_appends(seg))
         return self._conclude(commit_request(seg, self._config.rate_limit_timeout), wait)
 
