@@ -77,8 +77,14 @@ class TransitionKeys:
 
     def as_observation(self, final: Any) -> Any:
         """A final as `final=` takes it (the one observation key's value, or a dict of the
-        keys when there are several) as a sample of `observation_space`."""
-        return {self.observation[0]: final} if len(self.observation) == 1 else final
+        keys: always when there are several, and also `{key: value}` for the one) as a sample of
+        `observation_space`."""
+        if len(self.observation) != 1:
+            return final
+        key = self.observation[0]
+        if isinstance(final, Mapping) and set(final) == {key}:
+            return dict(final)
+        return {key: final}
 
     def as_final(self, observation: Any) -> Any:
         """The inverse of `as_observation`: a decoded sample of `observation_space` as `final=` took it."""

@@ -207,6 +207,75 @@ def crash_actor_main(endpoint: str, actor: int, seed: int, max_len: int, stop: A
     out.join_thread()
 
 
+def crash_async_actor_main(endpoint: str, actor: int, seed: int, max_len: int, stop: Any, out: Any) -> None:
+    """`crash_actor_main` on asyncio: the same episodes and reports, through AsyncActorClient
+    (pushes, segments streamed in pieces, aborts), so SIGKILLs meet the asyncio driver too."""
+    import asyncio
+
+    from h5replay.client.aio import AsyncActorClient
+
+    async def run() -> tuple[int, int]:
+        rng = np.random.default_rng(seed)
+        config = ClientConfig(endpoint=endpoint, timeout=1.0, name=f"crash-actor-{actor}", max_in_flight=4,
+                              batch_rows=64, batch_seconds=0.01, heartbeat_interval=0.2)
+        client: AsyncActorClient | None = None
+        acks = lost = episode = 0
+        while not stop.is_set():
+            if client is None:
+                try:
+                    client = await AsyncActorClient(config=config).connect()
+                except H5ReplayError:
+                    await asyncio.sleep(0.05)
+                    continue
+            n = int(rng.integers(1, max_len + 1))
+            how = int(rng.integers(0, 10))
+            e, episode = episode, episode + 1
+            rows = episode_rows(actor, e, n)
+            out.put(("start", actor, e, n, how == 9))
+            where = "open"
+            try:
+                if how < 4:
+                    where = "push"
+                    receipt = await client.push_episode(rows)
+                elif how < 9:
+                    seg = client.segment()
+                    where = "append"
+                    cuts = sorted(set(rng.integers(0, n, size=3).tolist()) | {0, n})
+                    for lo, hi in zip(cuts, cuts[1:]):
+                        await seg.extend({k: v[lo:hi] for k, v in rows.items()})
+                    where = "commit"
+                    receipt = await seg.commit()
+                else:
+                    seg = client.segment()
+                    where = "append"
+                    await seg.extend({k: v[: max(1, n // 2)] for k, v in rows.items()})
+                    where = "abort"
+                    await seg.abort()
+                    out.put(("aborted", actor, e))
+                    continue
+            except H5ReplayError as exc:
+                lost += 1
+                out.put(("lost", actor, e, _phase_of(where, exc)))
+                with contextlib.suppress(H5ReplayError):
+                    await client.aclose()
+                client = None
+                continue
+            if receipt.length != n:
+                out.put(("wrong", actor, e, n, tuple(receipt)))
+                continue
+            acks += 1
+            out.put(("ack", actor, e, n, int(receipt.episode_id), int(receipt.first_row_id)))
+        if client is not None:
+            with contextlib.suppress(H5ReplayError):
+                await client.aclose()
+        return acks, lost
+
+    acks, lost = asyncio.run(run())
+    out.put(("done", actor, acks, lost))
+    out.close()
+    out.join_thread()
+
+
 def crash_learner_main(endpoint: str, seed: int, stop: Any, out: Any) -> None:
     """Sample and read from a server that gets killed and restarted; check every row read.
 

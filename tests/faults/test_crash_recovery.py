@@ -24,6 +24,7 @@ from fault_helpers import (
     CrashHistory,
     cli_server,
     crash_actor_main,
+    crash_async_actor_main,
     crash_learner_main,
     drain,
     read_file_state,
@@ -96,7 +97,8 @@ def test_sigkill_at_random_moments_loses_no_acknowledged_commit(tmp_path):
     report = []  # (round, readers, delay, acks before the kill window, rows held, rows committed)
     with processes() as procs:
         for actor in range(1, NUM_ACTORS + 1):
-            procs.append(SPAWN.Process(target=crash_actor_main, args=(config.bind, actor, SEED + actor, MAX_LEN, stop, out)))
+            main = crash_async_actor_main if actor == NUM_ACTORS else crash_actor_main  # one on asyncio
+            procs.append(SPAWN.Process(target=main, args=(config.bind, actor, SEED + actor, MAX_LEN, stop, out)))
         for learner in range(NUM_LEARNERS):
             procs.append(SPAWN.Process(target=crash_learner_main, args=(config.bind, 100 + learner, stop, out)))
         for proc in procs:

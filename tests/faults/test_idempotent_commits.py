@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -100,27 +101,37 @@ def reply_dropper(server_endpoint: str, drops: int = 1, silent_after_drop: bool 
 
 def _client(endpoint: str) -> ActorClient:
     # 1 s per attempt, 3 attempts within 1 + 3 s: the second attempt comes after the dropped reply.
-    return ActorClient(config=ClientConfig(endpoint=endpoint, timeout=1.0, rate_limit_timeout=3.0, name="retrier"))
+    return ActorClient(config=_retrying(endpoint))
 
 
-def test_a_push_whose_reply_was_lost_is_retried_with_its_key_and_stored_once(tmp_path: Path) -> None:
+def _retrying(endpoint: str) -> ClientConfig:
+    return ClientConfig(endpoint=endpoint, timeout=1.0, rate_limit_timeout=3.0, name="retrier")
+
+
+# Both drivers of the client core (blocking and asyncio, `actor_of`) retry with the same key.
+
+
+def test_a_push_whose_reply_was_lost_is_retried_with_its_key_and_stored_once(tmp_path: Path, actor_of: Any) -> None:
     with running_server(server_config(tmp_path / "rb.h5")) as server, reply_dropper(server.endpoint) as relay:
-        with _client(relay.endpoint) as actor:
-            receipt = actor.push_episode(episode_rows(0, 0, 10))
-            again = actor.push_episode(episode_rows(0, 1, 5))
+        actor = actor_of(config=_retrying(relay.endpoint))
+        receipt = actor.push_episode(episode_rows(0, 0, 10))
+        again = actor.push_episode(episode_rows(0, 1, 5))
+        actor.close()
         assert relay.dropped == ["push_episode"]
         assert receipt == (0, 0, 10) and again == (1, 10, 5)
         assert server.stop() == 0
     assert file_episodes(tmp_path / "rb.h5") == ([(0, 0), (0, 1)], [])
 
 
-def test_a_segment_commit_whose_reply_was_lost_is_retried_with_its_key_and_stored_once(tmp_path: Path) -> None:
+def test_a_segment_commit_whose_reply_was_lost_is_retried_with_its_key_and_stored_once(tmp_path: Path,
+                                                                                      actor_of: Any) -> None:
     rows = episode_rows(0, 0, 700)  # over one message: streamed as a segment, then a commit message
     with running_server(server_config(tmp_path / "rb.h5")) as server, reply_dropper(server.endpoint) as relay:
-        with _client(relay.endpoint) as actor:
-            seg = actor.segment()
-            seg.extend(rows)
-            receipt = seg.commit()
+        actor = actor_of(config=_retrying(relay.endpoint))
+        seg = actor.segment()
+        seg.extend(rows)
+        receipt = seg.commit()
+        actor.close()
         assert relay.dropped == ["commit"]
         assert receipt == (0, 0, 700)
         assert server.stop() == 0

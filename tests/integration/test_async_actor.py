@@ -3,15 +3,14 @@
 `actor_of` fixture is parametrized over both), then what only asyncio has: actor and learner
 tasks on one event loop, cancellation mid-episode, a commit whose waiter is cancelled.
 
-The asyncio client is driven here through `AsyncActorFront`, which runs each of its coroutines on
-a loop of the test's own, so one test body serves both drivers.
+The asyncio client is driven here through `client_fronts.AsyncActorFront`, which runs each of its
+coroutines on a loop of the test's own, so one test body serves both drivers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -21,90 +20,13 @@ from transition_helpers import SPACE as TRANSITION_SPACE
 from transition_helpers import Model, check_sample, episode
 
 from h5replay import protocol as P
-from h5replay.client import ActorClient, LearnerClient
-from h5replay.client.aio import AsyncActorClient, AsyncLearnerClient, AsyncPendingCommit
+from h5replay.client import LearnerClient
+from h5replay.client.aio import AsyncActorClient, AsyncLearnerClient
 from h5replay.errors import ConfigError, SegmentStateError, ServerUnavailableError, SpaceMismatchError
 from h5replay.sampling import Prioritized, SamplingConfig
 from h5replay.server.auth import generate_keys
 
 pytestmark = pytest.mark.timeout(120)
-CALL_TIMEOUT = 60.0  # seconds any one coroutine of AsyncActorFront may take
-
-
-class _OnLoop:
-    """An asyncio object behind blocking calls: each coroutine it returns is run on `loop`."""
-
-    def __init__(self, target: Any, loop: asyncio.AbstractEventLoop) -> None:
-        self._target, self._loop = target, loop
-
-    def _run(self, value: Any) -> Any:
-        if asyncio.iscoroutine(value):
-            value = self._loop.run_until_complete(asyncio.wait_for(value, CALL_TIMEOUT))
-        if isinstance(value, list):
-            return [self._wrapped(v) for v in value]
-        return self._wrapped(value)
-
-    def _wrapped(self, value: Any) -> Any:
-        return _OnLoop(value, self._loop) if isinstance(value, AsyncPendingCommit) else value
-
-    def __getattr__(self, name: str) -> Any:
-        attribute = getattr(self._target, name)
-        if not callable(attribute):
-            return attribute
-        return lambda *args, **kwargs: self._run(attribute(*args, **kwargs))
-
-    def __len__(self) -> int:
-        return len(self._target)
-
-    def __enter__(self) -> _OnLoop:
-        self._run(self._target.__aenter__())
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._run(self._target.__aexit__(*exc))
-
-
-class AsyncActorFront(_OnLoop):
-    """AsyncActorClient behind the blocking client's calls, on a loop of its own."""
-
-    def __init__(self, endpoint: str = "tcp://127.0.0.1:1", timeout: float = 10.0, **kwargs: Any) -> None:
-        loop = asyncio.new_event_loop()
-        super().__init__(AsyncActorClient(endpoint, timeout, **kwargs), loop)
-        try:
-            self._run(self._target.connect())
-        except BaseException:
-            loop.close()
-            raise
-
-    def segment(self) -> _OnLoop:
-        return _OnLoop(self._target.segment(), self._loop)
-
-    def close(self) -> None:
-        if not self._loop.is_closed():
-            try:
-                self._run(self._target.aclose())
-            finally:
-                self._loop.close()
-
-
-@pytest.fixture(params=["blocking", "asyncio"])
-def actor_of(request: Any) -> Iterator[Callable[..., Any]]:
-    """`actor_of(endpoint, timeout=..., **kwargs)`: an actor of the driver this run is for."""
-    made: list[Any] = []
-
-    def make(endpoint: str = "tcp://127.0.0.1:1", timeout: float = 10.0, **kwargs: Any) -> Any:
-        client = (ActorClient if request.param == "blocking" else AsyncActorFront)(endpoint, timeout, **kwargs)
-        made.append(client)
-        return client
-
-    try:
-        yield make
-    finally:
-        for client in made:
-            try:
-                client.close()
-            except Exception:
-                pass
 
 
 def held_episodes(endpoint: str) -> list[dict[str, np.ndarray]]:

@@ -215,3 +215,17 @@ def test_finals_go_with_their_episodes_through_export_and_compaction(tmp_path: P
         check_sample(copy, model, 3, 0.9)
         with pytest.raises(IndexError, match="never committed"):
             copy.final_observation(999)
+
+
+def test_a_final_may_be_given_as_the_observation_or_as_a_dict_of_the_one_observation_key(tmp_path: Path) -> None:
+    """Regression: `final={"obs": value}` with one observation key was taken as the value itself
+    and refused as "dtype object"; both forms now store the same final."""
+    with ReplayBuffer.create(SPACE, 50, tmp_path / "rb.h5", observation_keys=("obs",)) as rb:
+        rows, final = episode(0, 3, "terminated")
+        rb.extend(rows)
+        rb.end_episode(final=final)
+        rb.extend(episode(3, 2, "terminated")[0])
+        rb.end_episode(final={"obs": final})
+        got = rb.sample_transitions(200, rng=np.random.default_rng(0))
+        ends = got["terminated"].astype(bool)
+        assert ends.any() and (got["next"]["obs"]["id"][ends] == 10**6).all(), "both episodes carry the same final"
