@@ -579,8 +579,8 @@ class Service:
         """Set priorities (any client: an actor's own, a learner's TD errors). Applied to the
         writer's tree at once; the reply leaves after the publish that writes them to the file
         and shows them to the readers (at the end of this pass, or up to
-        `priority_publish_interval` later: see `needs_publish`). Its `seq` names that publish;
-        the client's later reads ask for at least it, so it sees its own updates."""
+        `priority_publish_interval` later: see `needs_publish`). Its `seq` names that publish
+        (none for an update that changed nothing); the client's later reads ask for at least it."""
         if self.write_failure is not None:
             raise StorageError(f"this server stopped writing after a failed write ({self.write_failure}); it serves "
                                "reads until it is restarted")
@@ -591,9 +591,9 @@ class Service:
             self.write_failure = str(exc)
             log.error("a write to the file failed: %s; refusing writes from now on, serving reads", exc)
             raise
-        if not pending:
+        if (now_pending := self.updates_pending) and not pending:
             self._updates_since = time.monotonic()
-        return P.UpdatePrioritiesReply(request.request_id, ignored, self.buffer.published.seq + 1)
+        return P.UpdatePrioritiesReply(request.request_id, ignored, self.buffer.published.seq + now_pending)
 
     @property
     def updates_pending(self) -> bool:

@@ -182,6 +182,28 @@ def test_priority_updates_are_seen_by_the_next_read(start_server: Any, learner_o
         learner.update_priorities([1], [float("nan")])
 
 
+def test_unwaited_priority_updates_are_seen_by_the_next_read_and_a_refused_one_raises_later(
+        start_server: Any, learner_of: Any) -> None:
+    server = start_server(sampling=SamplingConfig(Prioritized(exponent=1.0)), capacity=20)
+    fill(server.endpoint, episodes=2, length=10)
+    learner = learner_of(server.endpoint)
+    for k in range(6):  # more than max_in_flight (4) travel one after another
+        priorities = np.zeros(20)
+        priorities[k] = 1.0
+        assert learner.update_priorities(np.arange(20), priorities, wait=False) is None
+    _, info = learner.sample(50, with_info=True)
+    assert set(info.row_ids.tolist()) == {5}, "the read waited for every update before it"
+    fill(server.endpoint, episodes=1, length=10)  # rows 0-9 are evicted
+    learner.update_priorities(np.arange(10), np.ones(10), wait=False)
+    learner.flush_priorities()
+    assert learner.ignored_priority_updates == 10
+    learner.update_priorities([10**6], [1.0], wait=False)  # never committed: refused by the server
+    with pytest.raises(IndexError, match="never committed"):
+        learner.flush_priorities()
+    learner.flush_priorities()  # reported once
+    assert learner.sample(4)["step"].shape == (4,)
+
+
 def test_a_queue_split_sample_that_falls_short_keeps_what_it_drew(start_server: Any, learner_of: Any) -> None:
     server = start_server(capacity=1000, sampling=QUEUE, limits=P.Limits(max_rows_per_message=64))
     queue_rows(server.endpoint, 0, 70)

@@ -198,6 +198,22 @@ def test_a_priority_update_is_answered_before_its_publish_and_names_it() -> None
     assert buffer.published.seq == seq + 1 and not service.updates_pending and buffer.published.tables[0].plog == 2
 
 
+def test_an_update_whose_ids_were_all_evicted_names_no_publish_to_come() -> None:
+    """Regression: it named the next publish, which never came (nothing changed), so the
+    learner's next read asked for a state the file never reached and was refused as if the file
+    had gone back in time ("older than publish N this client has already seen")."""
+    service = prioritized_service()
+    for k in range(30):  # capacity 100: rows 0-19 are evicted
+        service.handle(A, P.PushEpisode(10 + k, 4, wire([1, 2, 3, 4])), None, None)
+    service.publish()
+    seq = service.buffer.published.seq
+    reply = service.handle(B, P.UpdatePriorities(2, np.array([0, 1]), np.array([3.0, 1.0])), None, None)
+    assert reply.ignored == 2 and not service.updates_pending
+    assert reply.seq == seq, "nothing to publish: the state it names is the one the file has"
+    reply = service.handle(B, P.UpdatePriorities(3, np.array([0, 119]), np.array([3.0, 1.0])), None, None)
+    assert reply.ignored == 1 and reply.seq == seq + 1 and service.updates_pending
+
+
 def test_an_interval_lets_updates_wait_unless_a_read_forces_them_and_a_failed_publish_is_not_retried(
     monkeypatch: Any,
 ) -> None:

@@ -21,7 +21,7 @@ from h5replay.errors import ConfigError, NotEnoughDataError, ProtocolError
 from h5replay.priorities import check_priorities
 
 __all__ = [
-    "check_update", "episode_table", "get", "get_rows", "hello", "info", "length", "rows_by_id", "update_priorities",
+    "check_update", "episode_table", "get", "get_rows", "hello", "info", "length", "rows_by_id", "send_update", "update_priorities",
     "update_requests", "wait_for_size",
 ]
 
@@ -182,6 +182,11 @@ def update_priorities(state: LearnerState, row_ids: Any, priorities: Any, table:
     """Priority updates sent to the writer and waited for (each reply leaves after the publish
     carrying it); returns how many ids were ignored (no longer held)."""
     ids, values = check_update(state, row_ids, priorities, table)
+    return (yield from send_update(state, ids, values, table))
+
+
+def send_update(state: LearnerState, ids: np.ndarray, values: np.ndarray, table: str | None) -> Plan[int]:
+    """`update_priorities` of updates already checked (`check_update`)."""
     requests = update_requests(ids, values, state.table(table).asked, state.ids_per_message)
     replies: Any = yield from read_many(state, WRITER, requests, state.update_timeout)
     state.seen_seq = max(state.seen_seq, *(int(r.seq) for r in replies))

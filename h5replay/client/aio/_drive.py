@@ -10,7 +10,7 @@ travels) runs at once.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from h5replay.client._core.ops import (
@@ -37,9 +37,11 @@ class AsyncDriver:
     """Runs plans over the writer's connection and the readers' (the same object when the server
     answers reads itself)."""
 
-    def __init__(self, writer: AsyncConnection, reads: AsyncConnection) -> None:
+    def __init__(self, writer: AsyncConnection, reads: AsyncConnection,
+                 flush: Callable[[], Awaitable[None]] | None = None) -> None:
         self.writer = writer
         self.reads = reads
+        self._flush = flush  # awaits the priority updates sent with wait=False (None: there are none)
 
     async def _do(self, op: Op) -> Any:
         if isinstance(op, Send):
@@ -52,7 +54,10 @@ class AsyncDriver:
             return asyncio.get_running_loop().time()
         elif isinstance(op, Sleep):
             await asyncio.sleep(op.seconds)
-        elif not isinstance(op, (FlushPriorities, Deliver)):  # no update is ever held back here
+        elif isinstance(op, FlushPriorities):
+            if self._flush is not None:
+                await self._flush()
+        elif not isinstance(op, Deliver):
             raise TypeError(f"a plan yielded {op!r}, which is no operation")
         return None
 

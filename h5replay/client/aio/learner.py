@@ -52,8 +52,7 @@ class AsyncLearnerClient:
         endpoint, timeout, name, config, secret_key, server_key: as `LearnerClient`.
         endpoints: several servers: not yet (raises ConfigError; use `LearnerClient(endpoints=)`).
 
-    Not yet: shards; `update_priorities(wait=False)` (every update is awaited: run it in a task of
-    its own to overlap it); from a server whose draws change its state (a queue, a rate limit),
+    Not yet: shards; from a server whose draws change its state (a queue, a rate limit),
     `batches` draws one batch at a time, each a `sample` (no prefetch).
 
     Consuming draws (a queue, a rate limit): a call cancelled while its rows are drawn does not
@@ -88,6 +87,10 @@ class AsyncLearnerClient:
         self._connecting: asyncio.Lock | None = None
         self._draw_lock: asyncio.Lock | None = None  # consuming draws, one after another
         self._drawing: set[asyncio.Task[Drawn | None]] = set()
+        self._updating: set[asyncio.Task[int]] = set()  # priority updates sent with wait=False
+        self._update_errors: list[BaseException] = []
+        #: Ids ignored by the priority updates sent with wait=False, as their replies came back.
+        self.ignored_priority_updates = 0
         self._closed = False
         self.read_endpoint = ""
         self.server_version = self.replay_id = self.instance_id = ""
@@ -125,8 +128,9 @@ class AsyncLearnerClient:
         except BaseException:
             await conn.aclose()
             raise
-        self._conn, self._reads, self._driver = conn, reads, AsyncDriver(conn, reads)
+        self._conn, self._reads, self._driver = conn, reads, AsyncDriver(conn, reads, self.flush_priorities)
         self._state = LearnerState(self.config, hello, separate_reads=reads is not conn)
+        self._state.updates_pending = lambda: bool(self._updating or self._update_errors)
         self.read_endpoint = read_endpoint
         self.server_version, self.replay_id, self.instance_id = hello.server_version, hello.replay_id, hello.instance_id
 
@@ -313,17 +317,53 @@ class AsyncLearnerClient:
         finally:
             await stream.aclose()  # type: ignore[attr-defined]
 
-    async def update_priorities(self, row_ids: Any, priorities: Any, *, table: str | None = None) -> int:
-        """Set the priorities of rows by id, as `LearnerClient.update_priorities` with wait=True:
-        returns once the writer has applied and published them (every later read of this client
-        sees them); how many ids were ignored (no longer held).
+    async def update_priorities(self, row_ids: Any, priorities: Any, *, wait: bool = True,
+                                table: str | None = None) -> int | None:
+        """Set the priorities of rows by id, as `LearnerClient.update_priorities`: returns once
+        the writer has applied and published them (every later read of this client sees them);
+        how many ids were ignored (no longer held).
+
+        `wait=False`: checked here, then sent by a task of its own; returns None at once. Up to
+        `max_in_flight` such updates travel at once (the next waits for the oldest). The next read
+        of this client, and `flush_priorities()`, wait for them first (so it sees them); their
+        ignored ids add up in `ignored_priority_updates`, and one the server refused raises
+        there. Each leaves in its own message (the blocking client merges held ones).
 
         Raises:
             ConfigError: the table keeps no priorities, or a bad priority (nothing is changed).
             IndexError: an id was never committed (nothing of that message is changed).
         """
         state, driver = await self._ready()
-        return await driver.run(plan_reads.update_priorities(state, row_ids, priorities, table))
+        if wait:
+            return await driver.run(plan_reads.update_priorities(state, row_ids, priorities, table))
+        ids, values = plan_reads.check_update(state, row_ids, priorities, table)
+        while len(self._updating) >= self.config.max_in_flight:
+            await asyncio.wait(set(self._updating), return_when=asyncio.FIRST_COMPLETED)
+        task = asyncio.get_running_loop().create_task(driver.run(plan_reads.send_update(state, ids, values, table)),
+                                                      name="h5replay-priorities")
+        self._updating.add(task)
+        task.add_done_callback(self._updated)
+        return None
+
+    def _updated(self, task: asyncio.Task[int]) -> None:
+        """An update sent with wait=False ended: its ignored ids counted, a failure kept for the next read."""
+        self._updating.discard(task)
+        if task.cancelled():
+            return
+        error = task.exception()
+        if error is not None:
+            self._update_errors.append(error)
+        else:
+            self.ignored_priority_updates += task.result()
+
+    async def flush_priorities(self) -> None:
+        """Wait for every priority update sent with wait=False; the first the server refused
+        (since the last flush) is raised, once the others ended."""
+        while self._updating:
+            await asyncio.wait(set(self._updating))
+        if self._update_errors:
+            error, self._update_errors = self._update_errors[0], []
+            raise error
 
     # ------------------------------------------------------------------ closing
 
@@ -334,6 +374,10 @@ class AsyncLearnerClient:
             return
         if self._drawing:
             await asyncio.wait(set(self._drawing), timeout=self.config.timeout + self.config.rate_limit_timeout)
+        try:
+            await self.flush_priorities()
+        except Exception as exc:  # closing must not raise; the caller gave up on their replies
+            log.warning("a priority update sent with wait=False failed: %s", exc)
         self._closed = True
         if self._state is not None and self._state.kept.count():
             log.warning("closing a learner that still keeps %d rows (or windows) drawn for it that no call returned: "
