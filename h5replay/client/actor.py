@@ -51,6 +51,10 @@ def _no_updates() -> None:
     """An actor holds no priority updates back (its driver's flush does nothing)."""
 
 
+def _nobody_told(receipt: Receipt | None, error: Exception | None) -> None:
+    """A push's outcome goes to its PendingCommit only (no segment follows it)."""
+
+
 def _check_settle_timeout(timeout: float | None) -> None:
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                 or not timeout >= 0):
@@ -196,10 +200,12 @@ class ActorClient:
         same idempotency key (`commit_attempts` sends in all, plus `rate_limit_timeout` when the
         server has a rate limit): the server never stores it twice.
 
-        With `wait=False` it returns once the episode has left, with a `PendingCommit` (its
-        `result()` is the receipt): the actor goes on to its next episode while the server writes
-        this one. At most `config.max_in_flight` such commits are unacknowledged: the next one
-        first waits for the oldest. `flush()` (and `close()`) waits for them all and raises the
+        With `wait=False` it returns at once with a `PendingCommit` (its `result()` is the
+        receipt): the actor goes on to its next episode while the server writes this one. At most
+        `config.max_in_flight` commit messages are unacknowledged: an episode that fits in one
+        message waits in the client's next message while they are (the episodes pushed after it
+        join it, up to `rows_per_push` rows) and leaves when one is answered, as segments
+        committed with `wait=False` do; a longer one first waits for the oldest. `flush()` (and `close()`) waits for them all and raises the
         first failure not seen through `result()`. The batch is copied first (or encoded), so the
         caller may reuse its arrays at once. Over several servers the push is waited for, and a
         done `PendingCommit` returned.
@@ -223,10 +229,11 @@ class ActorClient:
             if not wait:  # the message (and its retries) must not borrow arrays the caller may reuse
                 encoded = own_copies(encoded, self.schema.flatten(batch))
                 given = given and {table: values.copy() for table, values in given.items()}
-            limit, key = self.config.rate_limit_timeout, os.urandom(P.IDEMPOTENCY_KEY_BYTES)
-            pending = PendingCommit(self._send_commit(push_request([Ready(encoded, n, given, key, final)], limit),
-                                                      track=not wait), key)
-            return pending.result() if wait else pending
+            key = os.urandom(P.IDEMPOTENCY_KEY_BYTES)
+            if not wait:  # leaves at once when there is room in flight, else with the next ones (_queue_commit)
+                return self._queue_commit(encoded, n, given, key, _nobody_told, final)
+            request = push_request([Ready(encoded, n, given, key, final)], self.config.rate_limit_timeout)
+            return PendingCommit(self._send_commit(request, track=False), key).result()
         seg = ActorSegment(self)
         try:
             seg.extend_encoded(encoded, n, given)
