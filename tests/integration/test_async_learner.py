@@ -319,6 +319,28 @@ async def test_four_sample_tasks_share_one_loop_beside_four_actors(start_server:
 
 
 @pytest.mark.asyncio
+async def test_batches_of_a_queue_keep_requests_ahead_and_leaving_keeps_what_they_drew(start_server: Any) -> None:
+    server = start_server(capacity=1000, sampling=QUEUE)
+    queue_rows(server.endpoint, 0, 60)
+    async with AsyncLearnerClient(server.endpoint, timeout=10) as learner:
+        stream = learner.batches(10, prefetch=4)
+        first = await stream.__anext__()
+        await stream.aclose()  # three batches were drawn ahead, in flight
+        assert first["step"].tolist() == list(range(10)) and learner.num_kept == 30
+        rest = await learner.sample(30)
+        assert rest["step"].tolist() == list(range(10, 40)) and learner.num_kept == 0
+        cancelled = asyncio.create_task(_collect(learner.batches(10, prefetch=2), 5))
+        await asyncio.sleep(0.2)  # it took what there was (rows 40-59) and its next draws wait
+        cancelled.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        assert learner.num_kept == 0, "the draws waiting for the rate limit were cancelled, not made"
+        queue_rows(server.endpoint, 60, 20)
+        again = await learner.sample(20)
+        assert again["step"].tolist() == list(range(60, 80)), "no row drawn for nobody"
+
+
+@pytest.mark.asyncio
 async def test_a_cancelled_sample_of_a_queue_keeps_its_rows_for_the_next_call(start_server: Any) -> None:
     server = start_server(capacity=1000, sampling=QUEUE, heartbeat_interval=0.2)
     config = ClientConfig(endpoint=server.endpoint, timeout=10.0, name="learner", rate_limit_timeout=20.0)

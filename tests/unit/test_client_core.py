@@ -457,6 +457,26 @@ def test_batches_of_a_consuming_table_cancel_what_waits_and_keep_what_was_drawn_
     assert script.forgotten == [5]
 
 
+def test_batches_of_a_consuming_table_interrupted_at_a_wait_cancel_that_request_too() -> None:
+    """Regression: interrupted (a cancelled task, KeyboardInterrupt) while it waited for the oldest
+    request in flight, the loop had already taken that request off its list: it was neither
+    cancelled nor read, and the server drew its rows for nobody once rows came."""
+    state = make_state(QUEUE)
+    waits = itertools.count()
+
+    def answer(r: Any) -> Any:
+        if isinstance(r, P.Cancel):
+            return P.CancelReply(r.request_id, r.request_ids)  # all still waited for rows
+        return KeyboardInterrupt() if next(waits) == 1 else rows_reply(r, 10 * (r.request_id - 1))
+
+    script = Script(answer)
+    with pytest.raises(KeyboardInterrupt):
+        script.run(plan_batches.batches(state, 10, 2, None, False, None, None))
+    cancel = [r for _, r in script.sent if isinstance(r, P.Cancel)][0]
+    assert cancel.request_ids.tolist() == [2, 3], "the request interrupted at its wait is cancelled as well"
+    assert state.kept.count() == 0 and sorted(script.forgotten) == [2, 3]
+
+
 def test_batches_check_their_arguments_before_the_first_batch() -> None:
     with pytest.raises(ConfigError, match="prefetch must be a positive int"):
         plan_batches.batches(make_state(), 10, 0, None, False, None, None)

@@ -19,7 +19,7 @@ from h5replay.client._core.draws import sample, sample_requests, sample_sequence
 from h5replay.client._core.exchange import collect, fresh, joined
 from h5replay.client._core.ops import READS, Deliver, Forget, Plan, RequestFactory, Send, Wait, checked
 from h5replay.client._core.state import LearnerState
-from h5replay.client._kept import join_parts, kept_error
+from h5replay.client._kept import Part, join_parts, kept_error
 from h5replay.client._reads import TableDraws, _positive, _seed, sample_info
 from h5replay.errors import ClosedError
 
@@ -101,6 +101,7 @@ def _pipelined(state: LearnerState, group_requests: Callable[[int], list[Request
     target = t.samples
     timeout = state.draw_timeout(t)
     in_flight: deque[list[int]] = deque()
+    drawn: list[Part] = []  # parts of the oldest group read so far (an interrupted read keeps them)
     try:
         for k in itertools.count():
             while len(in_flight) < ahead:
@@ -110,8 +111,10 @@ def _pipelined(state: LearnerState, group_requests: Callable[[int], list[Request
                     sent.append((yield Send(target, request)))
                 in_flight.append(sent)
             if t.consuming:
-                parts, error = yield from collect(state, target, in_flight.popleft(), cancel=False,
-                                                  timeout=timeout or state.config.timeout)
+                parts, error = yield from collect(state, target, in_flight[0], cancel=False,
+                                                  timeout=timeout or state.config.timeout, parts=drawn)
+                in_flight.popleft()
+                drawn = []
                 if error is not None:
                     state.kept.give_back(kind, parts)
                     raise kept_error(error, state.kept.count(kind))
@@ -129,11 +132,11 @@ def _pipelined(state: LearnerState, group_requests: Callable[[int], list[Request
     except GeneratorExit:
         raise
     except BaseException:
-        if t.consuming and in_flight:
+        if t.consuming and (in_flight or drawn):
             try:
                 parts, _ = yield from collect(state, target, [rid for ids in in_flight for rid in ids], cancel=True,
                                               timeout=timeout or state.config.timeout)
-                state.kept.put(kind, parts)
+                state.kept.put(kind, drawn + parts)
             except ClosedError:
                 pass  # the client was closed under the loop: nothing can be read any more
         else:

@@ -95,10 +95,12 @@ def draw_all(state: LearnerState, target: Target,
 
 
 def collect(state: LearnerState, target: Target, request_ids: list[int], *, cancel: bool,
-            timeout: float) -> Plan[tuple[list[Part], BaseException | None]]:
+            timeout: float, parts: list[Part] | None = None) -> Plan[tuple[list[Part], BaseException | None]]:
     """(parts, first failure) of draws in flight, in order; with `cancel`, those still waiting
     for the rate limit are cancelled first (they are never drawn), and the others, served
-    already, are waited for the client's timeout."""
+    already, are waited for the client's timeout. Each id is taken off `request_ids` once its
+    reply is read, and its part put in `parts` (given: the caller's): an interrupted collect
+    (KeyboardInterrupt, a cancellation) leaves the caller what was drawn and what still travels."""
     cancelled: set[int] = set()
     if cancel and request_ids:
         ids = np.array(request_ids, np.uint64)
@@ -109,10 +111,12 @@ def collect(state: LearnerState, target: Target, request_ids: list[int], *, canc
             timeout = state.config.timeout
         except (ServerUnavailableError, ProtocolError):
             pass  # an older server cannot cancel: wait for them all
-    parts: list[Part] = []
+    parts = [] if parts is None else parts
     error: BaseException | None = None
-    for request_id in request_ids:
+    while request_ids:
+        request_id = request_ids[0]
         if request_id in cancelled:
+            request_ids.pop(0)
             yield Forget(target, request_id)
             continue
         try:
@@ -120,8 +124,10 @@ def collect(state: LearnerState, target: Target, request_ids: list[int], *, canc
         except ClosedError:
             raise
         except Exception as exc:  # the server's refusal, or no answer: nothing of it was drawn here
+            request_ids.pop(0)
             error = error or exc
             continue
+        request_ids.pop(0)
         state.observe(reply)
         parts.append((reply.arrays, sample_info([reply])))
     return parts, error

@@ -4,7 +4,7 @@ on an `AsyncConnection`, so many plans run at once on one event loop.
 A coroutine cancelled while its plan waits has the CancelledError thrown into the plan, which
 forgets its requests and re-raises it. `stream` drives a plan that delivers values (`batches`)
 as an async iterator; closing it throws `LoopLeft` in, and the plan's cleanup (forgetting what
-travels) runs at once.
+travels, or cancelling and keeping what a consuming draw drew) runs before it closes.
 """
 
 from __future__ import annotations
@@ -61,10 +61,10 @@ class AsyncDriver:
             raise TypeError(f"a plan yielded {op!r}, which is no operation")
         return None
 
-    async def run(self, plan: Plan[T]) -> T:
-        """The plan's result (its exception raised), every operation awaited in turn."""
+    async def run(self, plan: Plan[T], error: BaseException | None = None) -> T:
+        """The plan's result (its exception raised), every operation awaited in turn; with
+        `error`, the plan is resumed by throwing it in."""
         value: Any = None
-        error: BaseException | None = None
         while True:
             try:
                 op = plan.send(value) if error is None else plan.throw(error)
@@ -77,7 +77,8 @@ class AsyncDriver:
                 error = exc
 
     async def stream(self, plan: Plan[Any]) -> AsyncIterator[Any]:
-        """The values the plan delivers, in order; closing the iterator lets the plan clean up."""
+        """The values the plan delivers, in order; closing the iterator lets the plan clean up,
+        awaiting what its cleanup waits for (a consuming stream cancels and keeps what was drawn)."""
         value: Any = None
         error: BaseException | None = None
         while True:
@@ -90,27 +91,21 @@ class AsyncDriver:
                 try:
                     yield op.value
                 except GeneratorExit:
-                    self._leave(plan)
+                    await self._leave(plan)  # an async generator may await while it closes
                     raise
                 continue
             try:
                 value = await self._do(op)
-            except BaseException as exc:
+            except BaseException as exc:  # cancellation too: the plan cleans up, then re-raises it
                 error = exc
 
-    def _leave(self, plan: Plan[Any]) -> None:
-        """The caller left the loop: the plan forgets what travels (nothing here waits: an async
-        generator being closed may not)."""
-        error: BaseException | None = LoopLeft()
-        value: Any = None
-        while True:
+    async def _leave(self, plan: Plan[Any]) -> None:
+        """The caller left the loop: the plan's cleanup runs to its end (LoopLeft swallowed), in a
+        task of its own that a second cancellation does not stop half-way."""
+        async def clean_up() -> None:
             try:
-                op = plan.send(value) if error is None else plan.throw(error)
-            except (StopIteration, LoopLeft):
-                return
-            value, error = None, None
-            if isinstance(op, Forget):
-                (self.reads if op.target == READS else self.writer).forget(op.request_id)
-            else:  # only a consuming plan would wait here, and this driver streams none
-                plan.close()
-                return
+                await self.run(plan, LoopLeft())
+            except LoopLeft:
+                pass
+
+        await asyncio.shield(asyncio.get_running_loop().create_task(clean_up(), name="h5replay-leave"))

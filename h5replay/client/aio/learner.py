@@ -10,7 +10,6 @@ request id). Timeouts raise `ServerUnavailableError`, never `asyncio.TimeoutErro
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -23,7 +22,7 @@ from h5replay.client._core import reads as plan_reads
 from h5replay.client._core.draws import Drawn
 from h5replay.client._core.ops import Plan
 from h5replay.client._core.state import LearnerState
-from h5replay.client._reads import View, _positive, _reachable, _seed
+from h5replay.client._reads import View, _positive, _reachable
 from h5replay.client.aio._connection import AsyncConnection
 from h5replay.client.aio._drive import AsyncDriver
 from h5replay.config import DEFAULT_ENDPOINT, ClientConfig, process_name
@@ -52,8 +51,7 @@ class AsyncLearnerClient:
         endpoint, timeout, name, config, secret_key, server_key: as `LearnerClient`.
         endpoints: several servers: not yet (raises ConfigError; use `LearnerClient(endpoints=)`).
 
-    Not yet: shards; from a server whose draws change its state (a queue, a rate limit),
-    `batches` draws one batch at a time, each a `sample` (no prefetch).
+    Not yet: shards.
 
     Consuming draws (a queue, a rate limit): a call cancelled while its rows are drawn does not
     lose them. Its draw goes on to its end (within `timeout` plus `rate_limit_timeout`) and what
@@ -286,8 +284,9 @@ class AsyncLearnerClient:
                 with_info: bool = False, seed: int | None = None, table: str | None = None) -> AsyncIterator[Any]:
         """Batches without end, as `LearnerClient.batches`: `prefetch` batches requested ahead
         (several batches a request without a seed, from readers). Leave the loop (or `aclose()`
-        the iterator) to stop: requests still travelling are dropped. From a server whose draws
-        change its state, each batch is one `sample` (or `sample_sequences`), no prefetch.
+        the iterator) to stop: requests still travelling are dropped; from a server whose draws
+        change its state, those waiting for the rate limit are cancelled and the batches already
+        drawn are kept (`num_kept`), as the blocking client does.
         Arguments are checked at once when connected, else at the first batch.
 
         Raises:
@@ -303,12 +302,9 @@ class AsyncLearnerClient:
     async def _batches(self, size: int, prefetch: int, steps: int | None, with_info: bool, seed: int | None,
                        table: str | None) -> AsyncIterator[Any]:
         state, driver = await self._ready()
-        if state.table(table).consuming:
-            for k in itertools.count():
-                if steps is None:
-                    yield await self.sample(size, _seed(seed, k), with_info=with_info, table=table)
-                else:
-                    yield await self.sample_sequences(size, steps, _seed(seed, k), with_info=with_info, table=table)
+        if state.table(table).consuming and self._draw_lock is not None:
+            async with self._draw_lock:  # the draws of cancelled calls end first: their rows come first
+                pass
         plan = plan_batches.batches(state, size, prefetch, steps, with_info, seed, table)
         stream = driver.stream(plan)
         try:
