@@ -128,7 +128,7 @@ IN_FLIGHT_MODES = ("pipelined", "batched", "streamed")
 ASYNC_MODES = ("async-extend", "async-pipelined")
 BATCHED_EPISODES = 32
 # Small rows in the in-flight modes: this many times the episodes, or they are over too soon.
-IN_FLIGHT_SCALE = {"pipelined": 2, "batched": 16, "streamed": 4, "async-pipelined": 2}
+IN_FLIGHT_SCALE = {"pipelined": 16, "batched": 16, "streamed": 4, "async-pipelined": 2}
 BATCH = 256
 PREFETCH = 8  # batches a pipelined learner keeps requested ahead
 PIPELINED = f"wire, LearnerClient.batches(prefetch={PREFETCH})"
@@ -137,6 +137,7 @@ ASYNC_VS_BLOCKING_TARGET = 0.9  # AsyncLearnerClient.batches against the blockin
 SMALL_BATCHES_TARGET = 5_000  # sample(256) batches/s of small rows over the wire, one learner (issue 9)
 SMALL_INGEST_TARGET = 1_000_000  # rows/s, small rows, whole episodes (extend), 4 actors (issue 9)
 STREAM_INGEST_TARGET = 500_000  # rows/s, small rows streamed step by step (append), 4 actors (issue 9)
+PIPELINED_VS_STREAM_TARGET = 0.4  # push_episode(wait=False), small rows, against the raw stream into h5py (issue 26)
 COMMIT_P99_TARGET_MS = 20.0  # per-episode commit latency, small rows, 4 actors (issue 9)
 RAW_H5 = "raw zmq + h5py writer"  # the stream's rows written into a plain file by the sink
 SUSTAINED = "sustained h5py write, growing file"  # this machine's write rate, one process
@@ -873,6 +874,12 @@ def ingest_targets(name: str, kind: str, m: dict[str, Any], got: dict[str, dict[
                 checks.append((f"{ratio:.2f}x raw zmq+h5py >=0.5x", ratio >= 0.5))
             if mode == "extend":
                 checks.append((f"commit p99 {m['p99_ms']:.1f} ms <=20", m["p99_ms"] <= COMMIT_P99_TARGET_MS))
+    if kind == SMALL and mode == "pipelined" and not four:  # issue 26 (4 actors: >= 0.5x above), against
+        stream = ok(f"{RAW_H5}, {actors} proc")  # the raw unacknowledged stream into h5py
+        if stream is not None:
+            ratio = m["rows_per_s"] / stream["rows_per_s"]
+            checks.append((f"{ratio:.2f}x raw zmq+h5py >={PIPELINED_VS_STREAM_TARGET}x",
+                           ratio >= PIPELINED_VS_STREAM_TARGET))
     if kind == SMALL and mode in ("append", "streamed") and four:
         checks.append((f">={fmt(STREAM_INGEST_TARGET)} rows/s", m["rows_per_s"] >= STREAM_INGEST_TARGET))
     if mode in ASYNC_MODES:  # issue 23: the asyncio actor beside the blocking one, same mode
