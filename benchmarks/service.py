@@ -128,7 +128,7 @@ IN_FLIGHT_MODES = ("pipelined", "batched", "streamed")
 ASYNC_MODES = ("async-extend", "async-pipelined")
 BATCHED_EPISODES = 32
 # Small rows in the in-flight modes: this many times the episodes, or they are over too soon.
-IN_FLIGHT_SCALE = {"pipelined": 16, "batched": 16, "streamed": 4, "async-pipelined": 2}
+IN_FLIGHT_SCALE = {"pipelined": 16, "batched": 16, "streamed": 4, "async-pipelined": 16}
 BATCH = 256
 PREFETCH = 8  # batches a pipelined learner keeps requested ahead
 PIPELINED = f"wire, LearnerClient.batches(prefetch={PREFETCH})"

@@ -290,24 +290,25 @@ def test_segments_committed_in_flight_share_messages_under_load_and_keep_their_o
         assert_held(server.endpoint, receipt, rows)
 
 
-def test_unwaited_pushes_queued_behind_a_full_window_leave_together_in_order(start_server):
+def test_unwaited_pushes_queued_behind_a_full_window_leave_together_in_order(start_server, actor_of):
     """Pushes with wait=False that find max_in_flight messages out wait in the client's next
-    message and leave together as one push_episodes (they used to leave one message each)."""
+    message and leave together as one push_episodes (they used to leave one message each); the
+    blocking and the asyncio actor alike."""
     server = start_server()
     config = ClientConfig(endpoint=server.endpoint, timeout=10, max_in_flight=1)
     episodes = [episode_rows(13, i, 1 + i % 5) for i in range(80)]
-    with ActorClient(config=config) as actor:
-        before = actor.info()["requests"]
-        batch = episodes[0]
-        pending = []
-        for rows in episodes:
-            batch = {key: value.copy() for key, value in rows.items()}
-            pending.append(actor.push_episode(batch, wait=False))
-            for value in batch.values():  # the caller may reuse its arrays at once
-                value[...] = 0
-        actor.flush()
-        requests = actor.info()["requests"] - before - 1
-        receipts = [p.result() for p in pending]
+    actor = actor_of(config=config)
+    before = actor.info()["requests"]
+    pending = []
+    for rows in episodes:
+        batch = {key: value.copy() for key, value in rows.items()}
+        pending.append(actor.push_episode(batch, wait=False))
+        for value in batch.values():  # the caller may reuse its arrays at once
+            value[...] = 0
+    actor.flush()
+    requests = actor.info()["requests"] - before - 1
+    receipts = [p.result() for p in pending]
+    actor.close()
     assert requests < 40, requests  # 80 episodes; one message each would be 80
     assert [r.length for r in receipts] == [1 + i % 5 for i in range(80)]
     assert [r.episode_id for r in receipts] == list(range(receipts[0].episode_id, receipts[0].episode_id + 80))

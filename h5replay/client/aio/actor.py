@@ -43,6 +43,7 @@ from h5replay.client._core.segments import (
     send_rows,
     wait_appends,
 )
+from h5replay.client.aio._commits import AsyncPendingCommit, _copy_outcome, _Outcome
 from h5replay.client.aio._connection import AsyncConnection
 from h5replay.client.aio._drive import AsyncDriver
 from h5replay.config import DEFAULT_ENDPOINT, ClientConfig, process_name
@@ -54,53 +55,6 @@ from h5replay.spaces import Schema, Space
 __all__ = ["AsyncActorClient", "AsyncActorSegment", "AsyncPendingCommit"]
 
 _KEPT_FAILURES = 1000  # failed commits in flight kept for `flush` to report, at most (the newest)
-
-
-class AsyncPendingCommit:
-    """A commit on its way, from `push_episode(..., wait=False)`, `push_episodes(..., wait=False)`
-    or `commit(wait=False)`: the episode has left; a task of the client's loop waits for the
-    server's acknowledgement (sending the commit again with its idempotency key while no reply
-    comes). `await pending.result()` (or `await pending`) is the receipt, or raises what the
-    commit would have raised. Episodes sent in one message settle together.
-    """
-
-    def __init__(self, settling: asyncio.Future[list[Receipt]], key: bytes, index: int = 0) -> None:
-        #: The episode's idempotency key: a commit of the same rows with it is never stored twice.
-        self.key = key
-        self._settling = settling
-        self._index = index
-        self.observed = False  # the caller saw the outcome through `result()` (or `flush` reported it)
-
-    @classmethod
-    def done_with(cls, receipt: Receipt, key: bytes = b"") -> AsyncPendingCommit:
-        """One already settled (an empty episode)."""
-        future: asyncio.Future[list[Receipt]] = asyncio.get_running_loop().create_future()
-        future.set_result([receipt])
-        return cls(future, key)
-
-    def done(self) -> bool:
-        """Whether the outcome is here: `result()` then returns (or raises) at once."""
-        return self._settling.done()
-
-    async def result(self) -> Receipt:
-        """The receipt, once the server has the episode in the file, flushed.
-
-        Raises:
-            ServerUnavailableError: no reply to any attempt within `commit_timeout`: the commit is
-                in doubt (commit the same rows with `key` to settle it).
-            DiskFullError, RateLimitedError, ...: the server refused the commit.
-        """
-        self.observed = True
-        # A cancelled caller does not cancel the settling: the commit's outcome is still learned.
-        found = await asyncio.shield(self._settling)
-        return found[self._index] if self._index < len(found) else Receipt(-1, -1, 0)
-
-    def __await__(self) -> Any:
-        return self.result().__await__()
-
-    def __repr__(self) -> str:
-        state = "in flight" if not self._settling.done() else "failed" if self._settling.exception() else "done"
-        return f"AsyncPendingCommit({state}, key={self.key.hex()})"
 
 
 class AsyncActorClient:
@@ -120,9 +74,11 @@ class AsyncActorClient:
         endpoints: several servers: not yet (raises ConfigError; use `ActorClient(endpoints=)`).
 
     With `wait=False`, up to `config.max_in_flight` commits are unacknowledged (the next one
-    waits for the oldest); `flush()` (and `aclose()`) waits for them all and raises the first
-    failure not seen through `result()`. Not yet: segments committed with `wait=False` each leave
-    in a message of their own (the blocking client packs those that queue behind a full window).
+    waits for the oldest; a push that fits in one message waits in the client's next message,
+    with those pushed after it, and they leave together); `flush()` (and `aclose()`) waits for
+    them all and raises the first failure not seen through `result()`. Not yet: segments
+    committed with `wait=False` each leave in a message of their own (the blocking client packs
+    those too).
 
     Cancellation: a streamed episode whose coroutine is cancelled mid-append is aborted (nothing
     of it becomes visible); a cancelled commit may have been applied, but whole, never in part.
@@ -151,8 +107,13 @@ class AsyncActorClient:
         self._conn: AsyncConnection | None = None
         self._driver: AsyncDriver | None = None
         self._connecting: asyncio.Lock | None = None
-        self._in_flight: collections.deque[AsyncPendingCommit] = collections.deque()
-        self._failures: collections.deque[AsyncPendingCommit] = collections.deque(maxlen=_KEPT_FAILURES)
+        self._in_flight: collections.deque[_Outcome] = collections.deque()  # tracked commits, oldest first
+        self._failures: collections.deque[_Outcome] = collections.deque(maxlen=_KEPT_FAILURES)
+        # Episodes pushed with wait=False while the window was full: the client's next message.
+        self._queue: list[Ready] = []
+        self._queue_outcome: _Outcome | None = None
+        self._queue_rows = 0
+        self._sending: list[asyncio.Task[None]] = []  # queued messages on their way, in push order
         self._closed = False
 
     # ------------------------------------------------------------------ connecting
@@ -279,6 +240,8 @@ class AsyncActorClient:
                 encoded = own_copies(encoded, state.schema.flatten(batch))
                 given = given and {table: values.copy() for table, values in given.items()}
             ready = Ready(encoded, n, given, os.urandom(P.IDEMPOTENCY_KEY_BYTES), final)
+            if not wait and (self._queue or self._sending or len(self._in_flight) >= self.config.max_in_flight):
+                return self._enqueue(state, ready)
             return await self._send_commit(push_request([ready], self.config.rate_limit_timeout), ready.key,
                                            track=not wait)
         seg = AsyncActorSegment(self)
@@ -334,23 +297,28 @@ class AsyncActorClient:
                 first = await self._send_commit(push_request(ready, self.config.rate_limit_timeout), ready[0].key,
                                                 track=True)
                 for j, i in enumerate(group):
-                    pending[i] = AsyncPendingCommit(first._settling, ready[j].key, j)
+                    pending[i] = AsyncPendingCommit(first._outcome, ready[j].key, j)
         commits = [commit for commit in pending if commit is not None]
         if not wait:
             return commits
         await asyncio.wait({commit._settling for commit in commits})  # never cancels them
         return [await commit.result() for commit in commits]
 
-    async def _send_commit(self, request: Any, key: bytes, *, track: bool,
-                           settled: Any = None) -> AsyncPendingCommit:
+    async def _send_commit(self, request: Any, key: bytes, *, track: bool, settled: Any = None,
+                           outcome: _Outcome | None = None) -> AsyncPendingCommit:
         """Send a commit (or push), then settle it in a task of its own (sent again with its key
         while no reply comes); with `track`, it counts in the in-flight window and `flush` waits
-        for it. `settled(receipt, error)` is told the outcome.
+        for it. `settled(receipt, error)` is told the outcome; `outcome`: the one its episodes'
+        pendings already hold (queued episodes), resolved with it.
 
         Raises:
             NotSentError: it could not leave (no server connected within the timeout).
         """
         state, driver = await self._ready()
+        if track and outcome is None and (self._queue or self._sending):  # commits leave in the order made
+            if self._queue:
+                self._launch_queue()
+            await asyncio.wait(list(self._sending))
         if track:
             await self._make_room()
         retried = await driver.run(send_commit(state, request))
@@ -367,36 +335,86 @@ class AsyncActorClient:
             return found
 
         task = asyncio.get_running_loop().create_task(settle(), name="h5replay-commit")
-        pending = AsyncPendingCommit(task, key)
+        if outcome is None:
+            outcome = _Outcome(task)
+        else:
+            task.add_done_callback(lambda done: _copy_outcome(done, outcome.future))
         if track:
-            self._in_flight.append(pending)
-            task.add_done_callback(lambda done: self._settled(pending, done))
-        return pending
+            self._in_flight.append(outcome)
+            outcome.future.add_done_callback(lambda done: self._settled(outcome))
+        return AsyncPendingCommit(outcome, key)
 
-    def _settled(self, pending: AsyncPendingCommit, task: asyncio.Future[list[Receipt]]) -> None:
-        """A tracked commit ended: out of the window; a failure waits for `flush` unless seen."""
+    def _settled(self, outcome: _Outcome) -> None:
+        """A tracked commit ended: out of the window (queued episodes may leave now); a failure
+        waits for `flush` unless seen."""
         with contextlib.suppress(ValueError):
-            self._in_flight.remove(pending)
-        if not task.cancelled() and task.exception() is not None:
-            self._failures.append(pending)
+            self._in_flight.remove(outcome)
+        future = outcome.future
+        if not future.cancelled() and future.exception() is not None:
+            self._failures.append(outcome)
+        if self._queue and not self._closed:
+            self._launch_queue()
 
     async def _make_room(self) -> None:
         """Before another commit leaves: wait for the oldest while `max_in_flight` are unsettled."""
         while len(self._in_flight) >= self.config.max_in_flight:
-            await asyncio.wait([self._in_flight[0]._settling])
+            await asyncio.wait([self._in_flight[0].future])
+
+    def _enqueue(self, state: ActorState, ready: Ready) -> AsyncPendingCommit:
+        """An episode that fits in one message, pushed with wait=False while `max_in_flight`
+        messages are out: it waits in the client's next message, with the episodes pushed after
+        it (up to `rows_per_push` rows), which leaves when a reply makes room (`_launch_queue`)."""
+        if self._queue and self._queue_rows + ready.n > state.rows_per_push:
+            self._launch_queue()
+        if self._queue_outcome is None:
+            self._queue_outcome = _Outcome(asyncio.get_running_loop().create_future())
+        self._queue.append(ready)
+        self._queue_rows += ready.n
+        return AsyncPendingCommit(self._queue_outcome, ready.key, len(self._queue) - 1)
+
+    def _launch_queue(self) -> None:
+        """Send the queued episodes as one message, in a task of their own (it waits for room);
+        the messages leave in the order their episodes were pushed."""
+        episodes, outcome = self._queue, self._queue_outcome
+        self._queue, self._queue_outcome, self._queue_rows = [], None, 0
+        if not episodes or outcome is None:
+            return
+        previous = self._sending[-1] if self._sending else None
+
+        async def send() -> None:
+            if previous is not None:
+                await asyncio.wait([previous])  # in push order
+            try:
+                await self._send_commit(push_request(episodes, self.config.rate_limit_timeout), episodes[0].key,
+                                        track=True, outcome=outcome)
+            except BaseException as exc:  # never left: its episodes' pendings raise it, flush reports it
+                if not outcome.future.done():
+                    outcome.future.set_exception(exc)
+                    self._failures.append(outcome)
+
+        task = asyncio.get_running_loop().create_task(send(), name="h5replay-queued-commit")
+        self._sending.append(task)
+        task.add_done_callback(self._sending.remove)
+
+    async def _drain(self) -> None:
+        """Send what is queued, then wait for every commit in flight."""
+        while self._queue or self._sending or self._in_flight:
+            if self._queue:
+                self._launch_queue()
+            waiting: list[asyncio.Future[Any]] = [*self._sending, *(outcome.future for outcome in self._in_flight)]
+            await asyncio.wait(waiting)
 
     async def flush(self) -> None:
         """Wait for every commit sent with `wait=False` to be acknowledged. Raises the first
         failure since the last flush that `result()` did not show (a note says how many failed);
         each is reported once."""
-        while self._in_flight:
-            await asyncio.wait([pending._settling for pending in list(self._in_flight)])
-        failed = [pending for pending in self._failures if not pending.observed]
+        await self._drain()
+        failed = [outcome for outcome in self._failures if not outcome.observed]
         self._failures.clear()
-        for pending in failed:
-            pending.observed = True
+        for outcome in failed:
+            outcome.observed = True
         if failed:
-            error = failed[0]._settling.exception()
+            error = failed[0].future.exception()
             if error is not None:
                 if len(failed) > 1:
                     error.args = (f"{error.args[0] if error.args else error} (and {len(failed) - 1} more commit(s) in "
@@ -425,8 +443,7 @@ class AsyncActorClient:
         if self._closed:
             return
         try:
-            while self._in_flight:
-                await asyncio.wait([pending._settling for pending in list(self._in_flight)])
+            await self._drain()
         finally:
             self._closed = True
             if self._conn is not None:
