@@ -266,22 +266,24 @@ def test_an_actor_killed_with_commits_in_flight_leaves_only_whole_episodes(start
 
 
 @pytest.mark.timeout(60)
-def test_segments_committed_in_flight_share_messages_under_load_and_keep_their_order(start_server):
+def test_segments_committed_in_flight_share_messages_under_load_and_keep_their_order(start_server, actor_of):
     server = start_server()
     config = ClientConfig(endpoint=server.endpoint, timeout=10, max_in_flight=1)  # a queue forms at once
     episodes = [episode_rows(11, i, 1 + i % 6) for i in range(60)]
-    with ActorClient(config=config) as actor:
-        before = actor.info()["requests"]
-        pending = []
-        for rows in episodes:
-            seg = actor.segment()
-            for step in range(len(rows["step"])):
-                seg.append({key: value[step] for key, value in rows.items()})
-            pending.append(seg.commit(wait=False))
-            assert seg.receipt is None or seg.receipt.length == len(rows["step"])
-        last = actor.push_episode(episode_rows(11, 60, 2))  # waited for: after every queued one
-        requests = actor.info()["requests"] - before - 2
-        receipts = [p.result() for p in pending]
+    actor = actor_of(config=config)
+    before = actor.info()["requests"]
+    pending = []
+    for rows in episodes:
+        seg = actor.segment()
+        for step in range(len(rows["step"])):
+            seg.append({key: value[step] for key, value in rows.items()})
+        pending.append(seg.commit(wait=False))
+        assert seg.receipt is None or seg.receipt.length == len(rows["step"])
+    last = actor.push_episode(episode_rows(11, 60, 2))  # waited for: after every queued one
+    requests = actor.info()["requests"] - before - 2
+    receipts = [p.result() for p in pending]
+    assert all(p.done() for p in pending) and seg.receipt == receipts[-1]
+    actor.close()
     assert requests < 30, requests  # 61 episodes; one message each would be 61
     assert [r.length for r in receipts] == [1 + i % 6 for i in range(60)]
     assert [r.episode_id for r in receipts] == list(range(receipts[0].episode_id, receipts[0].episode_id + 60))

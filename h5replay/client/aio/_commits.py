@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from h5replay.errors import ClosedError
 from h5replay.records import Receipt
 
 __all__ = ["AsyncPendingCommit"]
@@ -21,6 +22,17 @@ def _copy_outcome(done: asyncio.Future[list[Receipt]], into: asyncio.Future[list
         into.set_exception(done.exception())  # type: ignore[arg-type]
     else:
         into.set_result(done.result())
+
+
+def _one_outcome(done: asyncio.Future[list[Receipt]], index: int) -> tuple[Receipt | None, Exception | None]:
+    """(receipt, None) of episode `index` of a settled message, or (None, its error)."""
+    if done.cancelled():
+        return None, ClosedError("the commit's settling was cancelled (the client was closed)")
+    error = done.exception()
+    if error is not None:
+        return None, error if isinstance(error, Exception) else RuntimeError(str(error))
+    found = done.result()
+    return (found[index] if index < len(found) else Receipt(-1, -1, 0)), None
 
 
 class _Outcome:

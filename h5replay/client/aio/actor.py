@@ -43,7 +43,7 @@ from h5replay.client._core.segments import (
     send_rows,
     wait_appends,
 )
-from h5replay.client.aio._commits import AsyncPendingCommit, _copy_outcome, _Outcome
+from h5replay.client.aio._commits import AsyncPendingCommit, _copy_outcome, _one_outcome, _Outcome
 from h5replay.client.aio._connection import AsyncConnection
 from h5replay.client.aio._drive import AsyncDriver
 from h5replay.config import DEFAULT_ENDPOINT, ClientConfig, process_name
@@ -76,9 +76,8 @@ class AsyncActorClient:
     With `wait=False`, up to `config.max_in_flight` commits are unacknowledged (the next one
     waits for the oldest; a push that fits in one message waits in the client's next message,
     with those pushed after it, and they leave together); `flush()` (and `aclose()`) waits for
-    them all and raises the first failure not seen through `result()`. Not yet: segments
-    committed with `wait=False` each leave in a message of their own (the blocking client packs
-    those too).
+    them all and raises the first failure not seen through `result()`. Segments committed with
+    `wait=False` that fit in one message queue so as well.
 
     Cancellation: a streamed episode whose coroutine is cancelled mid-append is aborted (nothing
     of it becomes visible); a cancelled commit may have been applied, but whole, never in part.
@@ -240,7 +239,7 @@ class AsyncActorClient:
                 encoded = own_copies(encoded, state.schema.flatten(batch))
                 given = given and {table: values.copy() for table, values in given.items()}
             ready = Ready(encoded, n, given, os.urandom(P.IDEMPOTENCY_KEY_BYTES), final)
-            if not wait and (self._queue or self._sending or len(self._in_flight) >= self.config.max_in_flight):
+            if not wait and self._must_queue():
                 return self._enqueue(state, ready)
             return await self._send_commit(push_request([ready], self.config.rate_limit_timeout), ready.key,
                                            track=not wait)
@@ -315,7 +314,7 @@ class AsyncActorClient:
             NotSentError: it could not leave (no server connected within the timeout).
         """
         state, driver = await self._ready()
-        if track and outcome is None and (self._queue or self._sending):  # commits leave in the order made
+        if outcome is None and (self._queue or self._sending):  # commits leave in the order made
             if self._queue:
                 self._launch_queue()
             await asyncio.wait(list(self._sending))
@@ -359,6 +358,11 @@ class AsyncActorClient:
         """Before another commit leaves: wait for the oldest while `max_in_flight` are unsettled."""
         while len(self._in_flight) >= self.config.max_in_flight:
             await asyncio.wait([self._in_flight[0].future])
+
+    def _must_queue(self) -> bool:
+        """Whether an unwaited episode of one message waits in the client's next message: the
+        window is full, or earlier ones wait there (commits leave in the order made)."""
+        return bool(self._queue or self._sending or len(self._in_flight) >= self.config.max_in_flight)
 
     def _enqueue(self, state: ActorState, ready: Ready) -> AsyncPendingCommit:
         """An episode that fits in one message, pushed with wait=False while `max_in_flight`
@@ -587,7 +591,15 @@ class AsyncActorSegment:
             if taken is None:
                 seg.status, seg.receipt = "committed", Receipt(-1, -1, 0)
                 return AsyncPendingCommit.done_with(seg.receipt, seg.key)
-            request = push_request([Ready(taken.arrays, taken.n, taken.priorities, seg.key, seg.final)], limit)
+            ready = Ready(taken.arrays, taken.n, taken.priorities, seg.key, seg.final)
+            client = self._client
+            if track and client._must_queue():  # shares the client's next message (see push_episode)
+                seg.status = "committing"
+                pending = client._enqueue(state, ready)
+                index = pending._index
+                pending._settling.add_done_callback(lambda done: self._settled(*_one_outcome(done, index)))
+                return pending
+            request = push_request([ready], limit)
         else:
             await self._send(driver, rows)
             await driver.run(wait_appends(seg))
