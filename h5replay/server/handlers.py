@@ -32,7 +32,7 @@ from h5replay.errors import (
 from h5replay.sampling import describe_tables
 from h5replay.server.disk import DiskReserve
 from h5replay.server.reads import read_reply, reply_rows
-from h5replay.server.sessions import Session, Stats
+from h5replay.server.sessions import Session, Stats, check_admission
 from h5replay.server.waiting import Side, WaitingRoom
 from h5replay.storage.replay.buffer import ReplayBuffer
 from h5replay.storage.segment import SegmentWriter
@@ -248,25 +248,8 @@ class Service:
                     "another's routing id (leave ZMQ_ROUTING_ID unset, or use one of your own)"
                 )
         else:
-            limits = self.limits
-            if len(self.sessions) >= limits.max_clients:
-                raise LimitExceededError(
-                    f"the server already has {len(self.sessions)} clients, the limit max_clients="
-                    f"{limits.max_clients}; close idle clients or raise the limit"
-                )
-            if granted_role is not None and granted_role != "actor" and \
-                    len(self.sessions) >= limits.max_clients - self.actor_slots:
-                raise LimitExceededError(
-                    f"the server has {len(self.sessions)} clients; its last {self.actor_slots} slots of max_clients="
-                    f"{limits.max_clients} are kept for actor keys"
-                )
-            if key is not None and self.max_clients_per_key is not None:
-                same = sum(1 for other in self.sessions.values() if other.key == key)
-                if same >= self.max_clients_per_key:
-                    raise LimitExceededError(
-                        f"this key already has {same} clients on the server, the limit max_clients_per_key="
-                        f"{self.max_clients_per_key} (--max-clients-per-key); close some, or give each host a key"
-                    )
+            check_admission(self.sessions, key, granted_role, self.limits.max_clients, self.actor_slots,
+                            self.max_clients_per_key)
             session = self.sessions[identity] = Session(identity, key=key)
         session.granted_role = granted_role
         session.last_seen = time.monotonic()
