@@ -16,7 +16,15 @@ import numpy as np
 
 from h5replay.client._commits import PendingCommit, _Flight
 from h5replay.client._core.actor import ActorState, Ready, Settled, push_request
-from h5replay.client._core.segments import SegmentRows, SegmentState, abort, commit_request, send_rows, wait_appends
+from h5replay.client._core.segments import (
+    SegmentFacts,
+    SegmentRows,
+    SegmentState,
+    abort,
+    commit_request,
+    send_rows,
+    wait_appends,
+)
 from h5replay.client._drive import BlockingDriver
 from h5replay.config import ClientConfig
 from h5replay.errors import ClosedError
@@ -43,7 +51,7 @@ class SegmentClient(Protocol):
                       settled: Settled, final: dict[str, np.ndarray] | None = None) -> PendingCommit: ...
 
 
-class ActorSegment:
+class ActorSegment(SegmentFacts):
     """One episode being streamed: `append`, `extend`, then `commit` or `abort`.
 
     The server hears of the segment only when its first full message leaves: an episode that
@@ -60,31 +68,6 @@ class ActorSegment:
                                  time.monotonic)
 
     @property
-    def key(self) -> bytes:
-        """The episode's idempotency key (given, or 16 random bytes), sent with every commit attempt."""
-        return self._seg.key
-
-    @property
-    def segment_id(self) -> int | None:
-        """Assigned by the server when the first batch leaves (None until then)."""
-        return self._seg.segment_id
-
-    @property
-    def length(self) -> int:
-        return self._seg.length
-
-    @property
-    def receipt(self) -> Receipt | None:
-        """The commit's receipt, once it settled."""
-        return self._seg.receipt
-
-    @property
-    def in_doubt(self) -> bool:
-        """Whether the commit (or push) was sent and no reply came: the server may have applied
-        it. Commit the same rows again with `key` to settle it without storing it twice."""
-        return self._seg.in_doubt
-
-    @property
     def abandon_on_failure(self) -> bool:
         """Abort the segment when its commit in flight is refused and leaves it open (a full
         disk, the rate limit): set by `push_episode`, whose caller holds the episode."""
@@ -97,9 +80,6 @@ class ActorSegment:
     @property
     def _state(self) -> str:
         return self._seg.status
-
-    def __len__(self) -> int:
-        return self._seg.length
 
     def append(self, step: Any, priority: float | Mapping[str, float] | None = None) -> None:
         """Add one step (with its priority for every prioritized table of the server, or by table

@@ -25,7 +25,7 @@ from h5replay.priorities import Given, PriorityColumns
 from h5replay.records import Receipt
 from h5replay.spaces import Schema
 
-__all__ = ["Rows", "SegmentRows", "SegmentState", "abort", "commit_request", "fail", "send_rows", "wait_appends"]
+__all__ = ["Rows", "SegmentFacts", "SegmentRows", "SegmentState", "abort", "commit_request", "fail", "send_rows", "wait_appends"]
 
 
 class Rows(NamedTuple):
@@ -155,6 +155,40 @@ class SegmentState:
         self.status = "failed"
         self.in_doubt = isinstance(error, ServerUnavailableError) and not isinstance(error, NotSentError)
         return False
+
+
+class SegmentFacts:
+    """What a segment front (blocking or asyncio) shows of its `SegmentState` (`self._seg`)."""
+
+    _seg: SegmentState
+
+    @property
+    def key(self) -> bytes:
+        """The episode's idempotency key (given, or 16 random bytes), sent with every commit attempt."""
+        return self._seg.key
+
+    @property
+    def segment_id(self) -> int | None:
+        """Assigned by the server when the first batch leaves (None until then)."""
+        return self._seg.segment_id
+
+    @property
+    def length(self) -> int:
+        return self._seg.length
+
+    @property
+    def receipt(self) -> Receipt | None:
+        """The commit's receipt, once it settled."""
+        return self._seg.receipt
+
+    @property
+    def in_doubt(self) -> bool:
+        """Whether the commit (or push) was sent and no reply came: the server may have applied
+        it. Commit the same rows again with `key` to settle it without storing it twice."""
+        return self._seg.in_doubt
+
+    def __len__(self) -> int:
+        return self._seg.length
 
 
 def send_rows(seg: SegmentState, rows: SegmentRows | Rows, max_in_flight: int) -> Plan[None]:

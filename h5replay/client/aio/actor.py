@@ -35,6 +35,7 @@ from h5replay.client._core.actor import (
 )
 from h5replay.client._core.ops import checked
 from h5replay.client._core.segments import (
+    SegmentFacts,
     SegmentRows,
     SegmentState,
     abort,
@@ -465,7 +466,7 @@ class AsyncActorClient:
             await self.aclose()
 
 
-class AsyncActorSegment:
+class AsyncActorSegment(SegmentFacts):
     """One episode being streamed, as coroutines: `await append`, `await extend`, then `await
     commit` or `await abort`. The same rules as `ActorSegment`: the server hears of it when its
     first full message leaves; an episode that fits in one message leaves whole at commit."""
@@ -483,30 +484,9 @@ class AsyncActorSegment:
         return state, driver, self._rows
 
     @property
-    def key(self) -> bytes:
-        """The episode's idempotency key, sent with every commit attempt."""
-        return self._seg.key
-
-    @property
-    def segment_id(self) -> int | None:
-        return self._seg.segment_id
-
-    @property
-    def receipt(self) -> Receipt | None:
-        return self._seg.receipt
-
-    @property
-    def in_doubt(self) -> bool:
-        """Whether the commit was sent and no reply came (commit the same rows with `key` to settle it)."""
-        return self._seg.in_doubt
-
-    @property
     def state(self) -> str:
         """"open", "committing", "committed", "aborted" or "failed"."""
         return self._seg.status
-
-    def __len__(self) -> int:
-        return self._seg.length
 
     async def append(self, step: Any, priority: float | Mapping[str, float] | None = None) -> None:
         """Add one step (with its priority, as `ActorSegment.append` takes it); checked now, sent in
