@@ -1,4 +1,4 @@
-"""Suite-wide settings: hypothesis profiles, the `start_server` and `actor_of` fixtures, opt-in soak tests.
+"""Suite-wide settings: hypothesis profiles, the `start_server`, `actor_of` and `learner_of` fixtures, opt-in soak tests.
 
 tests/ is on sys.path through pytest's `pythonpath` setting (pyproject.toml), so test modules and
 the processes they spawn (which inherit sys.path) import the helper modules beside this file:
@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from client_fronts import actor_of  # noqa: F401  (an actor of each driver, blocking and asyncio)
+from client_fronts import actor_of, fronts, learner_of  # noqa: F401  (clients of each driver, blocking and asyncio)
 from hypothesis import HealthCheck, settings
 from service_helpers import start_server  # noqa: F401  (a fixture for every test that runs a server)
 

@@ -176,6 +176,11 @@ class LearnerClient:
     def ignored_priority_updates(self, count: int) -> None:
         self._updates.ignored = count
 
+    def _num_kept(self, kind: Any) -> int:
+        """Rows (windows) of draws of `kind` kept for this client (the shard router counts them as
+        what this shard can give)."""
+        return self._state.kept.count(kind) if self._state is not None else 0
+
     def _take_kept(self) -> dict[Any, list[tuple[Any, SampleInfo]]]:
         """Everything kept, taken out and decoded (a shard's client about to be dropped hands it over)."""
         return {kind: [(self._kind_schema(kind).decode(arrays), info) for arrays, info in parts]
@@ -432,7 +437,7 @@ class ShardedLearnerClient(LearnerClient):
         self.config = config or ClientConfig(endpoint=endpoint, timeout=timeout, name=name or process_name("learner"))
         self._router = router = ShardedLearner(endpoints, self.config, secret_key, server_key,
                                                client_class=LearnerClient)
-        self.space, self.limits, self.capacity = router.codec_space, router.limits, router.capacity
+        self.space, self.limits, self.capacity = router._rows_space(), router.limits, router.capacity
         self.endpoints = router.endpoints
         # Per shard: learner.shards.shard(i).replay_id, ...
         self.read_endpoint, self.server_version, self.replay_id, self.instance_id = "", "", "", ""

@@ -3,20 +3,22 @@ blocking `LearnerClient` and the asyncio `AsyncLearnerClient` (h5replay.client.a
 scenarios (the `learner` fixture is parametrized over both), then what only asyncio has: many
 coroutines on one client beside actor traffic, cancellation, a server that is down.
 
-The asyncio client is driven here through `AsyncFront`, which runs each of its coroutines on a
-loop of the test's own, so one test body serves both drivers.
+The asyncio client is driven here through `AsyncLearnerFront` (tests/client_fronts.py), which
+runs each of its coroutines on a loop of its own, so one test body serves both drivers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import numpy as np
 import pytest
+from client_fronts import AsyncLearnerFront
 from service_helpers import EPISODE_SPACE, episode_rows, free_port, row_problems, wait_until
+from shard_helpers import running_shards
 from transition_helpers import SPACE as TRANSITION_SPACE
 from transition_helpers import Model, check_sample, episode
 
@@ -30,66 +32,6 @@ from h5replay.server.auth import generate_keys
 
 pytestmark = pytest.mark.timeout(120)
 QUEUE = SamplingConfig(Fifo(), max_times_sampled=1)
-CALL_TIMEOUT = 60.0  # seconds any one coroutine of AsyncFront may take
-
-
-class AsyncFront:
-    """AsyncLearnerClient behind the blocking client's calls, each coroutine run on this front's loop."""
-
-    def __init__(self, endpoint: str = "tcp://127.0.0.1:1", timeout: float = 10.0, **kwargs: Any) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.client = AsyncLearnerClient(endpoint, timeout, **kwargs)
-        try:
-            self.run(self.client.connect())
-        except BaseException:
-            self.close()
-            raise
-
-    def run(self, coroutine: Any) -> Any:
-        return self.loop.run_until_complete(asyncio.wait_for(coroutine, CALL_TIMEOUT))
-
-    def __getattr__(self, name: str) -> Any:
-        attribute = getattr(self.client, name)
-        if not callable(attribute):
-            return attribute
-        return lambda *args, **kwargs: self.run(attribute(*args, **kwargs))
-
-    def __len__(self) -> int:
-        return int(self.run(self.client.size()))
-
-    def batches(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
-        return self._batches(self.client.batches(*args, **kwargs))  # its arguments checked now
-
-    def _batches(self, stream: Any) -> Iterator[Any]:
-        try:
-            while True:
-                yield self.run(stream.__anext__())
-        finally:
-            self.run(stream.aclose())
-
-    def close(self) -> None:
-        if not self.loop.is_closed():
-            try:
-                self.run(self.client.aclose())
-            finally:
-                self.loop.close()
-
-
-@pytest.fixture(params=["blocking", "asyncio"])
-def learner_of(request: Any) -> Iterator[Callable[..., Any]]:
-    """`learner_of(endpoint, timeout=..., config=...)`: a learner of the driver this run is for."""
-    made: list[Any] = []
-
-    def make(endpoint: str = "tcp://127.0.0.1:1", timeout: float = 10.0, **kwargs: Any) -> Any:
-        client = (LearnerClient if request.param == "blocking" else AsyncFront)(endpoint, timeout, **kwargs)
-        made.append(client)
-        return client
-
-    try:
-        yield make
-    finally:
-        for client in made:
-            client.close()
 
 
 def fill(endpoint: str, episodes: int = 20, length: int = 50) -> None:
@@ -377,6 +319,43 @@ async def test_a_cancelled_read_leaves_the_client_usable_and_late_replies_are_dr
 
 
 @pytest.mark.asyncio
+async def test_over_shards_concurrent_and_cancelled_queue_draws_hand_out_every_row_once(tmp_path: Any) -> None:
+    """A queue on each of two shards: four tasks draw at once through one sharded client, some
+    are cancelled while they wait for rows; every row is handed out exactly once."""
+    config = ClientConfig(timeout=10.0, name="learner", rate_limit_timeout=20.0)
+    with running_shards(tmp_path, 2, capacity=1000, sampling=QUEUE, heartbeat_interval=0.2) as shards:
+        for shard in range(2):
+            queue_rows(shards.endpoints[shard], 1000 * shard, 60)
+        async with AsyncLearnerClient(config=config, endpoints=shards.endpoints) as learner:
+            got: list[int] = []
+
+            async def draw(n: int) -> None:
+                batch, info = await learner.sample(n, with_info=True)
+                assert set(info.shard_ids.tolist()) <= {0, 1}
+                got.extend(batch["step"].tolist())
+
+            await asyncio.gather(*(draw(10) for _ in range(4)))  # 40 of the 120 rows
+            waiting = asyncio.create_task(draw(100))  # 80 are left: each shard gives its 40 and waits
+            assert await _until(lambda: learner.shards.shard(0).info(), lambda figures: figures["waiting_samples"] == 1)
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+            for shard in range(2):  # room for every share: the shards' draws end, and are kept
+                await asyncio.to_thread(queue_rows, shards.endpoints[shard], 5000 + 1000 * shard, 20)
+            assert await _until(lambda: asyncio.sleep(0, learner.num_kept), lambda kept: kept == 100), \
+                "a cancelled draw's rows are kept for the next call, not lost"
+            started = time.monotonic()
+            while len(got) < 160:
+                await asyncio.wait_for(draw(10), 30)
+            # Each shard was asked for what its client kept and its server held, never more (which
+            # would wait out the 20 s rate limit).
+            assert time.monotonic() - started < 10.0
+            assert learner.num_kept == 0
+        assert sorted(got) == [*range(60), *range(1000, 1060), *range(5000, 5020), *range(6000, 6020)], \
+            "each row exactly once"
+
+
+@pytest.mark.asyncio
 async def test_a_down_server_and_shards_are_refused_clearly() -> None:
     started = time.monotonic()
     learner = AsyncLearnerClient(f"tcp://127.0.0.1:{free_port()}", timeout=0.5)
@@ -384,8 +363,13 @@ async def test_a_down_server_and_shards_are_refused_clearly() -> None:
         await learner.sample(4)
     assert time.monotonic() - started < 5.0
     await learner.aclose()
-    with pytest.raises(ConfigError, match="not yet"):
-        AsyncLearnerClient(endpoints=["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"])
+    sharded = AsyncLearnerClient(endpoints=[f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"],
+                                 timeout=0.5)
+    started = time.monotonic()
+    with pytest.raises(ServerUnavailableError, match="none of the 2 shards answered"):
+        await sharded.sample(4)
+    assert time.monotonic() - started < 5.0
+    await sharded.aclose()
     with pytest.raises(ConfigError, match="secret_key and server_key go together"):
         AsyncLearnerClient(secret_key="x")
 
@@ -408,7 +392,7 @@ def test_every_request_of_the_blocking_and_async_drivers_is_the_same(start_serve
     server = start_server()
     fill(server.endpoint)
     with LearnerClient(server.endpoint) as blocking:
-        front = AsyncFront(server.endpoint)
+        front = AsyncLearnerFront(server.endpoint)
         try:
             for seed in range(3):
                 np.testing.assert_array_equal(blocking.sample(100, seed=seed)["obs"], front.sample(100, seed=seed)["obs"])

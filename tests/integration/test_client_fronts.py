@@ -1,4 +1,4 @@
-"""`ActorClient` and `LearnerClient` are the public faces of two classes each: the client of one
+"""`ActorClient` and `LearnerClient` (and their asyncio twins) are the public faces of two classes each: the client of one
 server, and (with `endpoints=`) the front of several, `ShardedActorClient` / `ShardedLearnerClient`,
 which route every call through the shard router. No one-server code runs on a sharded front: every
 verb is its own, and what a single server has alone (a view, priority updates held back) answers
@@ -15,6 +15,8 @@ from shard_helpers import running_shards
 
 from h5replay.client import ActorClient, LearnerClient
 from h5replay.client.actor import ShardedActorClient
+from h5replay.client.aio import AsyncLearnerClient
+from h5replay.client.aio.learner import AsyncShardedLearnerClient
 from h5replay.client.learner import ShardedLearnerClient
 from h5replay.errors import ConfigError
 from h5replay.sampling import Prioritized, SamplingConfig
@@ -31,7 +33,8 @@ def public(cls: type) -> set[str]:
 
 
 @pytest.mark.parametrize(("one", "sharded", "shared"), [
-    (ActorClient, ShardedActorClient, ACTOR_SHARED), (LearnerClient, ShardedLearnerClient, LEARNER_SHARED)])
+    (ActorClient, ShardedActorClient, ACTOR_SHARED), (LearnerClient, ShardedLearnerClient, LEARNER_SHARED),
+    (AsyncLearnerClient, AsyncShardedLearnerClient, LEARNER_SHARED)])
 def test_every_verb_of_a_sharded_front_is_its_own(one: type, sharded: type, shared: set[str]) -> None:
     inherited = {name for name in public(one) if name not in vars(sharded)} - shared
     assert not inherited, f"{sharded.__name__} would run {one.__name__}'s one-server code for {sorted(inherited)}"
@@ -68,8 +71,16 @@ def test_a_sharded_front_without_endpoints_and_a_one_server_subclass_with_them_a
     with pytest.raises(ConfigError, match="needs endpoints="):
         ShardedActorClient("tcp://127.0.0.1:1")
 
+    with pytest.raises(ConfigError, match="needs endpoints="):
+        AsyncShardedLearnerClient("tcp://127.0.0.1:1")
+
     class MyLearner(LearnerClient):
+        pass
+
+    class MyAsyncLearner(AsyncLearnerClient):
         pass
 
     with pytest.raises(ConfigError, match="MyLearner is the client of one server"):
         MyLearner(endpoints=["tcp://127.0.0.1:1"])
+    with pytest.raises(ConfigError, match="MyAsyncLearner is the client of one server"):
+        MyAsyncLearner(endpoints=["tcp://127.0.0.1:1"])

@@ -137,7 +137,7 @@ def test_actors_write_to_their_home_shard_and_learners_read_every_shard(tmp_path
             assert learner.capacity == 3 * 10_000
 
 
-def test_sampling_follows_shard_lengths(tmp_path):
+def test_sampling_follows_shard_lengths(tmp_path, learner_of):
     """Rows are drawn uniformly from the union: each shard's share of a batch follows its share of
     the rows held (a binomial test at a fixed seed, 5 sigma), and every row is equally likely."""
     with running_shards(tmp_path, 3) as shards:
@@ -145,7 +145,7 @@ def test_sampling_follows_shard_lengths(tmp_path):
         fill(eps, 0, 0, [100] * 10)   # 1000 rows
         fill(eps, 1, 1, [100] * 30)   # 3000 rows
         fill(eps, 2, 2, [50] * 2)     # 100 rows
-        with LearnerClient(endpoints=eps, timeout=10) as learner:
+        with learner_of(endpoints=eps, timeout=10) as learner:
             counts = np.zeros(3)
             rows_seen = []
             for k in range(20):
@@ -187,13 +187,13 @@ def test_shards_must_hold_the_same_space_and_be_listed_once(tmp_path):
                 cls(endpoints=[], timeout=10)
 
 
-def test_a_down_shard_is_skipped_with_a_warning_and_counted_and_comes_back(tmp_path, caplog):
+def test_a_down_shard_is_skipped_with_a_warning_and_counted_and_comes_back(tmp_path, caplog, learner_of):
     with running_shards(tmp_path, 2) as shards:
         eps = shards.endpoints
         fill(eps, 0, 0, [10] * 3)
         fill(eps, 1, 1, [10] * 5)
         config = ClientConfig(timeout=2.0, shard_retry_interval=0.3)
-        with LearnerClient(config=config, endpoints=eps) as learner:
+        with learner_of(config=config, endpoints=eps) as learner:
             assert len(learner) == 80
             shards.kill(1)
             with caplog.at_level(logging.WARNING, logger="h5replay.client"):
@@ -223,7 +223,7 @@ def test_a_down_shard_is_skipped_with_a_warning_and_counted_and_comes_back(tmp_p
             with pytest.raises(ServerUnavailableError, match="all 2 shards are unavailable"):
                 learner.sample(8)
         with pytest.raises(ServerUnavailableError, match="none of the 2 shards answered"):
-            LearnerClient(endpoints=eps, timeout=0.5)
+            learner_of(endpoints=eps, timeout=0.5)
         with pytest.raises(ServerUnavailableError, match="none of the 2 shards answered"):
             ActorClient(endpoints=eps, timeout=0.5)
 
@@ -306,7 +306,7 @@ def test_importing_h5replay_never_imports_ray():
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
 
 
-def test_nested_and_text_leaves_merge_across_shards_without_truncation(tmp_path):
+def test_nested_and_text_leaves_merge_across_shards_without_truncation(tmp_path, learner_of):
     """Text decodes to str arrays as wide as each shard's longest: the merged batch takes the widest."""
     from h5replay.storage import TextSpace
 
@@ -315,7 +315,7 @@ def test_nested_and_text_leaves_merge_across_shards_without_truncation(tmp_path)
         for shard, note in ((0, "a"), (1, "a much longer note")):
             with ActorClient(shards.endpoints[shard], timeout=10) as actor:
                 actor.push_episode({"note": [note] * 20, "pos": {"xy": np.full((20, 2), shard, np.float32)}})
-        with LearnerClient(endpoints=shards.endpoints, timeout=10) as learner:
+        with learner_of(endpoints=shards.endpoints, timeout=10) as learner:
             batch, info = learner.sample(200, seed=5, with_info=True)
             assert set(info.shard_ids.tolist()) == {0, 1}
             expected = np.where(info.shard_ids == 0, "a", "a much longer note")

@@ -14,20 +14,35 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, Generic, TypeVar
+from collections.abc import Callable, Generator, Mapping, Sequence
+from typing import Any, Generic, Protocol, TypeVar
 
 from h5replay.config import ClientConfig
 from h5replay.errors import ClosedError, ConfigError, ServerUnavailableError
 from h5replay.spaces import Space
 
-__all__ = ["MAX_SHARDS", "home_shard", "log"]
+__all__ = ["MAX_SHARDS", "Fan", "RoutePlan", "home_shard", "log"]
 
 log = logging.getLogger("h5replay.client")
 
 MAX_SHARDS = 1 << 16  # a packed id has 16 bits of shard
 
 _C = TypeVar("_C")  # the single-server client of one shard
+_T = TypeVar("_T")
+
+
+@dataclasses.dataclass(frozen=True)
+class Fan:
+    """What a routing plan yields: one call per shard's client, all sent at once. The plan is
+    sent {shard: the call's result, or the exception it raised}; a shard that did not answer is
+    already marked down. A call returns its result or, on an asyncio client, an awaitable of it:
+    the same plan runs on the blocking router (threads) and the asyncio one (one task per shard)."""
+
+    calls: Mapping[int, Callable[[Any], Any]]
+
+
+#: A routing plan: yields Fan operations, returns the verb's result (h5replay.client._core's way).
+RoutePlan = Generator[Fan, dict[int, Any], _T]
 
 
 def home_shard(name: str, num_shards: int) -> int:
@@ -49,11 +64,25 @@ class _Shard:
         self.client: Any = None  # an ActorClient / LearnerClient while it is in use
         self.replay_id: str | None = None  # its file's id, once it answered
         self.retry_at = 0.0  # down until then (monotonic seconds); 0: not known to be down
-        self.probe: cf.Future[Any] | None = None  # a background hello while it is down
+        self.probe: Probe | None = None  # a background hello while it is down
         self.num_down = 0  # times it was found unavailable
 
 
-def _outcome(future: cf.Future[Any]) -> Any:
+class Probe(Protocol):
+    """A hello running in the background: a concurrent.futures.Future or an asyncio.Task."""
+
+    def done(self) -> bool: ...
+
+    def cancelled(self) -> bool: ...
+
+    def result(self) -> Any: ...
+
+    def exception(self) -> BaseException | None: ...
+
+    def add_done_callback(self, fn: Callable[[Any], object], /) -> None: ...
+
+
+def _outcome(future: Probe) -> Any:
     """The future's result, or the exception it raised (returned, not raised)."""
     try:
         return future.result()
@@ -93,13 +122,24 @@ class _Router(Generic[_C]):
         self._pid = os.getpid()
         self._lock = threading.RLock()
         self._closed = False
-        self._probes = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="h5replay-probe")
+        self._probes: cf.ThreadPoolExecutor | None = None  # the blocking router's background hellos
 
     # ------------------------------------------------------------------ hooks
 
     def _make(self, endpoint: str) -> _C:
         """A single-server client of `endpoint` (says hello; blocks up to the timeout)."""
         return self._client_class(**self._client_kwargs(endpoint))
+
+    def _start_probe(self, endpoint: str) -> Probe:
+        """A hello to `endpoint` in the background: a future of its client. The blocking router's
+        runs in a worker thread; the asyncio router's is a task (h5replay.client.aio._shards)."""
+        if self._probes is None:
+            self._probes = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="h5replay-probe")
+        return self._probes.submit(self._make, endpoint)
+
+    def _close_client(self, client: Any) -> None:
+        """Close one shard's client now (the asyncio router's drops its sockets without waiting)."""
+        client.close()
 
     def _wants_probe(self, shard: _Shard) -> bool:
         return True
@@ -132,6 +172,11 @@ class _Router(Generic[_C]):
         with cf.ThreadPoolExecutor(max_workers=len(self.shards), thread_name_prefix="h5replay-hello") as pool:
             futures = [pool.submit(self._make, shard.endpoint) for shard in self.shards]
             outcomes = [_outcome(f) for f in futures]
+        self._admit_initial(outcomes)
+
+    def _admit_initial(self, outcomes: Sequence[Any]) -> None:
+        """Use the clients of the first hellos (one outcome per shard: its client, or what its
+        hello raised); closes them all when one is refused. Raises as `_connect_initial`."""
         try:
             for shard, outcome in zip(self.shards, outcomes):
                 if isinstance(outcome, ServerUnavailableError):
@@ -143,7 +188,7 @@ class _Router(Generic[_C]):
         except BaseException:
             for outcome in outcomes:
                 if not isinstance(outcome, BaseException):
-                    outcome.close()
+                    self._close_client(outcome)
             raise
         if all(shard.client is None for shard in self.shards):
             raise ServerUnavailableError(
@@ -184,11 +229,18 @@ class _Router(Generic[_C]):
         if shard.client is not None:
             self._retire(shard)
             client, shard.client = shard.client, None
-            client.close()
+            self._close_client(client)
         shard.num_down += 1
         shard.retry_at = time.monotonic() + self.config.shard_retry_interval
         log.warning("shard %d (%s) is unavailable, skipping it and trying it again every %.1f s: %s",
                     shard.index, shard.endpoint, self.config.shard_retry_interval, exc)
+
+    def _noted(self, outcomes: dict[int, Any]) -> dict[int, Any]:
+        """`outcomes` of a Fan, every shard that did not answer marked down."""
+        for index, outcome in outcomes.items():
+            if isinstance(outcome, ServerUnavailableError):
+                self._mark_down(self.shards[index], outcome)
+        return outcomes
 
     def _poll_probes(self) -> None:
         """Adopt the shards whose background hello answered; start probes of those due one."""
@@ -205,13 +257,13 @@ class _Router(Generic[_C]):
                     self._admit(shard, outcome)
                 except ConfigError as exc:
                     log.error("%s", exc)
-                    outcome.close()
+                    self._close_client(outcome)
                     shard.retry_at = now + self.config.shard_retry_interval
                     continue
                 log.warning("shard %d (%s) answers again", shard.index, shard.endpoint)
                 self._adopted(shard)
             elif shard.probe is None and shard.retry_at and now >= shard.retry_at and self._wants_probe(shard):
-                shard.probe = self._probes.submit(self._make, shard.endpoint)
+                shard.probe = self._start_probe(shard.endpoint)
 
     def close(self) -> None:
         """Close every shard's client; a probe still running closes its own when it ends. Safe twice."""
@@ -221,21 +273,22 @@ class _Router(Generic[_C]):
             self._closed = True
             for shard in self.shards:
                 if shard.probe is not None:
-                    shard.probe.add_done_callback(_close_result)
+                    shard.probe.add_done_callback(self._close_probed)
                     shard.probe = None
                 if shard.client is not None and os.getpid() == self._pid:
                     client, shard.client = shard.client, None
-                    client.close()
-            self._probes.shutdown(wait=False, cancel_futures=True)
+                    self._close_client(client)
+            if self._probes is not None:
+                self._probes.shutdown(wait=False, cancel_futures=True)
+
+    def _close_probed(self, probe: Probe) -> None:
+        """A probe that ends after close(): the client it made is closed."""
+        if not probe.cancelled() and probe.exception() is None:
+            self._close_client(probe.result())
 
     def _client_kwargs(self, endpoint: str) -> dict[str, Any]:
         return {"config": dataclasses.replace(self.config, endpoint=endpoint),
                 "secret_key": self._keys[0], "server_key": self._keys[1]}
-
-
-def _close_result(future: cf.Future[Any]) -> None:
-    if not future.cancelled() and future.exception() is None:
-        future.result().close()
 
 
 # ====================================================================================== actors

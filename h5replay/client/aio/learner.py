@@ -10,9 +10,10 @@ request id). Timeouts raise `ServerUnavailableError`, never `asyncio.TimeoutErro
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from h5replay.client._connection import curve_keys
@@ -22,15 +23,17 @@ from h5replay.client._core import reads as plan_reads
 from h5replay.client._core.draws import Drawn
 from h5replay.client._core.ops import Plan
 from h5replay.client._core.state import LearnerState
-from h5replay.client._reads import View, _positive, _reachable
+from h5replay.client._reads import TableDraws, View, _positive, _reachable, _seed
 from h5replay.client.aio._connection import AsyncConnection
 from h5replay.client.aio._drive import AsyncDriver
+from h5replay.client.aio._shard_learner import AsyncShardedLearner
 from h5replay.config import DEFAULT_ENDPOINT, ClientConfig, process_name
 from h5replay.errors import ClosedError, ConfigError
-from h5replay.records import Episode
+from h5replay.records import Episode, SampleInfo
 from h5replay.spaces import Schema, Space
+from h5replay.transitions import TransitionKeys
 
-__all__ = ["AsyncLearnerClient"]
+__all__ = ["AsyncLearnerClient", "AsyncShardedLearnerClient"]
 
 log = logging.getLogger("h5replay.client")
 
@@ -49,9 +52,8 @@ class AsyncLearnerClient:
 
     Args:
         endpoint, timeout, name, config, secret_key, server_key: as `LearnerClient`.
-        endpoints: several servers: not yet (raises ConfigError; use `LearnerClient(endpoints=)`).
-
-    Not yet: shards.
+        endpoints: several servers ("shards"), instead of `endpoint`: as `LearnerClient(endpoints=)`,
+            the same routing on asyncio (`AsyncShardedLearnerClient`).
 
     Consuming draws (a queue, a rate limit): a call cancelled while its rows are drawn does not
     lose them. Its draw goes on to its end (within `timeout` plus `rate_limit_timeout`) and what
@@ -59,8 +61,14 @@ class AsyncLearnerClient:
     for it. Such draws of one client are made one after another, in call order.
 
     Raises:
-        ConfigError: `endpoints=` was given, or only one of secret_key / server_key.
+        ConfigError: only one of secret_key / server_key.
     """
+
+    def __new__(cls, endpoint: str = DEFAULT_ENDPOINT, timeout: float = 10.0, *,
+                endpoints: Sequence[str] | None = None, **kwargs: Any) -> AsyncLearnerClient:
+        # AsyncLearnerClient(endpoints=...) is the front of several servers: AsyncShardedLearnerClient.
+        return super().__new__(AsyncShardedLearnerClient if endpoints is not None and cls is AsyncLearnerClient
+                               else cls)
 
     def __init__(
         self,
@@ -71,11 +79,11 @@ class AsyncLearnerClient:
         config: ClientConfig | None = None,
         secret_key: str | os.PathLike[str] | None = None,
         server_key: str | os.PathLike[str] | None = None,
-        endpoints: Any = None,
+        endpoints: Sequence[str] | None = None,
     ) -> None:
         if endpoints is not None:
-            raise ConfigError("AsyncLearnerClient(endpoints=...) is not yet supported: one server only for now; "
-                              "use LearnerClient(endpoints=...) for shards")
+            raise ConfigError(f"{type(self).__name__} is the client of one server: give endpoints= to "
+                              "AsyncLearnerClient itself (its front for several servers)")
         self.config = config or ClientConfig(endpoint=endpoint, timeout=timeout, name=name or process_name("learner"))
         self._curve = curve_keys(secret_key, server_key)
         self._state: LearnerState | None = None
@@ -169,6 +177,39 @@ class AsyncLearnerClient:
     def view(self) -> View | None:
         """The newest published state a reply of this client came from (None before any read)."""
         return self._state.view if self._state is not None else None
+
+    @property
+    def views(self) -> tuple[View | None, ...]:
+        """Each shard's view (one entry for a single server)."""
+        return (self.view,)
+
+    @property
+    def _view(self) -> View | None:
+        return self.view
+
+    @_view.setter
+    def _view(self, view: View | None) -> None:  # the shard router hands a restarted shard its last view
+        self._known().view = view
+
+    @property
+    def transition_keys(self) -> TransitionKeys | None:
+        """The server's observation keys and reward / end-flag leaves (None: it keeps no finals)."""
+        return self._known().transition_keys
+
+    def _table(self, table: str | None) -> TableDraws:
+        """How to draw from `table` (None: the server's only table); raises ConfigError as `sample`."""
+        return self._known().table(table)
+
+    def _num_kept(self, kind: Any) -> int:
+        """Rows (windows) of draws of `kind` kept for this client (the shard router counts them as
+        what this shard can give)."""
+        return self._state.kept.count(kind) if self._state is not None else 0
+
+    def _take_kept(self) -> dict[Any, list[tuple[Any, SampleInfo]]]:
+        """Everything kept, taken out and decoded (a shard's client about to be dropped hands it over)."""
+        state = self._known()
+        return {kind: [(state.kind_schema(kind).decode(arrays), info) for arrays, info in parts]
+                for kind, parts in state.kept.take_all().items()}
 
     @property
     def num_kept(self) -> int:
@@ -382,8 +423,193 @@ class AsyncLearnerClient:
         for conn in {id(c): c for c in (self._reads, self._conn) if c is not None}.values():
             await conn.aclose()
 
+    def _drop(self) -> None:
+        """Close both sockets now, without waiting (a shard router drops the client of a shard that
+        stopped answering); waiters raise ClosedError. Safe twice."""
+        self._closed = True
+        for conn in {id(c): c for c in (self._reads, self._conn) if c is not None}.values():
+            conn.close()
+
     async def __aenter__(self) -> AsyncLearnerClient:
         return await self.connect()
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+
+class AsyncShardedLearnerClient(AsyncLearnerClient):
+    """`AsyncLearnerClient(endpoints=[...])`: a learner over several servers ("shards"), on asyncio.
+
+    The routing of `LearnerClient(endpoints=)` (reads split over every live shard in proportion to
+    its rows and put back in order, packed ids, a shard that does not answer skipped with a
+    warning and probed in the background), each shard's calls made by its own
+    `AsyncLearnerClient`, all at once. Calls of one client run one at a time. `connect()` (or
+    `async with`) says hello to every shard at once. Priority updates are always waited for.
+    """
+
+    def __init__(
+        self,
+        endpoint: str = DEFAULT_ENDPOINT,
+        timeout: float = 10.0,
+        *,
+        name: str | None = None,
+        config: ClientConfig | None = None,
+        secret_key: str | os.PathLike[str] | None = None,
+        server_key: str | os.PathLike[str] | None = None,
+        endpoints: Sequence[str] | None = None,
+    ) -> None:
+        if endpoints is None:
+            raise ConfigError("AsyncShardedLearnerClient needs endpoints= (the servers, the same list for every "
+                              "client)")
+        self.config = config or ClientConfig(endpoint=endpoint, timeout=timeout, name=name or process_name("learner"))
+        curve_keys(secret_key, server_key)  # both or neither, checked now
+        self._router = AsyncShardedLearner(endpoints, self.config, secret_key, server_key,
+                                           client_class=AsyncLearnerClient)
+        self.endpoints = self._router.endpoints
+        # Per shard: learner.shards.shard(i).replay_id, ...
+        self.read_endpoint = self.server_version = self.replay_id = self.instance_id = ""
+
+    async def connect(self) -> AsyncShardedLearnerClient:
+        """Say hello to every shard at once (once). Returns self.
+
+        Raises:
+            ServerUnavailableError: no shard answered within `timeout`.
+            ConfigError: the shards hold different spaces, or two endpoints reach the same file.
+            ClosedError: the client was closed.
+        """
+        await self._router.connect()
+        return self
+
+    def _routed(self) -> AsyncShardedLearner:
+        if self._router.space is None:
+            raise ConfigError("this learner is not connected yet: `await learner.connect()` (or `async with`) first")
+        return self._router
+
+    @property
+    def space(self) -> Space:
+        return self._routed().space  # type: ignore[return-value]
+
+    @property
+    def schema(self) -> Schema:
+        return Schema(self.space)
+
+    @property
+    def limits(self) -> Any:
+        return self._routed().limits
+
+    @property
+    def capacity(self) -> int | None:
+        """Rows all shards hold together when full (None when one grows without limit)."""
+        return self._routed().capacity
+
+    @property
+    def sampling(self) -> dict[str, Any]:
+        """Each shard has its own: `learner.shards.shard(i).sampling`."""
+        raise ConfigError("over several servers each shard has its own sampling settings: "
+                          "learner.shards.shard(i).sampling")
+
+    @property
+    def view(self) -> View | None:
+        """None: each shard has its own (see `views`)."""
+        return None
+
+    @property
+    def views(self) -> tuple[View | None, ...]:
+        """Each shard's view, in `endpoints` order."""
+        return self._router.views
+
+    @property
+    def shards(self) -> AsyncShardedLearner:
+        """The routing: `live_shards`, `num_skipped`, `shard(i)` (the client of one shard)."""
+        return self._router
+
+    @property
+    def num_kept(self) -> int:
+        """Rows (and windows) kept for this client by every shard (see `LearnerClient.num_kept`)."""
+        return self._router.num_kept
+
+    @property
+    def transition_keys(self) -> TransitionKeys | None:
+        return self._routed().transition_keys
+
+    @property
+    def ignored_priority_updates(self) -> int:  # type: ignore[override]
+        """0: over several servers updates are waited for, and return their ignored count."""
+        return 0
+
+    async def info(self) -> dict[str, Any]:
+        """The shards' figures added up, each shard's under "shards"."""
+        return await self._router.run(self._router.info_plan())
+
+    async def size(self) -> int:
+        """Rows that may be sampled on every live shard together."""
+        return await self._router.run(self._router.length_plan())
+
+    async def wait_for_size(self, size: int, timeout: float | None = None) -> int:
+        """Wait until every live shard together holds at least `size` rows (see `LearnerClient.wait_for_size`)."""
+        measure: Any = self._router.length_plan  # a routing plan: its Fans run on the router
+        return await self._router.poll(plan_reads.wait_for_size(measure, size, timeout))
+
+    async def episodes(self) -> list[Episode]:
+        """Every complete episode, shard by shard, with packed ids."""
+        return await self._router.run(self._router.episodes_plan())
+
+    async def get(self, indices: Any) -> Any:
+        """Raises NotImplementedError: shards have no common order (use `get_rows`)."""
+        return self._router.get(indices)
+
+    async def get_rows(self, row_ids: Any) -> Any:
+        """Rows by packed id or (shard, row_id) pairs (see `LearnerClient.get_rows`)."""
+        return await self._router.run(self._router.get_rows_plan(row_ids))
+
+    async def sample(self, batch_size: int, seed: int | None = None, *, with_info: bool = False,
+                     table: str | None = None) -> Any:
+        """From every live shard in proportion to the rows it holds (see `LearnerClient.sample`)."""
+        return await self._router.run(self._router.sample_plan(batch_size, seed, with_info=with_info, table=table))
+
+    async def sample_sequences(self, batch_size: int, length: int, seed: int | None = None, *,
+                               with_info: bool = False, table: str | None = None, pad: bool = False) -> Any:
+        """Windows from every live shard (see `LearnerClient.sample_sequences`)."""
+        return await self._router.run(self._router.sample_sequences_plan(batch_size, length, seed, with_info=with_info,
+                                                                         table=table, pad=pad))
+
+    async def sample_transitions(self, batch_size: int, *, n_step: int = 1, gamma: float = 0.99,
+                                 with_info: bool = False, seed: int | None = None, table: str | None = None) -> Any:
+        """Transitions from every live shard (see `LearnerClient.sample_transitions`)."""
+        return await self._router.run(self._router.sample_transitions_plan(
+            batch_size, n_step=n_step, gamma=gamma, with_info=with_info, seed=seed, table=table))
+
+    def batches(self, batch_size: int, *, prefetch: int = 4, sequence_length: int | None = None,
+                with_info: bool = False, seed: int | None = None, table: str | None = None) -> AsyncIterator[Any]:
+        """Each batch is one `sample` (or `sample_sequences`) across the shards, which already fans
+        out (arguments checked at once; see `LearnerClient.batches`)."""
+        size = _positive(batch_size, "batch_size")
+        steps = None if sequence_length is None else _positive(sequence_length, "sequence_length")
+        _positive(prefetch, "prefetch")
+        if self._router.space is not None:
+            self._router.check_table(table)
+        return self._sharded_batches(size, steps, with_info, seed, table)
+
+    async def _sharded_batches(self, size: int, steps: int | None, with_info: bool, seed: int | None,
+                               table: str | None) -> AsyncIterator[Any]:
+        for k in itertools.count():
+            if steps is None:
+                yield await self.sample(size, _seed(seed, k), with_info=with_info, table=table)
+            else:
+                yield await self.sample_sequences(size, steps, _seed(seed, k), with_info=with_info, table=table)
+
+    async def update_priorities(self, row_ids: Any, priorities: Any, *, wait: bool = True,
+                                table: str | None = None) -> int | None:
+        """Set priorities by packed id on their shards, always waited for (see `LearnerClient.update_priorities`)."""
+        return await self._router.run(self._router.update_priorities_plan(row_ids, priorities, table))
+
+    async def flush_priorities(self) -> None:
+        """Nothing is held back over several servers: updates are waited for."""
+
+    async def aclose(self) -> None:
+        """Close every shard's client. Safe to call twice."""
+        await self._router.aclose()
+
+    def _drop(self) -> None:
+        self._router.close()
+
