@@ -14,7 +14,8 @@ Run from the repository root (not collected by pytest)::
    share the same 2 CPUs, so a second writer only helps as far as one writer's loop was the limit.
 2. sample: `LearnerClient(endpoints=[...]).sample(256)` from 200,000 small rows held by 1 shard, or
    100,000 on each of 2 (written locally first), batches/s and p50/p99 of one learner, and of 2
-   learner processes at once.
+   learner processes at once; and over 2 shards one learner through `LearnerClient` against one
+   through `AsyncLearnerClient(endpoints=[...])` (the same routing on asyncio), as a ratio.
 
 Each case runs `--repeat` times (default 3), 1 and 2 shards alternating; the table shows medians.
 The load average is printed before and after: the machine is shared, read the ratios. Everything
@@ -179,14 +180,38 @@ def _learner_main(endpoints: list[str], seconds: float, barrier: Any, out: Any) 
         out.put((len(times) / (time.perf_counter() - t0), times))
 
 
-def sample(tmp: str, num_shards: int, num_learners: int, seconds: float, rows: int, tag: str) -> dict[str, Any]:
+def _async_learner_main(endpoints: list[str], seconds: float, barrier: Any, out: Any) -> None:
+    """`_learner_main` through AsyncLearnerClient(endpoints=): one sample awaited at a time."""
+    import asyncio
+
+    from h5replay.client.aio import AsyncLearnerClient
+
+    async def run() -> tuple[float, list[float]]:
+        async with AsyncLearnerClient(endpoints=endpoints, timeout=30) as learner:
+            for _ in range(10):
+                await learner.sample(256)
+            await asyncio.to_thread(barrier.wait, 60)
+            times = []
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < seconds:
+                ts = time.perf_counter()
+                await learner.sample(256)
+                times.append(time.perf_counter() - ts)
+            return len(times) / (time.perf_counter() - t0), times
+
+    out.put(asyncio.run(run()))
+
+
+def sample(tmp: str, num_shards: int, num_learners: int, seconds: float, rows: int, tag: str,
+           driver: str = "blocking") -> dict[str, Any]:
     servers = start_servers(tmp, num_shards, tag, fill=rows // num_shards)
     procs = []
+    main = _learner_main if driver == "blocking" else _async_learner_main
     try:
         endpoints = [s.endpoint for s in servers]
         barrier, out = SPAWN.Barrier(num_learners + 1), SPAWN.Queue()
         for _ in range(num_learners):
-            procs.append(SPAWN.Process(target=_learner_main, args=(endpoints, seconds, barrier, out)))
+            procs.append(SPAWN.Process(target=main, args=(endpoints, seconds, barrier, out)))
             procs[-1].start()
         barrier.wait(120)
         results = [out.get(timeout=seconds + 60) for _ in procs]
@@ -243,6 +268,18 @@ def main(argv: list[str] | None = None) -> int:
             one, two = median(sruns[1], "batches_per_s"), median(sruns[2], "batches_per_s")
             print(f"{learners:>8}  {one:>15,.0f}  {median(sruns[1], 'p50_ms'):>5.2f}/{median(sruns[1], 'p99_ms'):<6.2f}  "
                   f"{two:>16,.0f}  {median(sruns[2], 'p50_ms'):>5.2f}/{median(sruns[2], 'p99_ms'):<6.2f}  "
+                  f"{two / one:>5.2f}x")
+        if args.only != "ingest":
+            print(f"\nsample(256) over 2 shards, one learner: LearnerClient against AsyncLearnerClient "
+                  f"(endpoints=), median of {repeat}")
+            print(f"{'blocking batch/s':>16}  {'p50/p99 ms':>12}  {'asyncio batch/s':>15}  {'p50/p99 ms':>12}  {'ratio':>6}")
+            druns: dict[str, list[dict[str, Any]]] = {"blocking": [], "asyncio": []}
+            for r in range(repeat):
+                for driver in (("blocking", "asyncio") if r % 2 == 0 else ("asyncio", "blocking")):
+                    druns[driver].append(sample(tmp, 2, 1, seconds, rows, f"driver-{driver}-{r}", driver))
+            one, two = median(druns["blocking"], "batches_per_s"), median(druns["asyncio"], "batches_per_s")
+            print(f"{one:>16,.0f}  {median(druns['blocking'], 'p50_ms'):>5.2f}/{median(druns['blocking'], 'p99_ms'):<6.2f}  "
+                  f"{two:>15,.0f}  {median(druns['asyncio'], 'p50_ms'):>5.2f}/{median(druns['asyncio'], 'p99_ms'):<6.2f}  "
                   f"{two / one:>5.2f}x")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

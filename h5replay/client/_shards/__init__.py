@@ -28,13 +28,15 @@ background; settled at the actor's next call, by `settle()`, or at `close()`). E
 
 Learners: `sample(n)` splits the batch over the live shards in proportion to the rows each holds
 (a multinomial draw, so the union is sampled uniformly), sends one request to every shard at once
-(one thread per shard: zmq and numpy release the GIL) and puts the answers back together in the
+(one thread per shard: zmq and numpy release the GIL; on asyncio one task per shard) and puts the answers back together in the
 order of the draw. `len`, `info` and `episodes` add the shards up. A shard that does not answer is
 skipped with a warning (logged once when it goes down) and counted per call
 (`ShardedLearner.num_skipped`); it is probed in the background and used again once it answers.
 When no shard answers a call raises ServerUnavailableError.
 
-Threads: the per-shard clients are made in worker threads (initial hellos in parallel, probes in
+Drivers: a learner's routing is plans (`Fan`: one call per shard, all at once) that the blocking
+router runs with a thread per shard and the asyncio one (h5replay.client.aio,
+`AsyncLearnerClient(endpoints=)`) with a task per shard. Threads: the per-shard clients are made in worker threads (initial hellos in parallel, probes in
 the background) and then used by whichever thread holds the router's lock; each hand-over goes
 through a Future, a full memory barrier, which is what zmq asks of a socket changing threads.
 """

@@ -1,6 +1,7 @@
-"""Clients of an h5replay server on asyncio: `AsyncActorClient` and `AsyncLearnerClient` (one
-server each; shards are not yet here). They run the same plans of the client core
-(h5replay.client._core) as the blocking clients, on `zmq.asyncio`."""
+"""Clients of an h5replay server on asyncio: `AsyncActorClient` (one server) and
+`AsyncLearnerClient` (one server, or several with `endpoints=`). They run the same plans of the
+client core (h5replay.client._core) and of the shard router (h5replay.client._shards) as the
+blocking clients, on `zmq.asyncio`."""
 
 from __future__ import annotations
 
