@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from client_fronts import AsyncActorFront
 from service_helpers import child_pids, episode_rows, file_episodes, row_problems, server_config
 
 from h5replay.client import ActorClient, LearnerClient
@@ -111,9 +112,11 @@ def count_problems(acknowledged: dict[tuple[int, int], int], found: list[tuple[i
 
 
 def write_episodes(endpoints: list[str], actor: int, num_episodes: int, seed: int, timeout: float = 2.0,
-                   pause: float = 0.01, settle_timeout: float = 60.0) -> tuple[list[tuple[int, int]], list[int], int, int]:
+                   pause: float = 0.01, settle_timeout: float = 60.0,
+                   driver: str = "blocking") -> tuple[list[tuple[int, int]], list[int], int, int]:
     """Write `num_episodes` episodes of 1..200 steps through an actor over `endpoints`, by every
-    client path, pausing `pause` s between episodes.
+    client path, pausing `pause` s between episodes; `driver`: "blocking" (ActorClient) or
+    "asyncio" (AsyncActorClient, through AsyncActorFront).
 
     An episode whose commit raised CommitInDoubtError is left to the actor, which settles it
     on its shard (`settle`, up to `settle_timeout` s at the end): it counts as acknowledged once
@@ -131,7 +134,8 @@ def write_episodes(endpoints: list[str], actor: int, num_episodes: int, seed: in
                           shard_retry_interval=0.5)
     acknowledged: list[tuple[int, int]] = []
     doubted: dict[bytes, tuple[int, int]] = {}  # key: (episode, length)
-    with ActorClient(config=config, endpoints=endpoints) as client:
+    front = ActorClient if driver == "blocking" else AsyncActorFront
+    with front(config=config, endpoints=endpoints) as client:
         home = client.shard
         for e in range(num_episodes):
             n = int(rng.integers(1, 201))
@@ -171,11 +175,12 @@ def write_episodes(endpoints: list[str], actor: int, num_episodes: int, seed: in
 
 
 def sharded_actor_main(endpoints: list[str], actor: int, num_episodes: int, seed: int, out: Any,
-                       timeout: float = 2.0, pause: float = 0.01) -> None:
+                       timeout: float = 2.0, pause: float = 0.01, driver: str = "blocking") -> None:
     """`write_episodes` in a process: puts ("done", actor, acknowledged, doubted, home, failovers)
     on `out`, or ("error", actor, message) when the actor gave up."""
     try:
-        out.put(("done", actor, *write_episodes(endpoints, actor, num_episodes, seed, timeout, pause)))
+        out.put(("done", actor, *write_episodes(endpoints, actor, num_episodes, seed, timeout, pause,
+                                                driver=driver)))
     except ServerUnavailableError as exc:
         out.put(("error", actor, str(exc)))
 

@@ -27,6 +27,7 @@ from h5replay.client._core.actor import (
     ActorState,
     Ready,
     Settled,
+    check_settle_timeout,
     episode_entries,
     group_pushes,
     own_copies,
@@ -53,12 +54,6 @@ def _no_updates() -> None:
 
 def _nobody_told(receipt: Receipt | None, error: Exception | None) -> None:
     """A push's outcome goes to its PendingCommit only (no segment follows it)."""
-
-
-def _check_settle_timeout(timeout: float | None) -> None:
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                or not timeout >= 0):
-        raise ConfigError(f"settle's timeout must be a number of seconds >= 0, or None, got {timeout!r}")
 
 
 class ActorClient:
@@ -171,7 +166,7 @@ class ActorClient:
         Raises:
             ConfigError: `timeout` is not a number of seconds >= 0 (nor None).
         """
-        _check_settle_timeout(timeout)
+        check_settle_timeout(timeout)
         return []
 
     def segment(self) -> ActorSegment | ShardedSegment:
@@ -469,7 +464,8 @@ class ShardedActorClient(ActorClient):
         if endpoints is None:
             raise ConfigError("ShardedActorClient needs endpoints= (the servers, the same list for every client)")
         self.config = config or ClientConfig(endpoint=endpoint, timeout=timeout, name=name or process_name("actor"))
-        self._router = ShardedActor(endpoints, self.config, secret_key, server_key, client_class=ActorClient)
+        self._router = ShardedActor(endpoints, self.config, secret_key, server_key, client_class=ActorClient,
+                                    segment_class=ActorSegment)
         codec = self._router.codec  # all shards hold the same space: one shard's figures are every one's
         self._conn = codec.connection
         self._adopt_state(codec.state, codec.driver)
@@ -487,7 +483,7 @@ class ShardedActorClient(ActorClient):
     def settle(self, timeout: float | None = None) -> list[InDoubt]:
         """Wait up to `timeout` seconds for every episode in doubt to be settled on its shard;
         returns those still in doubt (see `ActorClient.settle`)."""
-        _check_settle_timeout(timeout)
+        check_settle_timeout(timeout)
         return self._router.settle(timeout)
 
     def segment(self) -> ShardedSegment:

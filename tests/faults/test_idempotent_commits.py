@@ -246,14 +246,15 @@ def test_after_sigkill_a_reopened_buffer_remembers_exactly_the_published_keys(tm
         buffer.close()
 
 
-def test_a_sharded_actor_settles_an_episode_in_doubt_on_the_same_shard_before_moving_on(tmp_path: Path) -> None:
+def test_a_sharded_actor_settles_an_episode_in_doubt_on_the_same_shard_before_moving_on(tmp_path: Path,
+                                                                                        actor_of: Any) -> None:
     """Every attempt of a push to shard 0 loses its reply (the shard applied the first): the actor
     asks shard 0 again with the episode's key, gets the original receipt, and never pushes the
     episode to shard 1."""
     name = next(f"doubter-{i}" for i in range(100) if home_shard(f"doubter-{i}", 2) == 0)
     with running_shards(tmp_path, 2) as shards, reply_dropper(shards.endpoints[0], drops=3) as relay:
         config = ClientConfig(timeout=1.0, rate_limit_timeout=2.0, name=name, shard_retry_interval=0.2)
-        with ActorClient(config=config, endpoints=[relay.endpoint, shards.endpoints[1]]) as actor:
+        with actor_of(config=config, endpoints=[relay.endpoint, shards.endpoints[1]]) as actor:
             receipt = actor.push_episode(episode_rows(0, 0, 6))
             assert relay.dropped == ["push_episode"] * 3
             assert receipt == (0, 0, 6) and actor.shard == 0 and actor.in_doubt == []
@@ -264,7 +265,7 @@ def test_a_sharded_actor_settles_an_episode_in_doubt_on_the_same_shard_before_mo
 
 @pytest.mark.parametrize("applied", [True, False], ids=["commit-applied", "commit-never-arrived"])
 def test_an_episode_in_doubt_on_a_silent_shard_is_kept_and_settled_there_never_pushed_elsewhere(
-        tmp_path: Path, applied: bool) -> None:
+        tmp_path: Path, applied: bool, actor_of: Any) -> None:
     """Shard 0 goes silent with a push's reply (applied) or before the push reaches it (never
     arrived), and stays silent past the commit's time: the push raises CommitInDoubtError, the
     actor keeps the episode and writes the next one to shard 1; when shard 0 speaks again the
@@ -273,7 +274,7 @@ def test_an_episode_in_doubt_on_a_silent_shard_is_kept_and_settled_there_never_p
     with running_shards(tmp_path, 2) as shards, \
             reply_dropper(shards.endpoints[0], drops=1 if applied else 0, silent_after_drop=True) as relay:
         config = ClientConfig(timeout=0.5, commit_attempts=2, name=name, shard_retry_interval=0.2)
-        with ActorClient(config=config, endpoints=[relay.endpoint, shards.endpoints[1]]) as actor:
+        with actor_of(config=config, endpoints=[relay.endpoint, shards.endpoints[1]]) as actor:
             relay.silent = not applied  # never arrived: silent from now on, both ways
             with pytest.raises(CommitInDoubtError, match="shard 0 .* do not push it again") as raised:
                 actor.push_episode(episode_rows(0, 0, 6))
@@ -291,14 +292,14 @@ def test_an_episode_in_doubt_on_a_silent_shard_is_kept_and_settled_there_never_p
 
 
 def test_closing_an_actor_with_an_episode_in_doubt_on_a_silent_shard_does_not_wait_for_it(tmp_path: Path,
-                                                                                          caplog) -> None:
+                                                                                          caplog, actor_of) -> None:
     """close() settles what it can at once and logs what is left (an actor stopped by a signal
     must exit promptly); settle(timeout) is the way to wait."""
     name = next(f"doubter-{i}" for i in range(100) if home_shard(f"doubter-{i}", 2) == 0)
     with running_shards(tmp_path, 2) as shards, reply_dropper(shards.endpoints[0], drops=1,
                                                                silent_after_drop=True) as relay:
         config = ClientConfig(timeout=2.0, commit_attempts=1, name=name, shard_retry_interval=0.2)
-        actor = ActorClient(config=config, endpoints=[relay.endpoint, shards.endpoints[1]])
+        actor = actor_of(config=config, endpoints=[relay.endpoint, shards.endpoints[1]])
         try:
             with pytest.raises(CommitInDoubtError):
                 actor.push_episode(episode_rows(0, 0, 6))

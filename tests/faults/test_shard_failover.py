@@ -1,6 +1,7 @@
 """A shard SIGKILLed under actors writing across shards: they move on, nothing acknowledged is lost.
 
-Real servers on loopback, actors in their own processes (h5replay.client._shards routes). The
+Real servers on loopback, actors in their own processes (h5replay.client._shards routes), two of
+them blocking `ActorClient`s and two `AsyncActorClient`s (the same routing on asyncio). The
 check is on the files themselves, reopened after every server stopped.
 
 An episode whose commit reply was lost in the kill (the commit may have landed before the server
@@ -30,12 +31,13 @@ EPISODES = 120
 @pytest.mark.serial  # the killed shard must be back before the actors finish: a race with the load beside it
 @pytest.mark.timeout(180)
 def test_actors_fail_over_when_their_shard_is_sigkilled_and_every_acknowledged_episode_is_held_once(tmp_path):
-    victim = home_shard("shard-actor-0", NUM_SHARDS)
+    victim = home_shard("shard-actor-1", NUM_SHARDS)  # the home of actors 1 and 3
     with running_shards(tmp_path, NUM_SHARDS, capacity=200_000) as shards, processes() as procs:
         out = SPAWN.Queue()
         for actor in range(NUM_ACTORS):
+            driver = "asyncio" if actor in (0, 1) else "blocking"  # on the victim: 1 asyncio, 3 blocking
             procs.append(SPAWN.Process(target=sharded_actor_main,
-                                       args=(shards.endpoints, actor, EPISODES, actor, out, 2.0, 0.05)))
+                                       args=(shards.endpoints, actor, EPISODES, actor, out, 2.0, 0.05, driver)))
             procs[-1].start()
         with LearnerClient(shards.endpoints[victim], timeout=10) as watch:
             assert wait_until(lambda: len(watch) > 2000, timeout=60), "the victim shard never got rows"

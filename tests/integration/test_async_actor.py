@@ -288,9 +288,16 @@ async def test_a_cancelled_wait_for_a_commit_does_not_lose_its_outcome(start_ser
 
 
 @pytest.mark.asyncio
-async def test_shards_are_refused_clearly_and_an_unconnected_client_says_so() -> None:
-    with pytest.raises(ConfigError, match="not yet supported"):
-        AsyncActorClient(endpoints=["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"])
+async def test_down_shards_are_refused_in_time_and_an_unconnected_client_says_so() -> None:
+    sharded = AsyncActorClient(endpoints=[f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"],
+                               timeout=0.3)
+    with pytest.raises(ConfigError, match="not connected yet"):
+        _ = sharded.space
+    started = time.monotonic()
+    with pytest.raises(ServerUnavailableError, match="none of the 2 shards answered"):
+        await sharded.push_episode(episode_rows(9, 0, 3))
+    assert time.monotonic() - started < 3.0
+    await sharded.aclose()
     actor = AsyncActorClient(f"tcp://127.0.0.1:{free_port()}", timeout=0.3)
     with pytest.raises(ConfigError, match="not connected yet"):
         _ = actor.space

@@ -15,7 +15,8 @@ from shard_helpers import running_shards
 
 from h5replay.client import ActorClient, LearnerClient
 from h5replay.client.actor import ShardedActorClient
-from h5replay.client.aio import AsyncLearnerClient
+from h5replay.client.aio import AsyncActorClient, AsyncLearnerClient
+from h5replay.client.aio.actor import AsyncShardedActorClient
 from h5replay.client.aio.learner import AsyncShardedLearnerClient
 from h5replay.client.learner import ShardedLearnerClient
 from h5replay.errors import ConfigError
@@ -26,6 +27,9 @@ pytestmark = pytest.mark.timeout(120)
 # Public members the sharded fronts may inherit: they read the figures every shard shares.
 ACTOR_SHARED = {"state", "driver", "keeps_finals", "encode_one", "encode_batch", "encode_final", "check_priorities"}
 LEARNER_SHARED: set[str] = set()
+# The asyncio actor's figures all read its `state`, which the sharded front takes from one shard.
+ASYNC_ACTOR_SHARED = {"space", "schema", "limits", "capacity", "keeps_finals", "rows_per_message", "rows_per_push",
+                      "commit_timeout", "encode_one", "encode_batch", "encode_final", "check_priorities"}
 
 
 def public(cls: type) -> set[str]:
@@ -34,7 +38,8 @@ def public(cls: type) -> set[str]:
 
 @pytest.mark.parametrize(("one", "sharded", "shared"), [
     (ActorClient, ShardedActorClient, ACTOR_SHARED), (LearnerClient, ShardedLearnerClient, LEARNER_SHARED),
-    (AsyncLearnerClient, AsyncShardedLearnerClient, LEARNER_SHARED)])
+    (AsyncLearnerClient, AsyncShardedLearnerClient, LEARNER_SHARED),
+    (AsyncActorClient, AsyncShardedActorClient, ASYNC_ACTOR_SHARED)])
 def test_every_verb_of_a_sharded_front_is_its_own(one: type, sharded: type, shared: set[str]) -> None:
     inherited = {name for name in public(one) if name not in vars(sharded)} - shared
     assert not inherited, f"{sharded.__name__} would run {one.__name__}'s one-server code for {sorted(inherited)}"
@@ -73,6 +78,8 @@ def test_a_sharded_front_without_endpoints_and_a_one_server_subclass_with_them_a
 
     with pytest.raises(ConfigError, match="needs endpoints="):
         AsyncShardedLearnerClient("tcp://127.0.0.1:1")
+    with pytest.raises(ConfigError, match="needs endpoints="):
+        AsyncShardedActorClient("tcp://127.0.0.1:1")
 
     class MyLearner(LearnerClient):
         pass

@@ -63,13 +63,13 @@ def test_packed_ids_round_trip_and_shard_zero_is_the_plain_id():
     assert info.concatenate(info).shard_ids.tolist() == [0, 0, 0, 0]
 
 
-def test_actors_write_to_their_home_shard_and_learners_read_every_shard(tmp_path):
+def test_actors_write_to_their_home_shard_and_learners_read_every_shard(tmp_path, fronts):
     with running_shards(tmp_path, 3) as shards:
         eps = shards.endpoints
         written = {}
         for actor in range(8):  # homes 0, 0, 2, 0, 0, 0, 1, 1: every shard gets some
             name = f"actor-{actor}"
-            with ActorClient(endpoints=eps, timeout=10, name=name) as client:
+            with fronts.actor(endpoints=eps, timeout=10, name=name) as client:
                 assert client.shard == home_shard(name, 3)
                 assert client.space == EPISODE_SPACE
                 for e in range(3):
@@ -86,7 +86,7 @@ def test_actors_write_to_their_home_shard_and_learners_read_every_shard(tmp_path
                 assert client.push_episode(episode_rows(actor, 9, 0)) == (-1, -1, 0)
                 assert client.in_doubt == []
 
-        with LearnerClient(endpoints=eps, timeout=10) as learner:
+        with fronts.learner(endpoints=eps, timeout=10) as learner:
             total = sum(r.length for _, r in written.values())
             assert len(learner) == total
             info = learner.info()
@@ -170,11 +170,11 @@ def test_sampling_follows_shard_lengths(tmp_path, learner_of):
             assert np.array_equal(ia.packed_row_ids, ib.packed_row_ids) and np.array_equal(a["obs"], b["obs"])
 
 
-def test_shards_must_hold_the_same_space_and_be_listed_once(tmp_path):
+def test_shards_must_hold_the_same_space_and_be_listed_once(tmp_path, fronts):
     other = DictSpace({"x": BoxSpace(-1, 1, (3,))})
     with running_shards(tmp_path, 2) as shards, \
             ServerProcess(server_config(tmp_path / "other.h5", space=other), timeout=60) as odd:
-        for cls in (ActorClient, LearnerClient):
+        for cls in (fronts.actor, fronts.learner):
             with pytest.raises(ConfigError, match="every shard must hold the same space"):
                 cls(endpoints=[*shards.endpoints, odd.endpoint], timeout=10)
             # The same server under two names is the same replay (replay_id), not two shards.
@@ -228,11 +228,11 @@ def test_a_down_shard_is_skipped_with_a_warning_and_counted_and_comes_back(tmp_p
             ActorClient(endpoints=eps, timeout=0.5)
 
 
-def test_a_single_endpoint_list_behaves_like_one_server(tmp_path):
+def test_a_single_endpoint_list_behaves_like_one_server(tmp_path, fronts):
     with running_shards(tmp_path, 1) as shards:
-        with ActorClient(endpoints=shards.endpoints, timeout=10, name="solo") as actor:
+        with fronts.actor(endpoints=shards.endpoints, timeout=10, name="solo") as actor:
             receipt = actor.push_episode(episode_rows(0, 0, 12))
-        with LearnerClient(endpoints=shards.endpoints, timeout=10) as learner, \
+        with fronts.learner(endpoints=shards.endpoints, timeout=10) as learner, \
                 LearnerClient(shards.endpoints[0], timeout=10) as plain:
             _, info = learner.sample(32, seed=1, with_info=True)
             _, plain_info = plain.sample(32, seed=1, with_info=True)
@@ -243,7 +243,7 @@ def test_a_single_endpoint_list_behaves_like_one_server(tmp_path):
             assert learner.episodes() == plain.episodes()
 
 
-def test_an_actor_goes_home_between_episodes_while_an_open_one_finishes_where_it_is(tmp_path):
+def test_an_actor_goes_home_between_episodes_while_an_open_one_finishes_where_it_is(tmp_path, actor_of):
     """Home down: the actor writes to the next shard; home back: the push sent to the dead home is
     settled there, new episodes go home, while a segment still open on the other shard finishes
     there (its connection closes once it is done)."""
@@ -252,7 +252,7 @@ def test_an_actor_goes_home_between_episodes_while_an_open_one_finishes_where_it
         home = home_shard(name, 2)
         away = 1 - home
         config = ClientConfig(timeout=1.0, shard_retry_interval=0.2, name=name, batch_seconds=0.01)
-        with ActorClient(config=config, endpoints=shards.endpoints) as actor:
+        with actor_of(config=config, endpoints=shards.endpoints) as actor:
             assert actor.shard == home
             actor.push_episode(episode_rows(0, 0, 5))
             shards.kill(home)
@@ -288,15 +288,15 @@ def test_an_actor_goes_home_between_episodes_while_an_open_one_finishes_where_it
     assert held == {(home, 0), (home, 1), (away, 2), (home, 3), (home, 4)}
 
 
-def test_one_actor_may_keep_several_segments_open(tmp_path):
+def test_one_actor_may_keep_several_segments_open(tmp_path, fronts):
     with running_shards(tmp_path, 2) as shards:
-        with ActorClient(endpoints=shards.endpoints, timeout=10, name="many") as actor:
+        with fronts.actor(endpoints=shards.endpoints, timeout=10, name="many") as actor:
             segs = [actor.segment() for _ in range(3)]
             for k, seg in enumerate(segs):
                 seg.extend(episode_rows(1, k, 10 + k))
             receipts = [seg.commit() for seg in reversed(segs)]
             assert [r.length for r in receipts] == [12, 11, 10]
-        with LearnerClient(endpoints=shards.endpoints, timeout=10) as learner:
+        with fronts.learner(endpoints=shards.endpoints, timeout=10) as learner:
             assert len(learner) == 33 and len(learner.episodes()) == 3
 
 
@@ -323,14 +323,14 @@ def test_nested_and_text_leaves_merge_across_shards_without_truncation(tmp_path,
             assert np.all(batch["pos"]["xy"][:, 0] == info.shard_ids)
 
 
-def test_actors_in_containers_with_the_same_pid_spread_over_the_shards_by_default(tmp_path, monkeypatch):
+def test_actors_in_containers_with_the_same_pid_spread_over_the_shards_by_default(tmp_path, monkeypatch, actor_of):
     """The containers of one compose service run their actor under the same pid: the default name
     (which picks the home shard) must tell them apart, or they all write to one shard."""
     with running_shards(tmp_path, 2) as shards:
         names, homes = set(), set()
         for host in (f"3f9c{k:08x}" for k in range(16)):  # container ids as hostnames, one pid
             monkeypatch.setattr(socket, "gethostname", lambda host=host: host)
-            with ActorClient(endpoints=shards.endpoints, timeout=10) as actor:
+            with actor_of(endpoints=shards.endpoints, timeout=10) as actor:
                 assert host in actor.config.name
                 names.add(actor.config.name)
                 homes.add(actor.shard)
@@ -338,20 +338,20 @@ def test_actors_in_containers_with_the_same_pid_spread_over_the_shards_by_defaul
 
 
 @pytest.mark.parametrize("timeout", [-1, float("nan"), "5", True])
-def test_settle_refuses_a_timeout_that_is_not_seconds(tmp_path, timeout):
+def test_settle_refuses_a_timeout_that_is_not_seconds(tmp_path, timeout, actor_of):
     with running_shards(tmp_path, 2) as shards:
-        with ActorClient(endpoints=shards.endpoints, timeout=10, name="settler") as actor:
+        with actor_of(endpoints=shards.endpoints, timeout=10, name="settler") as actor:
             actor.push_episode(episode_rows(0, 0, 3))
             with pytest.raises(ConfigError, match="settle's timeout must be a number of seconds"):
                 actor.settle(timeout)
             assert actor.settle(0) == [] and actor.in_doubt == []
 
 
-def test_commits_in_flight_and_push_episodes_over_shards_are_waited_for_and_kept_in_order(tmp_path):
+def test_commits_in_flight_and_push_episodes_over_shards_are_waited_for_and_kept_in_order(tmp_path, actor_of):
     # Over several servers every commit is waited for (its shard may change under it): wait=False
     # gives a done PendingCommit, so code written for one server runs unchanged.
     with running_shards(tmp_path, 2) as shards:
-        with ActorClient(endpoints=shards.endpoints, timeout=10, name="actor-inflight") as actor:
+        with actor_of(endpoints=shards.endpoints, timeout=10, name="actor-inflight") as actor:
             pending = actor.push_episode(episode_rows(1, 0, 4), wait=False)
             assert pending.done() and pending.result().length == 4
             receipts = actor.push_episodes([episode_rows(1, 1, 2), episode_rows(1, 2, 0), episode_rows(1, 3, 3)])

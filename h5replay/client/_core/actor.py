@@ -27,6 +27,7 @@ from h5replay.spaces import Schema, Space, space_from_json
 from h5replay.transitions import final_schema
 
 __all__ = [
+    "check_settle_timeout",
     "ActorState", "NotSentError", "Ready", "Retried", "Settled", "actor_hello", "episode_entries", "group_pushes", "own_copies",
     "push_request", "receipts", "send_commit", "settle_commit",
 ]
@@ -302,3 +303,10 @@ def own_copies(encoded: dict[str, np.ndarray], given: Mapping[str, Any]) -> dict
 
 #: Told how a commit ended: (receipt, None) or (None, the error).
 Settled = Callable[[Receipt | None, Exception | None], None]
+
+
+def check_settle_timeout(timeout: float | None) -> None:
+    """Raises ConfigError unless `timeout` (of `settle`) is a number of seconds >= 0, or None."""
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not timeout >= 0):
+        raise ConfigError(f"settle's timeout must be a number of seconds >= 0, or None, got {timeout!r}")

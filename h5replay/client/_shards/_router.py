@@ -21,7 +21,7 @@ from h5replay.config import ClientConfig
 from h5replay.errors import ClosedError, ConfigError, ServerUnavailableError
 from h5replay.spaces import Space
 
-__all__ = ["MAX_SHARDS", "Fan", "RoutePlan", "home_shard", "log"]
+__all__ = ["MAX_SHARDS", "ActorPlan", "Call", "Fan", "Pause", "RoutePlan", "home_shard", "log"]
 
 log = logging.getLogger("h5replay.client")
 
@@ -43,6 +43,25 @@ class Fan:
 
 #: A routing plan: yields Fan operations, returns the verb's result (h5replay.client._core's way).
 RoutePlan = Generator[Fan, dict[int, Any], _T]
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """What an actor's routing plan yields: run `fn()` (a shard client's verb: its result, or on
+    asyncio an awaitable of it) and send the plan its result; what it raises is thrown in."""
+
+    fn: Callable[[], Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Pause:
+    """Wait `seconds` (the router's other calls may run meanwhile)."""
+
+    seconds: float
+
+
+#: An actor's routing plan: yields Call and Pause, returns the verb's result.
+ActorPlan = Generator[Call | Pause, Any, _T]
 
 
 def home_shard(name: str, num_shards: int) -> int:

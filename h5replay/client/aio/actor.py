@@ -13,8 +13,7 @@ import asyncio
 import collections
 import contextlib
 import os
-import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, Literal, overload
 
 import numpy as np
@@ -25,6 +24,7 @@ from h5replay.client._core.actor import (
     ActorState,
     Ready,
     actor_hello,
+    check_settle_timeout,
     episode_entries,
     group_pushes,
     own_copies,
@@ -34,26 +34,19 @@ from h5replay.client._core.actor import (
     settle_commit,
 )
 from h5replay.client._core.ops import checked
-from h5replay.client._core.segments import (
-    SegmentFacts,
-    SegmentRows,
-    SegmentState,
-    abort,
-    commit_request,
-    fail,
-    send_rows,
-    wait_appends,
-)
-from h5replay.client.aio._commits import AsyncPendingCommit, _copy_outcome, _one_outcome, _Outcome
+from h5replay.client._shards import InDoubt
+from h5replay.client.aio._commits import AsyncPendingCommit, _copy_outcome, _Outcome
 from h5replay.client.aio._connection import AsyncConnection
 from h5replay.client.aio._drive import AsyncDriver
+from h5replay.client.aio._segment import AsyncActorSegment
+from h5replay.client.aio._shard_actor import AsyncShardedActor, AsyncShardedSegment
 from h5replay.config import DEFAULT_ENDPOINT, ClientConfig, process_name
 from h5replay.errors import ClosedError, ConfigError
-from h5replay.priorities import Given, one_row_priorities
+from h5replay.priorities import Given
 from h5replay.records import Receipt
 from h5replay.spaces import Schema, Space
 
-__all__ = ["AsyncActorClient", "AsyncActorSegment", "AsyncPendingCommit"]
+__all__ = ["AsyncActorClient", "AsyncActorSegment", "AsyncPendingCommit", "AsyncShardedActorClient"]
 
 _KEPT_FAILURES = 1000  # failed commits in flight kept for `flush` to report, at most (the newest)
 
@@ -72,7 +65,8 @@ class AsyncActorClient:
 
     Args:
         endpoint, timeout, name, config, secret_key, server_key: as `ActorClient`.
-        endpoints: several servers: not yet (raises ConfigError; use `ActorClient(endpoints=)`).
+        endpoints: several servers ("shards"), instead of `endpoint`: as `ActorClient(endpoints=)`,
+            the same routing on asyncio (`AsyncShardedActorClient`).
 
     With `wait=False`, up to `config.max_in_flight` commits are unacknowledged (the next one
     waits for the oldest; a push that fits in one message waits in the client's next message,
@@ -84,8 +78,14 @@ class AsyncActorClient:
     of it becomes visible); a cancelled commit may have been applied, but whole, never in part.
 
     Raises:
-        ConfigError: `endpoints=` was given, or only one of secret_key / server_key.
+        ConfigError: only one of secret_key / server_key.
     """
+
+    def __new__(cls, endpoint: str = DEFAULT_ENDPOINT, timeout: float = 10.0, *,
+                endpoints: Sequence[str] | None = None, **kwargs: Any) -> AsyncActorClient:
+        # AsyncActorClient(endpoints=...) is the front of several servers: AsyncShardedActorClient.
+        return super().__new__(AsyncShardedActorClient if endpoints is not None and cls is AsyncActorClient
+                               else cls)
 
     def __init__(
         self,
@@ -96,11 +96,11 @@ class AsyncActorClient:
         config: ClientConfig | None = None,
         secret_key: str | os.PathLike[str] | None = None,
         server_key: str | os.PathLike[str] | None = None,
-        endpoints: Any = None,
+        endpoints: Sequence[str] | None = None,
     ) -> None:
         if endpoints is not None:
-            raise ConfigError("AsyncActorClient(endpoints=...) is not yet supported: one server only for now; "
-                              "use ActorClient(endpoints=...) for shards")
+            raise ConfigError(f"{type(self).__name__} is the client of one server: give endpoints= to "
+                              "AsyncActorClient itself (its front for several servers)")
         self.config = config or ClientConfig(endpoint=endpoint, timeout=timeout, name=name or process_name("actor"))
         self._curve = curve_keys(secret_key, server_key)
         self._state: ActorState | None = None
@@ -440,6 +440,35 @@ class AsyncActorClient:
         """A batch checked against the server's space, in storage form; and its number of rows."""
         return self.state.encode_batch(batch)
 
+    def encode_final(self, final: Any) -> dict[str, np.ndarray] | None:
+        """An episode's final observation in storage form, checked (None: none; see `ActorState.encode_final`)."""
+        return self.state.encode_final(final)
+
+    def check_priorities(self, priorities: Any, n: int) -> Given | None:
+        """Priorities for n steps checked against the server's tables (None: none given)."""
+        return self.state.check_priorities(priorities, n)
+
+    @property
+    def instance_id(self) -> str:
+        """The server process's id, from its hello ("" before)."""
+        return self._state.instance_id if self._state is not None else ""
+
+    @property
+    def replay_id(self) -> str:
+        """The id of the server's file, from its hello ("" before)."""
+        return self._state.replay_id if self._state is not None else ""
+
+    @property
+    def server_version(self) -> str:
+        return self._state.server_version if self._state is not None else ""
+
+    def _drop(self) -> None:
+        """Close the socket now, without waiting (a shard router drops the client of a shard that
+        stopped answering); waiters raise ClosedError. Safe twice."""
+        self._closed = True
+        if self._conn is not None:
+            self._conn.close()
+
     # ------------------------------------------------------------------ closing
 
     async def aclose(self) -> None:
@@ -466,163 +495,121 @@ class AsyncActorClient:
             await self.aclose()
 
 
-class AsyncActorSegment(SegmentFacts):
-    """One episode being streamed, as coroutines: `await append`, `await extend`, then `await
-    commit` or `await abort`. The same rules as `ActorSegment`: the server hears of it when its
-    first full message leaves; an episode that fits in one message leaves whole at commit."""
+class AsyncShardedActorClient(AsyncActorClient):
+    """`AsyncActorClient(endpoints=[...])`: an actor over several servers ("shards"), on asyncio.
 
-    def __init__(self, client: AsyncActorClient, key: bytes | None = None) -> None:
-        self._client = client
-        self._seg = SegmentState(key)
-        self._rows: SegmentRows | None = None  # once the client is connected
+    The routing of `ActorClient(endpoints=)`: it writes to its home shard (a stable hash of its
+    name) and moves to the next live shard when that one stops answering, the episode in flight
+    pushed again whole; an episode whose commit reply was lost is kept (`in_doubt`) and settled on
+    its shard (`await settle()`); each shard's verbs are made by its own `AsyncActorClient`. Calls
+    of one actor (its segments' too) run one at a time. Commits over several servers are always
+    waited for: with `wait=False` a done `AsyncPendingCommit` is returned.
+    """
 
-    async def _ready(self) -> tuple[ActorState, AsyncDriver, SegmentRows]:
-        state, driver = await self._client._ready()
-        if self._rows is None:
-            self._rows = SegmentRows(state.schema, state.rows_per_message, self._client.config.batch_seconds,
-                                     time.monotonic)
-        return state, driver, self._rows
+    def __init__(
+        self,
+        endpoint: str = DEFAULT_ENDPOINT,
+        timeout: float = 10.0,
+        *,
+        name: str | None = None,
+        config: ClientConfig | None = None,
+        secret_key: str | os.PathLike[str] | None = None,
+        server_key: str | os.PathLike[str] | None = None,
+        endpoints: Sequence[str] | None = None,
+    ) -> None:
+        if endpoints is None:
+            raise ConfigError("AsyncShardedActorClient needs endpoints= (the servers, the same list for every client)")
+        self.config = config or ClientConfig(endpoint=endpoint, timeout=timeout, name=name or process_name("actor"))
+        curve_keys(secret_key, server_key)  # both or neither, checked now
+        self._router = AsyncShardedActor(endpoints, self.config, secret_key, server_key,
+                                         client_class=AsyncActorClient, segment_class=AsyncActorSegment)
+        self.endpoints = self._router.endpoints
 
-    @property
-    def state(self) -> str:
-        """"open", "committing", "committed", "aborted" or "failed"."""
-        return self._seg.status
-
-    async def append(self, step: Any, priority: float | Mapping[str, float] | None = None) -> None:
-        """Add one step (with its priority, as `ActorSegment.append` takes it); checked now, sent in
-        a batch soon. A cancellation while its batch is sent aborts the episode."""
-        self._seg.require_open("append to")
-        state, driver, rows = await self._ready()
-        if priority is None and rows.put_exact(step):
-            self._seg.length += 1
-            if rows.due():
-                await self._send(driver, rows)
-            return
-        given = state.check_priorities(None if priority is None else one_row_priorities(priority), 1)
-        await self._add(driver, rows, state.encode_one(step), 1, given)
-
-    async def extend(self, batch: Any, priorities: Any = None) -> None:
-        """Add a batch of steps (a leading axis on every leaf), with one priority per step if given."""
-        self._seg.require_open("extend")
-        state, driver, rows = await self._ready()
-        encoded, n = state.encode_batch(batch)
-        await self._add(driver, rows, encoded, n, state.check_priorities(priorities, n))
-
-    async def extend_encoded(self, encoded: dict[str, np.ndarray], n: int, priorities: Given | None = None) -> None:
-        """Add rows already checked and in storage form (`encode_batch`, `check_priorities`)."""
-        self._seg.require_open("extend")
-        _, driver, rows = await self._ready()
-        await self._add(driver, rows, encoded, n, priorities)
-
-    async def _add(self, driver: AsyncDriver, rows: SegmentRows, encoded: dict[str, np.ndarray], n: int,
-                   priorities: Given | None) -> None:
-        self._seg.length += n
-        for taken in rows.add(encoded, n, priorities):
-            await self._send(driver, taken)
-
-    async def _send(self, driver: AsyncDriver, rows: Any) -> None:
-        try:
-            await driver.run(send_rows(self._seg, rows, self._client.config.max_in_flight))
-        except asyncio.CancelledError:
-            if self._seg.status == "open":  # cancelled before any reply said so: drop the episode
-                rows_left = self._rows
-                if rows_left is not None:
-                    rows_left.clear()
-                await driver.run(fail(self._seg, wait=False))
-            raise
-
-    def set_final(self, final: Any) -> None:
-        """The observation after the episode's last step, sent with the commit (connect first;
-        checked now). See `ActorSegment.set_final`."""
-        self._seg.require_open("set the final observation of")
-        self._seg.final = self._client.state.encode_final(final)
-
-    def set_final_encoded(self, final: dict[str, np.ndarray] | None) -> None:
-        self._seg.final = final
-
-    @overload
-    async def commit(self, *, wait: Literal[True] = True, final: Any = None) -> Receipt: ...
-    @overload
-    async def commit(self, *, wait: Literal[False], final: Any = None) -> AsyncPendingCommit: ...
-    @overload
-    async def commit(self, *, wait: bool, final: Any = None) -> Receipt | AsyncPendingCommit: ...
-
-    async def commit(self, *, wait: bool = True, final: Any = None) -> Receipt | AsyncPendingCommit:
-        """Send what is buffered, wait for every append, then commit (see `ActorSegment.commit`).
-        With `wait=False` the appends are still waited for, and the commit is left in flight.
+    async def connect(self) -> AsyncShardedActorClient:
+        """Say hello to every shard at once (once); then only the shard written to stays connected.
 
         Raises:
-            RateLimitedError: the server's rate limit held the commit back; the segment stays
-                open: commit again.
+            ServerUnavailableError: no shard answered within `timeout`.
+            ConfigError: the shards hold different spaces, or two endpoints reach the same file.
         """
-        self._seg.require_open("commit")
-        await self._ready()
-        if final is not None:
-            self.set_final(final)
-        pending = await self._commit_pending(track=not wait)
-        return await pending.result() if wait else pending
-
-    async def _commit_pending(self, *, track: bool) -> AsyncPendingCommit:
-        seg = self._seg
-        state, driver, rows = await self._ready()
-        limit = self._client.config.rate_limit_timeout
-        if seg.segment_id is None:  # never left the client: one push
-            taken = rows.peek()  # kept until the commit settles: a refused one may be made again
-            if taken is None:
-                seg.status, seg.receipt = "committed", Receipt(-1, -1, 0)
-                return AsyncPendingCommit.done_with(seg.receipt, seg.key)
-            ready = Ready(taken.arrays, taken.n, taken.priorities, seg.key, seg.final)
-            client = self._client
-            if track and client._must_queue():  # shares the client's next message (see push_episode)
-                seg.status = "committing"
-                pending = client._enqueue(state, ready)
-                index = pending._index
-                pending._settling.add_done_callback(lambda done: self._settled(*_one_outcome(done, index)))
-                return pending
-            request = push_request([ready], limit)
-        else:
-            await self._send(driver, rows)
-            await driver.run(wait_appends(seg))
-            request = commit_request(seg, limit)
-        try:
-            pending = await self._client._send_commit(request, seg.key, track=track, settled=self._settled)
-        except BaseException:
-            seg.status = "failed"  # it never left: not in doubt
-            raise
-        seg.status = "committing"
-        return pending
-
-    def _settled(self, receipt: Receipt | None, error: Exception | None) -> None:
-        if error is None and self._rows is not None:
-            self._rows.clear()
-        if self._seg.settled(receipt, error):
-            asyncio.get_running_loop().create_task(self._abandon(), name="h5replay-abort")
-
-    async def _abandon(self) -> None:
-        with contextlib.suppress(Exception):
-            await self.abort()
-
-    async def abort(self) -> None:
-        """Drop the episode: nothing of it becomes visible. Safe to call twice."""
-        if self._seg.status != "open":
-            return
-        _, driver, rows = await self._ready()
-        await driver.run(abort(self._seg, rows))
-
-    async def __aenter__(self) -> AsyncActorSegment:
-        await self._ready()
+        await self._router.connect()
         return self
 
-    async def __aexit__(self, exc_type: object, *rest: object) -> None:
-        if self._seg.status != "open":
-            return
-        if exc_type is None:
-            await self.commit()
-            return
-        if self._rows is not None:
-            self._rows.clear()
-        _, driver, _ = await self._ready()
-        # Leaving on an exception (a cancellation too): never wait for the server's word here.
-        with contextlib.suppress(Exception):
-            await driver.run(fail(self._seg, wait=False))
+    @property
+    def state(self) -> ActorState:
+        """What this client knows of its servers (every shard holds the same space and limits)."""
+        if self._router._codec is None:
+            raise ConfigError("this actor is not connected yet: `await actor.connect()` (or `async with`) first")
+        return self._router.codec.state  # type: ignore[no-any-return]
 
+    @property
+    def shard(self) -> int:
+        """The index (in `endpoints`) of the shard this actor writes to now."""
+        return self._router.current
+
+    @property
+    def instance_id(self) -> str:
+        """Empty: each shard is its own server process."""
+        return ""
+
+    @property
+    def replay_id(self) -> str:
+        """Empty: each shard's file has its own."""
+        return ""
+
+    @property
+    def server_version(self) -> str:
+        return ""
+
+    @property
+    def shards(self) -> AsyncShardedActor:
+        """The routing: `current`, `home`, `num_failovers`."""
+        return self._router
+
+    @property
+    def in_doubt(self) -> list[InDoubt]:
+        """The episodes whose commit raised CommitInDoubtError (see `ActorClient.in_doubt`)."""
+        return self._router.in_doubt
+
+    async def settle(self, timeout: float | None = None) -> list[InDoubt]:
+        """Wait up to `timeout` seconds for every episode in doubt to be settled on its shard;
+        returns those still in doubt (see `ActorClient.settle`)."""
+        check_settle_timeout(timeout)
+        return await self._router.run(self._router.settle_plan(timeout))
+
+    def segment(self) -> AsyncShardedSegment:  # type: ignore[override]
+        """Open a segment (one episode), which moves whole to the next live shard when its shard
+        stops answering. As an async context manager it commits on normal exit and aborts on an
+        exception (a cancellation too)."""
+        return self._router.segment()
+
+    async def push_episode(self, batch: Any, priorities: Any = None, *, wait: bool = True,  # type: ignore[override]
+                           final: Any = None) -> Receipt | AsyncPendingCommit:
+        """`AsyncActorClient.push_episode` over the shards, always waited for."""
+        await self._router.connect()
+        receipt: Receipt = await self._router.run(self._router.push_episode_plan(
+            AsyncShardedSegment(self._router), batch, priorities, final))
+        return receipt if wait else AsyncPendingCommit.done_with(receipt)
+
+    async def push_episodes(self, batches: Sequence[Any], priorities: Sequence[Any] | None = None, *,
+                            wait: bool = True, finals: Sequence[Any] | None = None) -> list[Any]:
+        """Each episode pushed as by `push_episode`, in order (every one checked first)."""
+        await self._router.connect()
+        each, ends = episode_entries(batches, priorities, finals)
+        return [await self.push_episode(batch, given, wait=wait, final=end)
+                for batch, given, end in zip(batches, each, ends)]
+
+    async def flush(self) -> None:
+        """Nothing is in flight over several servers: commits are waited for."""
+
+    async def info(self) -> dict[str, Any]:
+        """The current shard's figures, with "shard": its index."""
+        return await self._router.run(self._router.info_plan())
+
+    async def aclose(self) -> None:
+        """Settle what is in doubt on shards that answer now (`settle(timeout)` first to wait for
+        the others), then close every shard's client. Safe to call twice."""
+        await self._router.aclose()
+
+    def _drop(self) -> None:
+        self._router.close()

@@ -247,6 +247,12 @@ class AsyncLearnerClient:
         table, _ = await driver.run(plan_reads.episode_table(state))
         return [Episode(*row) for row in table.tolist()]
 
+    async def get_segments(self) -> list[tuple[int, int]]:
+        """(logical start, length) of every complete episode held, oldest first (one server only)."""
+        state, driver = await self._ready()
+        table, view = await driver.run(plan_reads.episode_table(state))
+        return [(first - view.begin, n) for _, first, n in table.tolist()]
+
     # ------------------------------------------------------------------ reads
 
     async def get(self, indices: Any) -> Any:
@@ -557,6 +563,10 @@ class AsyncShardedLearnerClient(AsyncLearnerClient):
     async def get(self, indices: Any) -> Any:
         """Raises NotImplementedError: shards have no common order (use `get_rows`)."""
         return self._router.get(indices)
+
+    async def get_segments(self) -> list[tuple[int, int]]:
+        """Raises NotImplementedError: shards have no common order (use `episodes`)."""
+        return self._router.get_segments()
 
     async def get_rows(self, row_ids: Any) -> Any:
         """Rows by packed id or (shard, row_id) pairs (see `LearnerClient.get_rows`)."""
