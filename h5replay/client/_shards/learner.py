@@ -493,7 +493,7 @@ class LearnerRouting(_Router[_L]):
                 counts = shares(size - have, lengths.astype(np.int64), weights, rng)
                 calls = {index: _share(call, int(counts[k]), None if seed is None else int(rng.integers(2**62)))
                          for k, index in enumerate(with_rows) if counts[k]}
-                kept_before = {i: held[i] - int(self._lengths[i]) for i in calls}
+                kept_before = {i: self.shards[i].client._num_kept(kind) for i in calls}
                 for index, outcome in (yield from self._outcomes(calls)).items():
                     if isinstance(outcome, BaseException):
                         failed[index] = outcome

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, Literal, TypeVar, overload
 
 import numpy as np
@@ -21,7 +21,6 @@ from h5replay.client._shards.actor import ActorRouting
 from h5replay.client._shards.segment import SegmentRouting
 from h5replay.client.aio._commits import AsyncPendingCommit
 from h5replay.client.aio._shard_learner import AsyncRouting
-from h5replay.config import ClientConfig
 from h5replay.errors import ClosedError
 from h5replay.priorities import Given
 from h5replay.records import Receipt
@@ -40,13 +39,6 @@ class AsyncShardedActor(AsyncRouting[Any], ActorRouting[Any]):
         ConfigError: the shards hold different spaces, or two endpoints reach the same file.
         ServerUnavailableError: no shard answered within the timeout.
     """
-
-    def __init__(
-        self, endpoints: Sequence[str], config: ClientConfig, secret_key: Any = None, server_key: Any = None, *,
-        client_class: Callable[..., Any], segment_class: Callable[..., Any],
-    ) -> None:
-        super().__init__(endpoints, config, secret_key, server_key, client_class=client_class,
-                         segment_class=segment_class)
 
     def _new_client(self, endpoint: str) -> Any:
         return self._hello(endpoint)

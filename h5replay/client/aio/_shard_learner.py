@@ -18,7 +18,6 @@ from typing import Any, TypeVar
 from h5replay.client._core.ops import Now, Sleep
 from h5replay.client._shards._router import Fan, Probe, RoutePlan, _Router
 from h5replay.client._shards.learner import LearnerRouting
-from h5replay.config import ClientConfig
 
 __all__ = ["AsyncRouting", "AsyncShardedLearner"]
 
@@ -102,12 +101,6 @@ class AsyncShardedLearner(AsyncRouting[Any], LearnerRouting[Any]):
         ConfigError: the shards hold different spaces, or two endpoints reach the same file.
         ServerUnavailableError: no shard answered within the timeout.
     """
-
-    def __init__(
-        self, endpoints: Sequence[str], config: ClientConfig, secret_key: Any = None, server_key: Any = None, *,
-        client_class: Callable[..., Any],
-    ) -> None:
-        super().__init__(endpoints, config, secret_key, server_key, client_class=client_class)
 
     def _size(self, client: Any) -> Any:
         return client.size()
