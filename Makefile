@@ -25,7 +25,7 @@ $(BIN)/python:
 
 $(STAMP): $(BIN)/python pyproject.toml
 	@echo "Installing h5replay with its test and lint tools into $(VENV) (a minute on a fresh machine) ..."
-	$(PIP) install --quiet -e '.[dev,metrics,gym]' $(EDITABLE)
+	$(PIP) install --quiet -e '.[dev,metrics,gym,compression]' $(EDITABLE)
 	touch $(STAMP) $(DEMO_STAMP)
 
 # The demo needs only h5replay and its four dependencies (numpy, h5py, pyzmq, msgpack).

@@ -164,6 +164,13 @@ def build_parser() -> argparse.ArgumentParser:
                                "with --fsync; a SIGKILL loses at most that long of them; default 0: every pass)")
     serve.add_argument("--observation-keys", nargs="+", metavar="KEY", help="a new file: the space's observation "
                        "keys (episodes keep a final observation; learners draw n-step transitions)")
+    serve.add_argument("--compression", nargs="+", metavar="LEAF=CODEC[:LEVEL]", type=_compression_flag,
+                       help="a new file: store these leaves compressed, e.g. obs/image=zstd:3 or obs=lz4 (lossless; "
+                            "zstd or lz4, needs pip install 'h5replay[compression]'); learners receive the records as "
+                            "stored and decode them; an existing file keeps its own")
+    serve.add_argument("--compression-slot", nargs="+", metavar="LEAF=SIZE", type=_slot_flag,
+                       help="a new file: the slot of a compressed row, as a fraction of a raw row (0.125, the "
+                            "default) or in bytes; a record that does not fit goes to the leaf's spill area")
     serve.add_argument("--idempotency-window", type=_positive_int, metavar="N",
                        help="a new file remembers the idempotency keys of its last N episodes (default 65536): a "
                             "commit retried later than N episodes is stored again; an existing file keeps its own")
@@ -322,6 +329,44 @@ def _describe_existing(path: str, open_timeout: float) -> dict[str, Any] | None:
         return None
 
 
+def _compression_flag(text: str) -> tuple[str, str, int | None]:
+    """LEAF=CODEC[:LEVEL] -> (leaf, codec, level)."""
+    leaf, sep, codec = text.partition("=")
+    name, _, level = codec.partition(":")
+    if not sep or not leaf or not name:
+        raise argparse.ArgumentTypeError(f"expected LEAF=CODEC[:LEVEL] (e.g. obs/image=zstd:3), got {text!r}")
+    try:
+        return leaf, name, int(level) if level else None
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"the level in {text!r} must be an int") from None
+
+
+def _slot_flag(text: str) -> tuple[str, float | int]:
+    """LEAF=FRACTION or LEAF=BYTES -> (leaf, size)."""
+    leaf, sep, size = text.partition("=")
+    try:
+        value: float | int = int(size) if size.isdigit() else float(size)
+    except ValueError:
+        value = -1
+    if not sep or not leaf or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected LEAF=FRACTION (0.25) or LEAF=BYTES (4096), got {text!r}")
+    return leaf, value
+
+
+def _compression_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The storage options --compression and --compression-slot give (the storage checks them)."""
+    out: dict[str, Any] = {}
+    flags = args.compression or []
+    if flags:
+        out["compression"] = {leaf: codec for leaf, codec, _ in flags}
+        levels = {leaf: level for leaf, _, level in flags if level is not None}
+        if levels:
+            out["compression_level"] = levels
+    if args.compression_slot:
+        out["compression_slot"] = dict(args.compression_slot)
+    return out
+
+
 def _check_serve_args(args: argparse.Namespace) -> None:
     """A new file needs its size said; an existing one must be a replay file (and as big as said).
     The server itself refuses a --space or --capacity other than an existing file's."""
@@ -408,6 +453,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         check_bounds=args.check_bounds,
         idempotency_window=args.idempotency_window,
         observation_keys=_observation_keys(args),
+        storage_kwargs=_compression_kwargs(args),
     )
     return Server(config).run()
 

@@ -311,6 +311,10 @@ class ClientConfig:
     # receipt): this many sends in all, the last one also waiting out `rate_limit_timeout` when
     # the server has a rate limit.
     commit_attempts: int = 3
+    # A learner's reads of compressed leaves (compression="zstd"/"lz4"): False, the records travel as
+    # stored and this client decodes them (a fraction of the bytes); True, the server decodes them
+    # and sends raw rows (a client without the codec's package).
+    raw_rows: bool = False
 
     def __post_init__(self) -> None:
         check_seconds("timeout", self.timeout, most=_MAX_CLIENT_SECONDS)

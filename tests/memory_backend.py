@@ -144,7 +144,8 @@ class MemoryStorage:
             raise ClosedError("this storage was closed")
         return self.read(*normalize_index(index, self._len))
 
-    def read(self, kind: str, where: Any, decode: bool = True) -> Any:
+    def read(self, kind: str, where: Any, decode: bool | str = True, row_ids: np.ndarray | None = None) -> Any:
+        decode = decode is True  # nothing is compressed here: PACKED reads as stored arrays
         if kind == "int":
             rows = {name: col[where].copy() for name, col in self._columns.items()}
             return self.schema.decode_one(rows) if decode else rows

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from h5replay.codecs import PackedRows
 from h5replay.errors import ConfigError, LimitExceededError, ProtocolError
 from h5replay.sampling import MAX_TABLES, check_table_name
 
@@ -246,12 +247,12 @@ _SCALAR_CHECKS: dict[str, Callable[[Any, str, Limits], Any]] = {
     "instance_id": _text, "min_seq": _uint, "seq": _uint, "generation": _uint, "begin": _uint, "end": _uint,
     "with_rows": _bool, "timeout": _seconds, "ignored": _uint, "sampling": _stats, "idempotency_key": _key,
     "first_episode": _optional_uint, "max_episodes": _optional_uint, "table": _table, "priority_tables": _tables,
-    "n_step": _uint, "gamma": _fraction, "pad": _bool,
+    "n_step": _uint, "gamma": _fraction, "pad": _bool, "packed": _bool,
 }
 # Fields added within version 3, which earlier version 3 peers leave out: decoded as the message's
 # default when absent. `encode` leaves one out only when it is None.
 _OPTIONAL_SCALARS = frozenset({"idempotency_key", "timeout", "first_episode", "max_episodes", "table",
-                               "priority_tables", "pad"})
+                               "priority_tables", "pad", "packed"})
 
 
 @dataclass(frozen=True)
@@ -324,7 +325,7 @@ def _check_info(row_ids: Array, episode_ids: Array, probabilities: Array) -> Non
 
 def _check_leading(arrays: Arrays, num_rows: int) -> None:
     for name, arr in arrays.items():
-        shape = arr.shape if isinstance(arr, np.ndarray) else np.shape(arr)
+        shape = arr.shape if isinstance(arr, (np.ndarray, PackedRows)) else np.shape(arr)
         if not shape or shape[0] != num_rows:
             raise ProtocolError(
                 f"array {name!r} has shape {shape} but the message has {num_rows} rows; "

@@ -18,6 +18,7 @@ from typing import Any, TypeVar, overload
 import msgpack
 import numpy as np
 
+from h5replay.codecs import META_COLUMNS, PackedRows
 from h5replay.errors import LimitExceededError, ProtocolError, UnsupportedVersionError
 from h5replay.protocol.admin import Cancel, CancelReply, Heartbeat, HeartbeatReply, Hello, HelloReply, Info, InfoReply
 from h5replay.protocol.base import ErrorReply, Kind, Message, Reply, Request
@@ -116,6 +117,9 @@ def _layout(cls: type[Message]) -> _Layout:
 
 #: Where an episode's final observation travels: leaf arrays named FINALS_PREFIX + leaf path.
 FINALS_PREFIX = "/final/"
+#: A compressed leaf of a read reply, as stored: its records and their meta (codecs.PackedRows).
+PACKED_PREFIX = "/packed/"
+PACKED_META_PREFIX = "/packed-meta/"
 
 _LAYOUTS = {cls: _layout(cls) for cls in [*_REQUEST_CLASSES.values(), *_REPLY_CLASSES.values(), ErrorReply]}
 
@@ -192,6 +196,46 @@ def _leaf_array(value: Any, name: str) -> Array:
     return arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
 
 
+def _packed_part(value: np.ndarray, dtype: type[np.generic], name: str) -> Array:
+    if not isinstance(value, np.ndarray) or value.dtype != dtype:
+        raise ProtocolError(f"the records of compressed leaf {name!r} must be {np.dtype(dtype)} arrays")
+    return np.ascontiguousarray(value)
+
+
+def _packed_leaves(leaves: dict[str, Array]) -> dict[str, Any]:
+    """Leaves with each compressed one's two arrays (records, meta) joined into PackedRows,
+    checked: records 1-d uint8, meta int64 (*lead, 3), sizes >= 0 that add up to the records."""
+    if not any(name.startswith(PACKED_PREFIX) or name.startswith(PACKED_META_PREFIX) for name in leaves):
+        return leaves
+    out: dict[str, Any] = {}
+    for name, arr in leaves.items():
+        if name.startswith(PACKED_META_PREFIX):
+            if PACKED_PREFIX + name[len(PACKED_META_PREFIX):] not in leaves:
+                raise ProtocolError(f"compressed leaf {name[len(PACKED_META_PREFIX):]!r} has meta but no records")
+            continue
+        if not name.startswith(PACKED_PREFIX):
+            out[name] = arr
+            continue
+        leaf = name[len(PACKED_PREFIX):]
+        meta = leaves.get(PACKED_META_PREFIX + leaf)
+        if meta is None:
+            raise ProtocolError(f"compressed leaf {leaf!r} has records but no meta")
+        if leaf in leaves:
+            raise ProtocolError(f"leaf {leaf!r} comes both compressed and raw")
+        if arr.dtype != np.uint8 or arr.ndim != 1:
+            raise ProtocolError(f"the records of compressed leaf {leaf!r} must be 1-d uint8, got {arr.dtype} {arr.shape}")
+        if meta.dtype.newbyteorder("<") != np.dtype("<i8") or meta.ndim < 2 or meta.shape[-1] != META_COLUMNS:
+            raise ProtocolError(f"the meta of compressed leaf {leaf!r} must be int64 of shape (rows, {META_COLUMNS}), "
+                                f"got {meta.dtype.str} {meta.shape}")
+        meta = meta if meta.dtype.isnative else meta.astype(np.int64)
+        sizes = meta[..., 0]
+        if sizes.size and (int(sizes.min()) < 0 or int(sizes.sum()) != arr.shape[0]):
+            raise ProtocolError(f"compressed leaf {leaf!r}: its records declare {int(sizes.sum())} bytes (sizes >= 0), "
+                                f"its frame has {arr.shape[0]}")
+        out[leaf] = PackedRows(arr, meta)
+    return out
+
+
 def encode(msg: Message, limits: Limits | None = None) -> list[bytes | memoryview]:
     """Frames for `msg`: the msgpack header, then one raw frame per array.
 
@@ -211,7 +255,12 @@ def encode(msg: Message, limits: Limits | None = None) -> list[bytes | memoryvie
     arrays = [(name, _own_array(getattr(msg, name), name)) for name in layout.array_fields]
     arrays = [(name, a) for name, a in arrays if a.size or not _ARRAY_FIELDS[name].optional]
     if layout.has_leaves:
-        arrays += [(name, _leaf_array(a, name)) for name, a in getattr(msg, "arrays").items()]  # noqa: B009
+        for name, a in getattr(msg, "arrays").items():  # noqa: B009
+            if isinstance(a, PackedRows):  # a compressed leaf as stored: its records, then their meta
+                arrays += [(PACKED_PREFIX + name, _packed_part(a.blob, np.uint8, name)),
+                           (PACKED_META_PREFIX + name, _packed_part(a.meta, np.int64, name))]
+            else:
+                arrays.append((name, _leaf_array(a, name)))
     if layout.has_finals:  # after the leaves, under a prefix no leaf path can have (keys are non-empty)
         arrays += [(FINALS_PREFIX + name, _leaf_array(a, name)) for name, a in getattr(msg, "finals").items()]  # noqa: B009
     header: dict[str, Any] = {"version": PROTOCOL_VERSION, "kind": msg.KIND.value, "id": msg.request_id}
@@ -389,7 +438,7 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS, *, expect: ty
     if layout.has_finals:
         values["finals"] = finals
     if layout.has_leaves:
-        values["arrays"] = leaves
+        values["arrays"] = _packed_leaves(leaves) if issubclass(cls, Reply) else leaves
     elif leaves:
         raise ProtocolError(f"{cls.__name__} carries no leaf arrays, got {sorted(leaves)}")
 

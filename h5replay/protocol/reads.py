@@ -22,6 +22,7 @@ class Get(Request):
     READS = True
     min_seq: int
     indices: Array
+    packed: bool | None = None  # True: compressed leaves may come as stored (PackedRows); the client decodes
 
     def _validate(self, limits: Limits) -> None:
         _check_rows_limit(len(self.indices), "indices", limits)
@@ -33,6 +34,7 @@ class GetRows(Request):
     READS = True
     min_seq: int
     row_ids: Array
+    packed: bool | None = None
 
     def _validate(self, limits: Limits) -> None:
         _check_rows_limit(len(self.row_ids), "row_ids", limits)
@@ -50,6 +52,7 @@ class Sample(Request):
     min_seq: int = 0
     timeout: float = 0.0  # seconds the rate limit may hold the sample back (writer-side sampling)
     table: str | None = None  # the table to draw from (None: the server's only table)
+    packed: bool | None = None
 
     @property
     def num_drawn(self) -> int:
@@ -70,6 +73,7 @@ class SampleSequences(Request):
     timeout: float = 0.0
     table: str | None = None
     pad: bool | None = None  # True: windows may start in an episode's last length - 1 steps, padded
+    packed: bool | None = None
 
     @property
     def num_drawn(self) -> int:

@@ -13,7 +13,9 @@ from typing import Any
 import numpy as np
 
 from h5replay import protocol as P
+from h5replay.codecs import META_COLUMNS
 from h5replay.errors import LimitExceededError, ProtocolError, ServerUnavailableError
+from h5replay.storage.hdf5 import PACKED
 from h5replay.storage.replay.buffer import ReplayBuffer
 from h5replay.windows import unmasked
 
@@ -29,10 +31,17 @@ def reply_rows(reply: P.Reply) -> int:
     return int(np.prod(first.shape[:2]) if reply.KIND is P.Kind.SAMPLE_SEQUENCES else first.shape[0])
 
 
+def _stored(packed: bool | None) -> bool | str:
+    """How rows leave: compressed leaves as stored, for a client that decodes them (it says so), else
+    decoded here."""
+    return PACKED if packed else False
+
+
 def _check_reply_rows(buffer: ReplayBuffer, rows: int, limits: P.Limits, per_sample: int = 0) -> None:
     """Refuse, before any work, a read whose reply could not travel within the message limit
     (`per_sample`: bytes of ids and probabilities the reply adds)."""
-    size = rows * buffer.storage.row_bytes + per_sample
+    packed = len(getattr(buffer.storage, "compressed_leaves", ()))  # each row's record meta travels too
+    size = rows * (buffer.storage.row_bytes + packed * META_COLUMNS * 8) + per_sample
     if size + P.ROWS_MESSAGE_OVERHEAD > limits.max_message_bytes:
         raise LimitExceededError(
             f"a reply of {rows} rows would be {size} bytes, over the limit max_message_bytes="
@@ -83,20 +92,21 @@ def read_reply(buffer: ReplayBuffer, request: P.Request, rng: np.random.Generato
 
 def _get(buffer: ReplayBuffer, request: P.Get, rng: np.random.Generator, limits: P.Limits) -> P.Reply:
     _check_reply_rows(buffer, len(request.indices), limits, len(request.indices) * P.ID_BYTES)
-    arrays, ids = buffer.get_at_with_ids(request.indices, decode=False)
+    arrays, ids = buffer.get_at_with_ids(request.indices, decode=_stored(request.packed))
     return P.GetReply(request.request_id, *_view(buffer), ids, arrays)
 
 
 def _get_rows(buffer: ReplayBuffer, request: P.GetRows, rng: np.random.Generator, limits: P.Limits) -> P.Reply:
     _check_reply_rows(buffer, len(request.row_ids), limits)
-    arrays = buffer.get_rows(request.row_ids, decode=False)
+    arrays = buffer.get_rows(request.row_ids, decode=_stored(request.packed))
     return P.GetRowsReply(request.request_id, *_view(buffer), len(request.row_ids), arrays)
 
 
 def _sample(buffer: ReplayBuffer, request: P.Sample, rng: np.random.Generator, limits: P.Limits) -> P.Reply:
     _check_reply_rows(buffer, request.batch_size, limits, request.batch_size * P.SAMPLE_INFO_BYTES)
     gen = rng if request.seed is None else np.random.default_rng(request.seed)
-    arrays, info = buffer.sample(request.batch_size, gen, with_info=True, decode=False, table=request.table)
+    arrays, info = buffer.sample(request.batch_size, gen, with_info=True, decode=_stored(request.packed),
+                                 table=request.table)
     return P.SampleReply(request.request_id, *_view(buffer), info.row_ids, info.episode_ids, info.probabilities, arrays)
 
 
@@ -106,7 +116,7 @@ def _sample_sequences(buffer: ReplayBuffer, request: P.SampleSequences, rng: np.
                       request.batch_size * (P.SAMPLE_INFO_BYTES + (P.ID_BYTES if request.pad else 0)))
     gen = rng if request.seed is None else np.random.default_rng(request.seed)
     arrays, info = buffer.sample_sequences(
-        request.batch_size, request.length, gen, with_info=True, decode=False, rows=request.with_rows,
+        request.batch_size, request.length, gen, with_info=True, decode=_stored(request.packed), rows=request.with_rows,
         table=request.table, pad=bool(request.pad),
     )
     valid = np.zeros(0, np.int64) if info.valid_steps is None else info.valid_steps  # the client rebuilds the mask

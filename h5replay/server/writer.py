@@ -61,6 +61,10 @@ _READ_MAX_WAIT = 0.1  # a read that waited this long is served even while writes
 _READ_PORT_WAIT = 5.0  # seconds a restart waits for a taken read port (a killed server's reader lets go in < 1 s)
 
 
+#: Storage options that only shape a new file (an existing one keeps its own layout).
+_NEW_FILE_ONLY = ("compression", "compression_level", "compression_slot", "chunks")
+
+
 def open_buffer(config: ServerConfig) -> ReplayBuffer:
     """Reopen the file, or create it when it does not exist (then space and capacity are needed);
     its segment writers share `config.staging_memory_bytes` of memory.
@@ -78,7 +82,7 @@ def _open_buffer(config: ServerConfig) -> ReplayBuffer:
         buffer = ReplayBuffer.load_from(
             config.path, read_only=False, multiprocessing=config.multiprocessing, open_timeout=config.open_timeout,
             check_bounds=config.check_bounds,
-            **config.storage_kwargs,
+            **{k: v for k, v in config.storage_kwargs.items() if k not in _NEW_FILE_ONLY},
         )
         differences = []
         asked = config.tables if config.tables is not None else (
@@ -92,6 +96,10 @@ def _open_buffer(config: ServerConfig) -> ReplayBuffer:
         if config.idempotency_window is not None and config.idempotency_window != buffer.idempotency_window:
             differences.append(f"an idempotency window of {buffer.idempotency_window} episodes, not the "
                                f"{config.idempotency_window} asked for")
+        asked_compression = config.storage_kwargs.get("compression")
+        held = buffer.file_storage.compressed_leaves
+        if isinstance(asked_compression, dict) and asked_compression != held:
+            differences.append(f"compressed leaves {held or 'none'}, not the {asked_compression} asked for")
         keys = buffer.transition_keys
         if config.observation_keys is not None and (keys is None or tuple(config.observation_keys) != keys.observation):
             differences.append(f"observation keys {list(keys.observation) if keys else 'none'}, not the "

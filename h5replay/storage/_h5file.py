@@ -27,6 +27,7 @@ import signal
 import tempfile
 import threading
 import traceback
+import typing
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -36,7 +37,7 @@ import numpy as np
 
 from h5replay.errors import ConfigError, FormatVersionError, StorageError
 from h5replay.spaces import LeafSpace, Space, TextSpace, space_from_json
-from h5replay.storage import _layout
+from h5replay.storage import _layout, packed
 from h5replay.storage.recovery import (
     WriterLock,
     clear_status_flags,
@@ -300,7 +301,10 @@ def create_file(
         try:
             with h5_errors(f"creating {path}"):
                 for p, leaf in leaves:
-                    f.create_dataset(p, dtype=h5_dtype(leaf), **layouts[p])
+                    if "packed" in layouts[p]:
+                        packed.create(f, p, leaf.row_bytes, typing.cast(int, capacity), layouts[p]["packed"])
+                    else:
+                        f.create_dataset(p, dtype=h5_dtype(leaf), **layouts[p])
                 write_header(f, space, capacity)
                 create_staging(f, leaves)
                 if prepare is not None:

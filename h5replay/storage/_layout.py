@@ -17,9 +17,12 @@ Rules (per leaf):
     image episodes were written 1.3-1.7x faster than in 64 KiB chunks;
   * an explicit tuple is padded with the row shape;
   * chunks=False asks for contiguous storage and is refused where it cannot be honoured;
-  * compression with a fixed capacity and multiprocessing (SWMR) is refused: the file would grow
-    without bound (HDF5 never reuses file space under SWMR).
-`compression`, `compression_level` and `chunks` may be mappings keyed by leaf path ("obs/image"),
+  * "zstd" and "lz4" (fixed capacity only) store the leaf as h5replay's own records, one per row
+    in a fixed slot with a spill area (storage/packed.py): no HDF5 filter, so it stays bounded
+    under SWMR; `compression_slot` sizes the slot;
+  * an HDF5 filter (gzip, lzf, szip) with a fixed capacity and multiprocessing (SWMR) is refused:
+    the file would grow without bound (HDF5 never reuses file space under SWMR).
+`compression`, `compression_level`, `compression_slot` and `chunks` may be mappings keyed by leaf path ("obs/image"),
 by a top-level key ("obs"), or "*" for the rest.
 """
 
@@ -28,8 +31,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from h5replay.codecs import CODECS
 from h5replay.errors import ConfigError
 from h5replay.storage.indexing import CHUNK_TARGET_BYTES
+from h5replay.storage.packed import PackedLayout
 
 _COMPRESSIONS = ("gzip", "lzf", "szip")
 
@@ -52,7 +57,8 @@ def swmr_compressed_ring(path: str, compression: Any) -> str:
     return (
         f"dataset '{path}' is compressed ({compression}) and has a fixed capacity: under SWMR, HDF5 never reuses "
         "file space, so every rewrite of a compressed chunk of the ring grows the file without bound. Store it "
-        "uncompressed (h5replay compact FILE --compression none), or write it without multiprocessing"
+        "with compression 'zstd' or 'lz4' (h5replay's own records, which stay bounded under SWMR), uncompressed "
+        "(h5replay compact FILE --compression none), or without multiprocessing"
     )
 
 
@@ -79,13 +85,27 @@ def dataset_kwargs(
     compression_level: Any,
     chunks: Any,
     multiprocessing: bool,
+    compression_slot: Any = None,
 ) -> dict[str, Any]:
-    """h5py `create_dataset` keyword arguments (shape, maxshape, chunks, compression) for one leaf."""
+    """h5py `create_dataset` keyword arguments (shape, maxshape, chunks, compression) for one leaf,
+    or {"packed": PackedLayout} for a leaf stored as h5replay's own records."""
     comp = resolve_option(compression, path)
     level = resolve_option(compression_level, path)
     chunk = resolve_option(chunks, path)
+    slot = resolve_option(compression_slot, path)
+    if comp in CODECS:
+        if capacity is None:
+            raise ConfigError(f"compression {comp!r} for '{path}' needs a fixed capacity (a ring: rows stored as "
+                              "records in fixed slots); a growing storage can use gzip or lzf")
+        if chunk not in (None, True):
+            raise ConfigError(f"chunks for '{path}' cannot be chosen: {comp!r} stores rows as records, not HDF5 chunks")
+        return {"packed": PackedLayout.of(path, row_bytes, comp, level, slot)}
+    if slot is not None and isinstance(compression_slot, Mapping) and path in compression_slot:
+        raise ConfigError(f"compression_slot for '{path}' is set but its compression is {comp!r}, not one of "
+                          f"{sorted(CODECS)}")
     if comp is not None and comp not in _COMPRESSIONS and not isinstance(comp, int):
-        raise ConfigError(f"compression for '{path}' must be one of {_COMPRESSIONS} or None, got {comp!r}")
+        raise ConfigError(f"compression for '{path}' must be one of {sorted(CODECS) + list(_COMPRESSIONS)} or None, "
+                          f"got {comp!r}")
     if level is not None and comp is None:
         raise ConfigError(f"compression_level for '{path}' is set but no compression is chosen for it")
     if comp == "lzf" and level is not None:

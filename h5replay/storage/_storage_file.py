@@ -25,10 +25,11 @@ import numpy as np
 
 from h5replay.errors import ClosedError, ConfigError, ReadOnlyError, SpaceMismatchError, StorageError
 from h5replay.spaces import DEFAULT_KEY, LeafSpace, Schema, Space, TextSpace, space_from_json
-from h5replay.storage import _h5file, _layout
+from h5replay.storage import _h5file, _layout, packed
 from h5replay.storage._h5file import DEFAULT_OPEN_TIMEOUT, INTERNAL_GROUP, Prepare, Verify, h5_errors
 from h5replay.storage._rawfile import infer_space
 from h5replay.storage.fastread import MappedRows
+from h5replay.storage.packed import PackedColumn
 from h5replay.storage.recovery import WriterLock
 from h5replay.storage.segment import SegmentWriter, Staging
 
@@ -120,7 +121,8 @@ class _StorageFile:
         self._closed = False
         self._root: h5py.Group | h5py.Dataset | None = None
         self._file: h5py.File | None = None
-        self._datasets: dict[str, h5py.Dataset] = {}
+        self._datasets: dict[str, h5py.Dataset] = {}  # by leaf path; a compressed leaf's by "<path>/<part>"
+        self._packed: dict[str, PackedColumn] = {}  # compressed leaves, by path
         self._map_keys: dict[str, str] = {}  # leaf path -> its dataset's name in the file (the maps' key)
         self._io = _SharedIO()
         self._stale = False  # an SWMR reader's view of HDF5's metadata may be behind the writer
@@ -160,9 +162,10 @@ class _StorageFile:
         self._root = root
         self._file = None
         self._datasets = {}
+        self._packed = {}
         for path, leaf in self._leaves:
-            if isinstance(root, h5py.Dataset):
-                ds = root
+            if isinstance(root, h5py.Dataset) or (packed.is_packed(root) and path == DEFAULT_KEY):
+                ds = root  # a column view of one leaf
             else:
                 try:
                     ds = root[path]
@@ -171,6 +174,9 @@ class _StorageFile:
                         raise StorageError(f"{root.file.filename!r} is damaged: the dataset of field '{path}' cannot "
                                            f"be read ({exc.args[0] if exc.args else exc})") from exc
                     raise SpaceMismatchError(f"the file has no dataset for field '{path}'") from exc
+            if packed.is_packed(ds):
+                self._attach_packed(path, leaf, ds, check_file)
+                continue
             if not isinstance(ds, h5py.Dataset):
                 raise SpaceMismatchError(f"'{path}' in the file is a group, but the space has a leaf there")
             if check_file:
@@ -181,6 +187,28 @@ class _StorageFile:
         # Asked once: Dataset.name is an HDF5 call, too dear for every read.
         self._map_keys = {path: ds.name for path, ds in self._datasets.items()}
         self._io.drop_maps()
+
+    def _attach_packed(self, path: str, leaf: LeafSpace, group: h5py.Group, check_file: bool) -> None:
+        """Hold a compressed leaf: its datasets under "<path>/<part>" keys, read like any other."""
+        where = f"{self.filename!r}: compressed leaf '{path}'"
+        if isinstance(leaf, TextSpace) or leaf.storage_dtype.kind == "O":
+            raise SpaceMismatchError(f"{where}: text leaves cannot be compressed")
+        for part in packed.PARTS:
+            ds = group.get(part)
+            if not isinstance(ds, h5py.Dataset):
+                raise StorageError(f"{where} is damaged: it has no '{part}' dataset")
+            self._datasets[f"{path}/{part}"] = _h5file.for_writing(ds) if self._uncached_writes else ds
+        if check_file:
+            cap = self._datasets[f"{path}/slots"].shape[0]
+            if self.capacity is None or cap != self.capacity or self._datasets[f"{path}/meta"].shape[0] != cap:
+                raise SpaceMismatchError(f"{where} holds {cap} rows but the capacity is {self.capacity}")
+            if self._datasets[f"{path}/spill"].shape[1] != max(1, leaf.row_bytes):
+                raise SpaceMismatchError(f"{where} has spill rows of {self._datasets[f'{path}/spill'].shape[1]} bytes, "
+                                         f"but a row of the space has {leaf.row_bytes}")
+        self._packed[path] = PackedColumn(path, group, self._datasets, leaf.storage_dtype, leaf.shape, self._gather)
+
+    def _gather(self, key: str, flat: np.ndarray) -> np.ndarray:
+        raise NotImplementedError  # HDF5Storage reads rows
 
     @property
     def _uncached_writes(self) -> bool:
@@ -368,6 +396,7 @@ class _StorageFile:
         chunks: Mapping[str, Any] | bool | tuple[int, ...] | None = None,
         reduce_io: bool = True,
         *,
+        compression_slot: Mapping[str, Any] | float | int | None = None,
         overwrite: bool = False,
         segment_buffer_bytes: int | None = None,
         prepare: Prepare | None = None,
@@ -382,6 +411,12 @@ class _StorageFile:
         with `load_from(path, space, read_only=True, multiprocessing=True)` while this one writes.
 
         Args:
+            compression: per leaf (a mapping by path, "*" for the rest) or for all: "zstd" or "lz4"
+                (a fixed capacity only: rows stored as h5replay's records, bounded under SWMR, see
+                storage/packed.py), or an HDF5 filter "gzip", "lzf" (not for an SWMR ring).
+            compression_level: the codec's level, per leaf as `compression`.
+            compression_slot: the slot of a zstd/lz4 row, as a fraction of a raw row (default
+                1/8) or in bytes; a record that does not fit goes to the leaf's spill area.
             overwrite: replace an existing file.
             segment_buffer_bytes: memory a segment writer buffers before spilling to the file.
             prepare: given the new file before SWMR starts, to add datasets of its own (the
@@ -413,10 +448,14 @@ class _StorageFile:
             p: _layout.dataset_kwargs(
                 p, leaf.shape, leaf.row_bytes, capacity, initial_rows,
                 compression=compression, compression_level=compression_level,
-                chunks=chunks, multiprocessing=multiprocessing,
+                chunks=chunks, multiprocessing=multiprocessing, compression_slot=compression_slot,
             )
             for p, leaf in leaves
         }
+        for p, leaf in leaves:
+            if "packed" in layouts[p] and isinstance(leaf, TextSpace):
+                raise ConfigError(f"compression {layouts[p]['packed'].codec.name!r} for '{p}': text leaves are stored "
+                                  "as fixed bytes and cannot be compressed as records; leave them uncompressed")
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         # Replacing a file: no writer may have it open (whatever name it opened it by).
         old = WriterLock(path).acquire() if overwrite and os.path.exists(path) else None

@@ -29,6 +29,7 @@ from typing import Any
 import h5py
 import numpy as np
 
+from h5replay.codecs import PackedRows
 from h5replay.errors import ConfigError, SpaceMismatchError, StorageError
 from h5replay.spaces import DEFAULT_KEY, DictSpace, Schema, Space
 from h5replay.storage import _h5file
@@ -41,9 +42,11 @@ from h5replay.storage.fastread import MappedRows
 from h5replay.storage.indexing import fancy_indexing_to_supported_indexing, fancy_indexing_to_supported_set_indexing
 from h5replay.storage.segment import SegmentWriter, Staging
 
-__all__ = ["HDF5Storage", "FORMAT_VERSION"]
+__all__ = ["HDF5Storage", "FORMAT_VERSION", "PACKED"]
 
 FORMAT_VERSION = _h5file.FORMAT_VERSION
+#: `read(..., decode=PACKED)`: compressed leaves as stored (PackedRows), the rest as with decode=False.
+PACKED = "packed"
 
 
 class HDF5Storage(_StorageFile):
@@ -177,36 +180,71 @@ class HDF5Storage(_StorageFile):
                 return self.schema.decode(rows)
         return self.read(*normalize_index(index, self._len))
 
-    def read(self, kind: str, where: Any, decode: bool = True) -> Any:
+    def read(self, kind: str, where: Any, decode: bool | str = True, row_ids: np.ndarray | None = None) -> Any:
         """Rows for an index already normalized by `normalize_index` (no range check here).
 
-        With `decode=False` returns {dataset path: stored array} (text as UTF-8 bytes), which is
-        what the server sends over the wire.
+        With `decode=False` returns {dataset path: stored array} (text as UTF-8 bytes, compressed
+        leaves decoded); with `decode=PACKED`, the same but a compressed leaf's rows as stored, a
+        `PackedRows` (what a reader process sends over the wire). `row_ids` (one per row of
+        `where`) name the rows in the error of a damaged record.
+
+        Raises:
+            DamagedRecordError: a compressed row's record is damaged (it is never returned).
         """
         self._ensure_open()
-        return self._read(kind, where, decode)
+        return self._read(kind, where, decode, row_ids)
 
     def read_leaves(self, paths: Sequence[str], where: np.ndarray) -> dict[str, np.ndarray]:
-        """Stored rows of some leaves (by path) at physical rows `where` (any shape)."""
+        """Stored rows of some leaves (by path) at physical rows `where` (any shape); compressed
+        leaves decoded."""
         self._ensure_open()
-        return {path: self._read_rows(path, "array", where) for path in paths}
+        return {path: self._read_leaf(path, "array", where, False, None) for path in paths}
 
-    def _read(self, kind: str, where: Any, decode: bool) -> Any:
+    @property
+    def compressed_leaves(self) -> dict[str, str]:
+        """{leaf path: codec} of the leaves stored as compressed records."""
+        self._ensure_open()
+        return {path: column.codec_name for path, column in self._packed.items()}
+
+    def _read(self, kind: str, where: Any, decode: bool | str, row_ids: np.ndarray | None) -> Any:
         if kind == "int":
             one = np.array([where], dtype=np.int64)
-            rows = {path: self._read_rows(path, "array", one)[0] for path, _ in self._leaves}
-            return self.schema.decode_one(rows) if decode else rows
-        rows = {path: self._read_rows(path, kind, where) for path, _ in self._leaves}
-        return self.schema.decode(rows) if decode else rows
+            rows = {path: self._read_leaf(path, "array", one, False, row_ids)[0] for path, _ in self._leaves}
+            return self.schema.decode_one(rows) if decode is True else rows
+        rows = {path: self._read_leaf(path, kind, where, decode == PACKED, row_ids) for path, _ in self._leaves}
+        return self.schema.decode(rows) if decode is True else rows
+
+    def _read_leaf(self, path: str, kind: str, where: Any, as_stored: bool, row_ids: np.ndarray | None) -> Any:
+        column = self._packed.get(path) if self._packed else None
+        if column is None:
+            return self._read_rows(path, kind, where)
+        if kind == "slice":
+            positions: np.ndarray = np.arange(where[0], where[1], dtype=np.int64)
+            lead: tuple[int, ...] = positions.shape
+        else:
+            positions, lead = np.asarray(where, np.int64).reshape(-1), np.shape(where)
+        ids = None if row_ids is None else np.asarray(row_ids).reshape(-1)
+        if as_stored:
+            records = column.records(positions, ids)
+            return PackedRows(records.blob, records.meta.reshape(*lead, records.meta.shape[-1]))
+        return column.read(positions, ids).reshape(*lead, *column.row_shape)
 
     def _mapped_rows(self, flat: np.ndarray) -> dict[str, np.ndarray] | None:
         out = {}
         for path, _ in self._leaves:
-            rows = self._mapped_read(path, flat)
+            column = self._packed.get(path) if self._packed else None
+            rows = self._mapped_read(path, flat) if column is None else column.read(flat)
             if rows is None:
                 return None
             out[path] = rows
         return out
+
+    def _gather(self, key: str, flat: np.ndarray) -> np.ndarray:
+        """Rows `flat` (1-d, in range) of one of a compressed leaf's datasets, by its key."""
+        if flat.shape[0] == 0:
+            ds = self._datasets[key]
+            return np.zeros((0, *ds.shape[1:]), dtype=ds.dtype)
+        return self._read_rows(key, "array", flat)
 
     def _read_rows(self, path: str, kind: str, where: Any) -> np.ndarray:
         ds = self._datasets[path]
@@ -302,11 +340,15 @@ class HDF5Storage(_StorageFile):
         encoded, _ = self._encode_for_index(value, idx)
         flat = idx.reshape(-1)
         unique, positions = fancy_indexing_to_supported_set_indexing(flat)
+        records = {path: column.encode(encoded[path][positions]) for path, column in self._packed.items()}
         self._io.wrote(self._datasets.values())
         with h5_errors("writing rows"):
             for path, _ in self._leaves:
                 arr = encoded[path]  # (rows, *row_shape): _encode_for_index flattened an N-d index
-                write_sorted_unique_rows(self._datasets[path], unique, np.ascontiguousarray(arr[positions]))
+                if path in records:
+                    self._packed[path].write(unique, records[path], _write_sorted)
+                else:
+                    write_sorted_unique_rows(self._datasets[path], unique, np.ascontiguousarray(arr[positions]))
 
     def _encode_for_index(self, value: Any, idx: np.ndarray) -> tuple[dict[str, np.ndarray], int]:
         if idx.ndim == 1:
@@ -317,10 +359,18 @@ class HDF5Storage(_StorageFile):
 
     def _write_range(self, start: int, encoded: Mapping[str, np.ndarray]) -> None:
         """Write whole rows [start, start + n) of every leaf; rows must already exist."""
+        # Compressed first (the costly part), so nothing is written if a codec fails.
+        records = {path: column.encode(encoded[path]) for path, column in self._packed.items()}
         self._io.wrote(self._datasets.values())  # before the write: a failed one may still reach HDF5's caches
         with h5_errors("writing rows"):
             for path, _ in self._leaves:
-                ds, arr = self._datasets[path], encoded[path]
+                arr = encoded[path]
+                if path in records:
+                    if arr.shape[0]:
+                        positions = np.arange(start, start + arr.shape[0], dtype=np.int64)
+                        self._packed[path].write(positions, records[path], _write_sorted)
+                    continue
+                ds = self._datasets[path]
                 if arr.shape[0] and not write_rows(ds, start, arr):
                     ds[start : start + arr.shape[0]] = arr
 
@@ -461,6 +511,10 @@ class HDF5Storage(_StorageFile):
     def get_segments(self) -> None:
         """HDF5Storage keeps no segment index (the ReplayBuffer does)."""
         return None
+
+
+def _write_sorted(ds: h5py.Dataset, rows: np.ndarray, values: np.ndarray) -> None:
+    write_sorted_unique_rows(ds, rows, values)
 
 
 def _reshape_batch(flat: Mapping[str, Any], index_shape: tuple[int, ...]) -> dict[str, Any]:

@@ -49,7 +49,7 @@ FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "sampling": st.dictionaries(st.text(max_size=12), json_scalars, max_size=8),
     "idempotency_key": st.none() | st.binary(min_size=16, max_size=16),
     "first_episode": st.none() | u64, "max_episodes": st.none() | u64,
-    "table": st.none() | table_names, "pad": st.none() | st.booleans(),
+    "table": st.none() | table_names, "pad": st.none() | st.booleans(), "packed": st.none() | st.booleans(),
 }
 
 wire_dtypes = (

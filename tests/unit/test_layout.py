@@ -288,7 +288,10 @@ def test_chunks_mapping_with_star() -> None:
         ("gzip", 10, r"gzip level for 'obs/v' must be an int in 0\.\.9, got 10"),
         ("gzip", -1, r"gzip level for 'obs/v' must be an int in 0\.\.9"),
         ("gzip", "high", r"gzip level for 'obs/v' must be an int in 0\.\.9, got 'high'"),
-        ("zstd", None, r"compression for 'obs/v' must be one of \('gzip', 'lzf', 'szip'\) or None, got 'zstd'"),
+        ("bz2", None, r"compression for 'obs/v' must be one of \['lz4', 'zstd', 'gzip', 'lzf', 'szip'\] or None, got 'bz2'"),
+        ("zstd", 0, r"zstd level for 'obs/v' must be an int in 1\.\.22, got 0"),
+        ("zstd", "high", r"zstd level for 'obs/v' must be an int in 1\.\.22, got 'high'"),
+        ("lz4", 13, r"lz4 level for 'obs/v' must be an int in 1\.\.12 or None \(its fast mode\), got 13"),
         ({"*": "bz2"}, None, r"compression for 'obs/v' must be one of"),
     ],
 )

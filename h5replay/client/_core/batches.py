@@ -149,7 +149,7 @@ def _pipelined(state: LearnerState, group_requests: Callable[[int], list[Request
 
 def _split(state: LearnerState, replies: list[Any], group: int, with_info: bool) -> list[Any]:
     """The `group` batches of equal size that the replies of one request carry, in order."""
-    arrays = joined([r.arrays for r in replies], state.schema.names)
+    arrays = joined([state.rows_of(r) for r in replies], state.schema.names)
     info = sample_info(replies) if with_info else None
     size = next(iter(arrays.values())).shape[0] // group
     out = []

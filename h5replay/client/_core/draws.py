@@ -58,7 +58,7 @@ def _ready(value: Any) -> Drawn:
 def sample_requests(state: LearnerState, size: int, seed: int | None, t: TableDraws) -> list[RequestFactory]:
     """The Sample requests of one batch: one per message's (and rate limit step's) worth of rows."""
     limit = state.config.rate_limit_timeout
-    return [_request(P.Sample, hi - lo, _seed(seed, k), state.min_seq, limit, t.asked)
+    return [_request(P.Sample, hi - lo, _seed(seed, k), state.min_seq, limit, t.asked, state.packed)
             for k, (lo, hi) in enumerate(_chunks(size, t.rows_per_sample))]
 
 
@@ -71,7 +71,7 @@ def window_requests(state: LearnerState, size: int, steps: int, seed: int | None
         return None
     limit = state.config.rate_limit_timeout
     return [_request(P.SampleSequences, hi - lo, steps, _seed(seed, k), state.min_seq, True, limit, t.asked,
-                     pad or None)
+                     pad or None, state.packed)
             for k, (lo, hi) in enumerate(_chunks(size, windows))]
 
 
@@ -108,7 +108,7 @@ def decoded(schema: Schema, with_info: bool) -> Callable[[list[Part]], Any]:
 def sampled(state: LearnerState, replies: list[Any], with_info: bool, schema: Schema | None = None) -> Any:
     """The batch the replies of one (non-consuming) draw carry, and its SampleInfo when asked."""
     schema = schema or state.schema
-    batch = schema.decode(joined([r.arrays for r in replies], schema.names))
+    batch = schema.decode(joined([state.rows_of(r) for r in replies], schema.names))
     return (batch, sample_info(replies)) if with_info else batch
 
 

@@ -129,7 +129,7 @@ def collect(state: LearnerState, target: Target, request_ids: list[int], *, canc
             continue
         request_ids.pop(0)
         state.observe(reply)
-        parts.append((reply.arrays, sample_info([reply])))
+        parts.append((state.rows_of(reply), sample_info([reply])))
     return parts, error
 
 

@@ -94,8 +94,9 @@ def rows_by_id(state: LearnerState, ids: np.ndarray, min_seq: int = 0) -> Plan[d
     yield from fresh(state)
     parts = _chunks(ids.shape[0], state.ids_per_message) or [(0, 0)]
     seq = max(min_seq, state.min_seq)
-    replies = yield from read_many(state, READS, [_request(P.GetRows, seq, ids[lo:hi]) for lo, hi in parts])
-    return joined([r.arrays for r in replies], state.schema.names)  # type: ignore[attr-defined]
+    replies = yield from read_many(state, READS, [_request(P.GetRows, seq, ids[lo:hi], state.packed)
+                                                  for lo, hi in parts])
+    return joined([state.rows_of(r, ids[lo:hi]) for r, (lo, hi) in zip(replies, parts)], state.schema.names)
 
 
 def get_rows(state: LearnerState, row_ids: Any) -> Plan[dict[str, np.ndarray]]:
@@ -117,9 +118,9 @@ def get(state: LearnerState, indices: Any) -> Plan[dict[str, np.ndarray]]:
     idx = _integer_array(indices, "indices")
     per = state.ids_per_message
     yield from fresh(state)
-    first = (yield from read_many(state, READS, [_request(P.Get, state.min_seq, idx[:per])]))[0]
+    first = (yield from read_many(state, READS, [_request(P.Get, state.min_seq, idx[:per], state.packed)]))[0]
     if idx.shape[0] <= per:
-        return dict(first.arrays)  # type: ignore[attr-defined]
+        return state.rows_of(first)
     view = View(first.seq, first.generation, first.begin, first.end)  # type: ignore[attr-defined]
     rest = idx[per:].copy()
     rest[rest < 0] += view.length
@@ -127,7 +128,7 @@ def get(state: LearnerState, indices: Any) -> Plan[dict[str, np.ndarray]]:
     if bad.any():
         raise IndexError(f"index {int(idx[per:][np.argmax(bad)])} is out of range for {view.length} rows")
     more = yield from rows_by_id(state, rest + view.begin, view.seq)
-    return joined([first.arrays, more], state.schema.names)  # type: ignore[attr-defined]
+    return joined([state.rows_of(first), more], state.schema.names)
 
 
 def episode_table(state: LearnerState) -> Plan[tuple[np.ndarray, View]]:

@@ -10,15 +10,30 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy as np
+
 from h5replay import protocol as P
 from h5replay.client._core.ops import READS, WRITER
 from h5replay.client._kept import Kept
 from h5replay.client._reads import TableDraws, View, table_draws
+from h5replay.codecs import PackedRows, decode_rows
 from h5replay.config import ClientConfig
+from h5replay.errors import ProtocolError
 from h5replay.spaces import Schema, Space, space_from_json
 from h5replay.transitions import TransitionKeys, described_keys
 
 __all__ = ["LearnerState"]
+
+
+def _ids_for(row_ids: Any, lead: tuple[int, ...]) -> np.ndarray | None:
+    """The row id of each record of a reply's leaf of leading shape `lead` (windows: their first
+    row's id and the steps after it), or None when the reply does not say."""
+    if row_ids is None:
+        return None
+    ids = np.asarray(row_ids).astype(np.int64).reshape(-1)
+    if len(lead) == 2 and ids.shape[0] == lead[0]:
+        return (ids[:, None] + np.arange(lead[1], dtype=np.int64)[None, :]).reshape(-1)
+    return ids if ids.shape[0] == int(np.prod(lead)) else None
 
 
 class LearnerState:
@@ -61,6 +76,7 @@ class LearnerState:
         self.updates_pending: Callable[[], bool] = lambda: False
         self.updates_seq: Callable[[], int] = lambda: 0
         self._tables: dict[str | None, TableDraws] = {}
+        self._leaf_of = dict(self.schema.leaves)
 
     # ------------------------------------------------------------------ tables
 
@@ -97,6 +113,34 @@ class LearnerState:
         """The schema of what a kept draw of `kind` holds: a transition, or the rows' own."""
         keys = self.transition_keys
         return self.transition_schema(keys) if kind[0] == "transitions" and keys is not None else self.schema
+
+    # ------------------------------------------------------------------ rows of a reply
+
+    @property
+    def packed(self) -> bool | None:
+        """What read requests say of compressed leaves: True, send them as stored (this client
+        decodes them); None, decode them on the server (ClientConfig.raw_rows)."""
+        return None if self.config.raw_rows else True
+
+    def rows_of(self, reply: Any, row_ids: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """The leaves of a read reply, compressed ones decoded (checked against their CRC; a
+        damaged record raises DamagedRecordError naming its row: `row_ids`, else the reply's)."""
+        arrays: Mapping[str, Any] = reply.arrays
+        if not any(isinstance(a, PackedRows) for a in arrays.values()):
+            return dict(arrays)
+        if row_ids is None:
+            row_ids = getattr(reply, "row_ids", None)
+        out: dict[str, np.ndarray] = {}
+        for path, value in arrays.items():
+            if not isinstance(value, PackedRows):
+                out[path] = value
+                continue
+            leaf = self._leaf_of.get(path)
+            if leaf is None:
+                raise ProtocolError(f"the server sent compressed rows of {path!r}, which is no leaf of its space")
+            ids = _ids_for(row_ids, value.shape)
+            out[path] = decode_rows(value, leaf.storage_dtype, leaf.shape, path, ids)
+        return out
 
     # ------------------------------------------------------------------ the view
 

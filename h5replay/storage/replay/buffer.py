@@ -504,29 +504,31 @@ class ReplayBuffer(Commits, Draws, Transitions):
             raise failure
         raise StorageError("the writer overwrote the rows being read on every retry; read fewer or newer rows")
 
-    def get_at(self, index: Any, *, decode: bool = True) -> Any:
+    def get_at(self, index: Any, *, decode: bool | str = True) -> Any:
         """Rows by logical index (0 is the oldest held); same index kinds as `HDF5Storage.get`.
-        `decode=False` gives {leaf path: stored array} (text as UTF-8 bytes), the wire form."""
+        `decode=False` gives {leaf path: stored array} (text as UTF-8 bytes), the wire form;
+        `decode=PACKED` also keeps compressed leaves as stored (PackedRows), as readers send them."""
         return self.get_at_with_ids(index, decode=decode)[0]
 
-    def get_at_with_ids(self, index: Any, *, decode: bool = True) -> tuple[Any, np.ndarray]:
+    def get_at_with_ids(self, index: Any, *, decode: bool | str = True) -> tuple[Any, np.ndarray]:
         """(rows, their row ids as int64) for logical `index`."""
 
         def attempt(view: State) -> tuple[tuple[Any, np.ndarray], int]:
             kind, where = normalize_index(index, view.length)
             if kind == "int":
                 g = view.begin + where
-                return (self.storage.read("int", int(self._phys(g, view)), decode), np.array([g], np.int64)), g
+                one = np.array([g], np.int64)
+                return (self.storage.read("int", int(self._phys(g, view)), decode, one), one), g
             if kind == "slice":
                 where = np.arange(where[0], where[1], dtype=np.int64)
             if where.size == 0:
                 return (self.storage.read("slice", (0, 0), decode), np.zeros(0, np.int64)), view.end
             g = where + view.begin
-            return (self.storage.read("array", self._phys(g, view), decode), g), int(g.min())
+            return (self.storage.read("array", self._phys(g, view), decode, g), g), int(g.min())
 
         return self._consistent(attempt)
 
-    def get_rows(self, row_ids: Any, *, decode: bool = True) -> Any:
+    def get_rows(self, row_ids: Any, *, decode: bool | str = True) -> Any:
         """Rows by global row id (any order, duplicates kept), whatever has been added since.
 
         Raises:
@@ -540,7 +542,7 @@ class ReplayBuffer(Commits, Draws, Transitions):
             if ids.size == 0:
                 return self.storage.read("slice", (0, 0), decode), view.end
             lowest = check_held(ids, view)  # before any read: an id not held names itself
-            return self.storage.read("array", self._phys(ids, view), decode), lowest
+            return self.storage.read("array", self._phys(ids, view), decode, ids), lowest
 
         return self._consistent(attempt)
 

@@ -149,8 +149,8 @@ class Draws:
                 self._move_begin(first)
 
     def sample(
-        self, batch_size: int, rng: np.random.Generator | None = None, *, with_info: bool = False, decode: bool = True,
-        table: str | None = None,
+        self, batch_size: int, rng: np.random.Generator | None = None, *, with_info: bool = False,
+        decode: bool | str = True, table: str | None = None,
     ) -> Any:
         """`batch_size` rows drawn by `table`'s sampler (None: the only table): uniformly or by
         priority, with replacement; or (fifo / lifo, or when rows are removed) without. With
@@ -171,7 +171,7 @@ class Draws:
 
         def attempt(view: State) -> tuple[tuple[Any, np.ndarray, np.ndarray], int]:
             g, probabilities = sampling.draw(view, size, rng)
-            return (self.storage.read("array", self._phys(g, view), decode), g, probabilities), int(g.min())
+            return (self.storage.read("array", self._phys(g, view), decode, g), g, probabilities), int(g.min())
 
         batch, g, probabilities = self._consistent(attempt)
         self._count_sampled(sampling, g, size)
@@ -181,7 +181,7 @@ class Draws:
 
     def sample_sequences(
         self, batch_size: int, length: int, rng: np.random.Generator | None = None, *, with_info: bool = False,
-        decode: bool = True, rows: bool = True, table: str | None = None, pad: bool = False,
+        decode: bool | str = True, rows: bool = True, table: str | None = None, pad: bool = False,
     ) -> Any:
         """`batch_size` windows of `length` consecutive rows, each inside one complete episode,
         uniform over all such windows (prioritized: by the priority of the window's first row),
@@ -220,8 +220,9 @@ class Draws:
                 return (None, info), int(g0.min())
             if valid is None:
                 g = g0[:, None] + np.arange(steps, dtype=np.int64)[None, :]
-                return (self.storage.read("array", self._phys(g, view), decode), info), int(g0.min())
-            batch = self.storage.read("array", self._phys(window_rows(g0, valid, steps), view), decode)
+                return (self.storage.read("array", self._phys(g, view), decode, g), info), int(g0.min())
+            g = window_rows(g0, valid, steps)  # padded: the rows are zeroed past each episode's end, so decoded
+            batch = self.storage.read("array", self._phys(g, view), decode if decode is True else False, g)
             return (masked(batch, valid, steps), info), int(g0.min())
 
         batch, info = self._consistent(attempt)
