@@ -59,6 +59,10 @@ class PackedRows:
     def shape(self) -> tuple[int, ...]:
         return tuple(self.meta.shape[:-1])
 
+    @property
+    def ndim(self) -> int:
+        return self.meta.ndim - 1
+
     def __len__(self) -> int:
         return int(self.meta.shape[0])
 
@@ -67,9 +71,10 @@ class PackedRows:
         return int(self.blob.nbytes + self.meta.nbytes)
 
 
-def _missing(package: str, what: str) -> ConfigError:
+def _missing(package: str, what: str, reading: bool = False) -> ConfigError:
+    also = "; a learner may instead ask its server for raw rows: ClientConfig(raw_rows=True)" if reading else ""
     return ConfigError(f"{what} needs the '{package}' package, which this process lacks: "
-                       f"pip install 'h5replay[compression]' (or pip install {package})")
+                       f"pip install 'h5replay[compression]' (or pip install {package}){also}")
 
 
 _local = threading.local()  # codec contexts are not safe to share between threads
@@ -150,7 +155,7 @@ def _decoder(kind: int, where: str) -> Callable[[memoryview, int], bytes]:
     if kind == ZSTD:
         zstandard = _zstd()
         if zstandard is None:
-            raise _missing("zstandard", f"reading the zstd records of leaf '{where}'")
+            raise _missing("zstandard", f"reading the zstd records of leaf '{where}'", reading=True)
         ctx = getattr(_local, "zstd_d", None)
         if ctx is None:
             ctx = _local.zstd_d = zstandard.ZstdDecompressor()
@@ -161,7 +166,7 @@ def _decoder(kind: int, where: str) -> Callable[[memoryview, int], bytes]:
     if kind == LZ4:
         block = _lz4_block()
         if block is None:
-            raise _missing("lz4", f"reading the lz4 records of leaf '{where}'")
+            raise _missing("lz4", f"reading the lz4 records of leaf '{where}'", reading=True)
         def lz4(data: memoryview, n: int) -> bytes:
             out: bytes = block.decompress(data, uncompressed_size=n)
             return out
