@@ -151,7 +151,9 @@ def encode_rows(rows: np.ndarray, chosen: Codec) -> list[tuple[bytes | memoryvie
     return out
 
 
-def _decoder(kind: int, where: str) -> Callable[[memoryview, int], bytes]:
+def _decoder(kind: int, where: str) -> Callable[[memoryview, np.ndarray], int]:
+    """A function that decodes one record into a row's bytes (a 1-d uint8 array) and returns how
+    many bytes it wrote."""
     if kind == ZSTD:
         zstandard = _zstd()
         if zstandard is None:
@@ -159,17 +161,23 @@ def _decoder(kind: int, where: str) -> Callable[[memoryview, int], bytes]:
         ctx = getattr(_local, "zstd_d", None)
         if ctx is None:
             ctx = _local.zstd_d = zstandard.ZstdDecompressor()
-        def zstd(data: memoryview, n: int) -> bytes:
-            out: bytes = ctx.decompress(data, max_output_size=n)
-            return out
+
+        def zstd(data: memoryview, row: np.ndarray) -> int:
+            with ctx.stream_reader(data) as reader:  # straight into the row: no bytes object, no copy
+                written: int = reader.readinto(row.data)
+                if written == row.nbytes and reader.read(1):
+                    return written + 1  # more data than a row: wrong
+            return written
         return zstd
     if kind == LZ4:
         block = _lz4_block()
         if block is None:
             raise _missing("lz4", f"reading the lz4 records of leaf '{where}'", reading=True)
-        def lz4(data: memoryview, n: int) -> bytes:
-            out: bytes = block.decompress(data, uncompressed_size=n)
-            return out
+
+        def lz4(data: memoryview, row: np.ndarray) -> int:
+            out = block.decompress(data, uncompressed_size=row.nbytes)
+            row[: len(out)] = np.frombuffer(out, np.uint8)
+            return len(out)
         return lz4
     raise DamagedRecordError(f"leaf '{where}': unknown record kind {kind}")
 
@@ -196,7 +204,7 @@ def decode_rows(packed: PackedRows, dtype: np.dtype[Any], row_shape: tuple[int, 
                                  f"{blob.shape[0]}")
     ends = np.cumsum(sizes)
     view = blob.data
-    decoders: dict[int, Callable[[memoryview, int], bytes]] = {}
+    decoders: dict[int, Callable[[memoryview, np.ndarray], int]] = {}
     for i in range(n):
         size, kind, crc = int(meta[i, 0]), int(meta[i, 1]), int(meta[i, 2])
         if kind == EMPTY:
@@ -216,13 +224,12 @@ def decode_rows(packed: PackedRows, dtype: np.dtype[Any], row_shape: tuple[int, 
         if decode is None:
             decode = decoders[kind] = _decoder(kind, where)
         try:
-            data = decode(record, row_bytes)
+            written = decode(record, target[i])
         except Exception as exc:  # each package raises its own error type
             raise DamagedRecordError(f"leaf '{where}' ({name}): the record of {row} does not decode: {exc}") from exc
-        if len(data) != row_bytes:
-            raise DamagedRecordError(f"leaf '{where}' ({name}): the record of {row} decodes to {len(data)} bytes, "
-                                     f"not {row_bytes}")
-        target[i] = np.frombuffer(data, np.uint8)
+        if written != row_bytes:
+            raise DamagedRecordError(f"leaf '{where}' ({name}): the record of {row} does not decode to a row of "
+                                     f"{row_bytes} bytes")
     return out.reshape(*lead, *row_shape)
 
 

@@ -225,3 +225,17 @@ def test_malformed_stored_records_are_refused_by_the_wire(change: Any, match: st
     frames = P.encode(_reply(arrays, 2))
     with pytest.raises(ProtocolError, match=match):
         P.decode([bytes(f) for f in frames], expect=P.SampleReply)
+
+
+@pytest.mark.parametrize(("record", "kind", "match"), [
+    (b"\x28\xb5\x2f\xfd" + b"junk" * 8, codecs.ZSTD, r"the record of row 41 does not decode"),
+    (bytes(range(40)), codecs.LZ4, r"the record of row 41 does not decode"),
+    (codecs.codec("zstd", 1, "x").encode(memoryview(b"\x00" * 10)) or b"", codecs.ZSTD,
+     r"row 41 does not decode to a row of 2304 bytes"),
+    (b"\x00" * 10, codecs.RAW, r"the raw record of row 41 has 10 bytes, not 2304"),
+    (b"\x00" * 10, 9, r"unknown record kind 9"),
+])
+def test_a_record_that_checks_but_does_not_decode_is_never_returned(record: bytes, kind: int, match: str) -> None:
+    packed = PackedRows(np.frombuffer(record, np.uint8), np.array([[len(record), kind, codecs.crc32(record)]], np.int64))
+    with pytest.raises(DamagedRecordError, match=match):
+        codecs.decode_rows(packed, np.dtype(np.uint8), IMAGE, "obs/image", [41])
