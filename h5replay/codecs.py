@@ -191,46 +191,58 @@ def decode_rows(packed: PackedRows, dtype: np.dtype[Any], row_shape: tuple[int, 
             message names the leaf, the codec and the row (its id when `row_ids` is given).
         ConfigError: the codec's package is not installed here.
     """
-    lead = packed.shape
     meta = packed.meta.reshape(-1, META_COLUMNS)
+    sizes = meta[:, 0]
+    blob = packed.blob
+    if meta.shape[0] and (int(sizes.min()) < 0 or int(sizes.sum()) != blob.shape[0]):
+        raise DamagedRecordError(f"leaf '{where}': records declare {int(sizes.sum())} bytes, the data has "
+                                 f"{blob.shape[0]}")
+    ends = np.cumsum(sizes).tolist()
+    view = blob.data
+    records = [view[end - size : end] for end, size in zip(ends, sizes.tolist())]
+    return decode_records(records, meta, dtype, row_shape, where, row_ids).reshape(*packed.shape, *row_shape)
+
+
+def decode_records(records: Sequence[Any], meta: np.ndarray, dtype: np.dtype[Any], row_shape: tuple[int, ...],
+                   where: str, row_ids: Sequence[int] | np.ndarray | None = None) -> np.ndarray:
+    """Rows (n, *row_shape) from `records` (n buffers, each exactly one record) and their meta
+    ((n, 3): size, kind, crc32), each checked before it is decoded (see decode_rows)."""
     n = meta.shape[0]
     out = np.zeros((n, *row_shape), dtype=dtype)
     row_bytes = out[0].nbytes if n else 0
     target = out.reshape(n, -1).view(np.uint8) if row_bytes else out.reshape(n, 0).view(np.uint8)
-    blob = packed.blob
-    sizes = meta[:, 0]
-    if n and (int(sizes.min()) < 0 or int(sizes.sum()) != blob.shape[0]):
-        raise DamagedRecordError(f"leaf '{where}': records declare {int(sizes.sum())} bytes, the data has "
-                                 f"{blob.shape[0]}")
-    ends = np.cumsum(sizes)
-    view = blob.data
     decoders: dict[int, Callable[[memoryview, np.ndarray], int]] = {}
-    for i in range(n):
-        size, kind, crc = int(meta[i, 0]), int(meta[i, 1]), int(meta[i, 2])
+    for i, (size, kind, crc) in enumerate(meta.tolist()):
         if kind == EMPTY:
             continue  # a row never written reads as zeros, as in an uncompressed leaf
-        record = view[int(ends[i]) - size : int(ends[i])]
-        name = _KIND_NAMES.get(kind, f"kind {kind}")
-        row = f"row {int(row_ids[i])}" if row_ids is not None else f"record {i}"
-        if zlib.crc32(record) != crc:
-            raise DamagedRecordError(f"leaf '{where}' ({name}): the stored record of {row} is damaged (its CRC-32 "
-                                     "does not match); it is not returned")
+        record = records[i]
+        if zlib.crc32(record) != crc or len(record) != size:
+            raise DamagedRecordError(f"leaf '{where}' ({_KIND_NAMES.get(kind, f'kind {kind}')}): the stored record "
+                                     f"of {_row(i, row_ids)} is damaged (its CRC-32 does not match); it is not "
+                                     "returned")
         if kind == RAW:
             if size != row_bytes:
-                raise DamagedRecordError(f"leaf '{where}': the raw record of {row} has {size} bytes, not {row_bytes}")
+                raise DamagedRecordError(f"leaf '{where}': the raw record of {_row(i, row_ids)} has {size} bytes, "
+                                         f"not {row_bytes}")
             target[i] = np.frombuffer(record, np.uint8)
             continue
         decode = decoders.get(kind)
         if decode is None:
             decode = decoders[kind] = _decoder(kind, where)
+        name = _KIND_NAMES[kind]
         try:
             written = decode(record, target[i])
         except Exception as exc:  # each package raises its own error type
-            raise DamagedRecordError(f"leaf '{where}' ({name}): the record of {row} does not decode: {exc}") from exc
+            raise DamagedRecordError(f"leaf '{where}' ({name}): the record of {_row(i, row_ids)} does not decode: "
+                                     f"{exc}") from exc
         if written != row_bytes:
-            raise DamagedRecordError(f"leaf '{where}' ({name}): the record of {row} does not decode to a row of "
-                                     f"{row_bytes} bytes")
-    return out.reshape(*lead, *row_shape)
+            raise DamagedRecordError(f"leaf '{where}' ({name}): the record of {_row(i, row_ids)} does not decode to "
+                                     f"a row of {row_bytes} bytes")
+    return out
+
+
+def _row(i: int, row_ids: Sequence[int] | np.ndarray | None) -> str:
+    return f"row {int(row_ids[i])}" if row_ids is not None else f"record {i}"
 
 
 def crc32(data: bytes | memoryview) -> int:

@@ -142,10 +142,21 @@ class PackedColumn:
 
     def records(self, flat: np.ndarray, row_ids: np.ndarray | None = None) -> PackedRows:
         """The stored records of physical rows `flat` (1-d, in range), in that order."""
+        pieces, meta = self._pieces(flat, row_ids)
+        blob = np.concatenate(pieces) if pieces else np.zeros(0, np.uint8)
+        return PackedRows(blob, np.ascontiguousarray(meta[:, :META_COLUMNS]))
+
+    def read(self, flat: np.ndarray, row_ids: np.ndarray | None = None) -> np.ndarray:
+        """Rows `flat`, decoded: (n, *row_shape)."""
+        pieces, meta = self._pieces(flat, row_ids)
+        return codecs.decode_records([p.data for p in pieces], meta[:, :META_COLUMNS], self.dtype, self.row_shape, self.path, row_ids)
+
+    def _pieces(self, flat: np.ndarray, row_ids: np.ndarray | None) -> tuple[list[np.ndarray], np.ndarray]:
+        """(each row's record, as a view of the rows read; the rows' meta), checked for sizes and
+        spill slots the file cannot hold (a damaged record table)."""
         meta = self._gather(f"{self.path}/meta", flat)
         self._check(meta)
         sizes, spilled = meta[:, 0], meta[:, 3]
-        n = flat.shape[0]
         bad = (sizes < 0) | (sizes > self.row_bytes) | ((spilled == 0) & (sizes > self.slot_bytes)) | (spilled < 0)
         if bad.any():
             i = int(np.argmax(bad))
@@ -153,18 +164,17 @@ class PackedColumn:
             raise DamagedRecordError(f"leaf '{self.path}' ({self.codec_name}): the record table entry of {row} is "
                                      f"damaged ({int(sizes[i])} bytes, spill slot {int(spilled[i]) - 1})")
         slots = self._gather(f"{self.path}/slots", flat)
+        lengths = sizes.tolist()
         if not spilled.any():
-            blob = slots[np.arange(self.slot_bytes)[None, :] < sizes[:, None]]
-        else:
-            pieces: list[np.ndarray] = []
-            away = np.flatnonzero(spilled)
-            spill_rows = self._spill_rows(spilled[away] - 1, flat[away], row_ids, away)
-            where = dict(zip(away.tolist(), range(away.shape[0])))
-            for i in range(n):
-                k = where.get(i)
-                pieces.append(slots[i, : sizes[i]] if k is None else spill_rows[k, : sizes[i]])
-            blob = np.concatenate(pieces) if pieces else np.zeros(0, np.uint8)
-        return PackedRows(np.ascontiguousarray(blob, dtype=np.uint8), np.ascontiguousarray(meta[:, :META_COLUMNS]))
+            return [slots[i, :size] for i, size in enumerate(lengths)], meta
+        away = np.flatnonzero(spilled)
+        spill_rows = self._spill_rows(spilled[away] - 1, flat[away], row_ids, away)
+        where = dict(zip(away.tolist(), range(away.shape[0])))
+        pieces = []
+        for i, size in enumerate(lengths):
+            k = where.get(i)
+            pieces.append(slots[i, :size] if k is None else spill_rows[k, :size])
+        return pieces, meta
 
     def _spill_rows(self, slots: np.ndarray, flat: np.ndarray, row_ids: np.ndarray | None,
                     which: np.ndarray) -> np.ndarray:
@@ -180,10 +190,6 @@ class PackedColumn:
             raise DamagedRecordError(f"leaf '{self.path}' ({self.codec_name}): the record of {row} names spill slot "
                                      f"{int(slots[i])}, beyond the {known} the file holds")
         return self._gather(f"{self.path}/spill", slots)
-
-    def read(self, flat: np.ndarray, row_ids: np.ndarray | None = None) -> np.ndarray:
-        """Rows `flat`, decoded: (n, *row_shape)."""
-        return codecs.decode_rows(self.records(flat, row_ids), self.dtype, self.row_shape, self.path, row_ids)
 
     # ------------------------------------------------------------------ writing
 
