@@ -26,8 +26,9 @@ def _level(text: str) -> int:
 
 
 def _layout_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--compression", choices=("gzip", "lzf", "none"), default="none",
-                   help="compression of every dataset (default none)")
+    p.add_argument("--compression", choices=("gzip", "lzf", "none"),
+                   help="compression of every dataset, zstd and lz4 leaves included (default: a copy keeps its "
+                        "source's layout, compressed leaves with their codec, level and slot size; else none)")
     p.add_argument("--level", type=_level, help="gzip level 0..9")
     p.add_argument("--chunks", default="auto",
                    help="auto (contiguous when possible, else ~64 KiB of whole rows), or rows per chunk (default auto)")
@@ -48,6 +49,11 @@ def add_commands(sub: Any, common: argparse.ArgumentParser) -> None:
                         help="make the copy a new replay (its own replay id, publish count from 0), to serve it beside "
                              "its source; by default it is the same replay, which clients follow when it is served in "
                              "the source's place")
+    export.add_argument("--plain", action="store_true",
+                        help="write each zstd/lz4 leaf (h5replay's records) as an ordinary dataset through the "
+                             "standard HDF5 filter of its codec (hdf5plugin's Zstd, same level; or LZ4), which h5py "
+                             "reads after `import hdf5plugin`, without h5replay (needs h5replay[compression]; the "
+                             "copy cannot be served with multiprocessing); not with --compression")
     export.add_argument("--skip-missing-finals", action="store_true",
                         help="--to minari: leave out episodes kept without a final observation (by default they "
                              "are refused)")
@@ -69,12 +75,14 @@ def add_commands(sub: Any, common: argparse.ArgumentParser) -> None:
 
 def _layout_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kwargs: dict[str, Any] = {}
-    if args.compression != "none":
+    if args.compression not in (None, "none"):
         kwargs["compression"] = args.compression
         if args.level is not None:
             kwargs["compression_level"] = args.level
     elif args.level is not None:
         raise ConfigError("--level needs --compression gzip")
+    elif args.compression == "none":
+        kwargs["compression"] = None  # asked for: a copy's zstd and lz4 leaves are no longer kept either
     if args.chunks != "auto":
         try:
             kwargs["chunks"] = (int(args.chunks),)
@@ -105,16 +113,20 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     if args.skip_missing_finals:
         raise ConfigError("--skip-missing-finals applies to --to minari")
+    if args.plain and args.compression is not None:
+        raise ConfigError(f"--plain writes each compressed leaf through the standard HDF5 filter of its own codec; "
+                          f"leave out --compression {args.compression}")
     if os.path.exists(args.out) and not args.overwrite:
         raise ConfigError(f"{args.out!r} already exists; pass --overwrite to replace it")
     export_file(args.path, args.out, overwrite=args.overwrite, progress=Progress("export"), new_replay=args.new_replay,
-                **_layout_kwargs(args))
+                plain=args.plain, **_layout_kwargs(args))
     print(f"wrote {args.out}")
     return 0
 
 
 def _export_minari(args: argparse.Namespace) -> int:
-    given = [flag for flag, value in (("--new-replay", args.new_replay), ("--compression", args.compression != "none"),
+    given = [flag for flag, value in (("--new-replay", args.new_replay), ("--plain", args.plain),
+                                      ("--compression", args.compression is not None),
                                       ("--level", args.level is not None), ("--chunks", args.chunks != "auto"),
                                       ("--capacity", args.capacity != "same")) if value]
     if given:

@@ -1,7 +1,8 @@
 """How each leaf is laid out in HDF5: contiguous or whole-row chunks, compression per leaf.
 
 Pure code: turns the `create()` arguments into per-dataset h5py keyword arguments, so the rules of
-the design document live in one place and are testable without a file.
+the design document live in one place and are testable without a file. (`register_filters` only
+imports hdf5plugin, whose import registers its HDF5 filters.)
 
 Rules (per leaf):
   * fixed capacity, no compression, chunks None, not multiprocessing -> contiguous;
@@ -20,8 +21,9 @@ Rules (per leaf):
   * "zstd" and "lz4" (fixed capacity only) store the leaf as h5replay's own records, one per row
     in a fixed slot with a spill area (storage/packed.py): no HDF5 filter, so it stays bounded
     under SWMR; `compression_slot` sizes the slot;
-  * an HDF5 filter (gzip, lzf, szip) with a fixed capacity and multiprocessing (SWMR) is refused:
-    the file would grow without bound (HDF5 never reuses file space under SWMR).
+  * an HDF5 filter (gzip, lzf, szip, or a plugin's by its filter id: `PLAIN_FILTERS`, what
+    `export --plain` makes of zstd and lz4 leaves) with a fixed capacity and multiprocessing
+    (SWMR) is refused: the file would grow without bound (HDF5 never reuses file space under SWMR).
 `compression`, `compression_level`, `compression_slot` and `chunks` may be mappings keyed by leaf path ("obs/image"),
 by a top-level key ("obs"), or "*" for the rest.
 """
@@ -37,6 +39,29 @@ from h5replay.storage.indexing import CHUNK_TARGET_BYTES
 from h5replay.storage.packed import PackedLayout
 
 _COMPRESSIONS = ("gzip", "lzf", "szip")
+#: The standard HDF5 filter (hdf5plugin's, by filter id) each codec of a compressed leaf becomes in
+#: a plain copy (`h5replay export --plain`), which h5py reads with hdf5plugin imported, without h5replay.
+PLAIN_FILTERS = {"zstd": 32015, "lz4": 32004}
+
+
+def plain_filter(codec: str, level: int | None) -> tuple[int, int | None]:
+    """(filter id, level) of the HDF5 filter a leaf compressed by `codec` at `level` becomes in a
+    plain copy: hdf5plugin's Zstd at the same level, or its LZ4 (which takes no level)."""
+    return PLAIN_FILTERS[codec], level if codec == "zstd" else None
+
+
+def register_filters(what: str) -> None:
+    """Register hdf5plugin's HDF5 filters (Zstd, LZ4, ...) in this process: importing it does.
+    h5py can neither write nor read a dataset through a filter HDF5 does not know.
+
+    Raises:
+        ConfigError: hdf5plugin is not installed; the message says `what` needed it.
+    """
+    try:
+        import hdf5plugin  # noqa: F401  (imported for its side effect)
+    except ImportError as exc:
+        raise ConfigError(f"{what} needs the 'hdf5plugin' package (standard HDF5 filters), which this process lacks: "
+                          "pip install 'h5replay[compression]' (or pip install hdf5plugin)") from exc
 
 
 def resolve_option(option: Any, path: str) -> Any:
@@ -151,5 +176,6 @@ def dataset_kwargs(
     if comp is not None:
         kwargs["compression"] = comp
         if level is not None:
-            kwargs["compression_opts"] = level
+            # A filter given by its id takes its options as a tuple (h5py passes them to H5Pset_filter).
+            kwargs["compression_opts"] = (level,) if isinstance(comp, int) and isinstance(level, int) else level
     return kwargs

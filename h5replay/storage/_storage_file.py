@@ -181,6 +181,9 @@ class _StorageFile:
                 raise SpaceMismatchError(f"'{path}' in the file is a group, but the space has a leaf there")
             if check_file:
                 self._check_dataset(path, leaf, ds)
+            dcpl = ds.id.get_create_plist()  # a filter HDF5 lacks: hdf5plugin's (an `export --plain` copy's)?
+            if any(not h5py.h5z.filter_avail(dcpl.get_filter(i)[0]) for i in range(dcpl.get_nfilters())):
+                _layout.register_filters(f"{self.filename!r}: reading dataset '{path}' (an HDF5 filter)")
             if self._uncached_writes and ds is not root:  # a dataset given as the root stays the caller's
                 ds = _h5file.for_writing(ds)
             self._datasets[path] = ds

@@ -16,9 +16,10 @@ from typing import Any
 
 import numpy as np
 
+from h5replay.codecs import META_COLUMNS
 from h5replay.errors import ConfigError, StorageError
 from h5replay.records import Receipt
-from h5replay.storage import _h5file
+from h5replay.storage import _h5file, _layout
 from h5replay.storage.replay.buffer import ReplayBuffer
 from h5replay.storage.replay.ring import Ring
 
@@ -36,6 +37,7 @@ def export_buffer(
     overwrite: bool = False,
     progress: Callable[[int, int], None] | None = None,
     new_replay: bool = False,
+    plain: bool = False,
     **storage_kwargs: Any,
 ) -> None:
     """Write the rows and episodes `buffer` holds to a new buffer file, oldest row first, keeping
@@ -49,12 +51,21 @@ def export_buffer(
     place. `new_replay=True` makes it a new replay instead (a new id, counters from 0): for a copy
     served beside its source, or whose rows will diverge from it.
 
+    Without layout arguments the copy keeps the source's: compressed leaves (zstd, lz4) stay
+    compressed with the same codec, level and slot size, the others keep their chunks.
+    `plain=True` writes each compressed leaf as an ordinary dataset through the standard HDF5
+    filter of its codec instead (hdf5plugin's Zstd at the same level, or its LZ4), which plain
+    h5py reads after `import hdf5plugin`, without h5replay; such a copy cannot be served with
+    multiprocessing (a filtered ring grows without bound under SWMR).
+
     A file cut short (see `ReplayBuffer.load_from`) is copied from the newest row back to the
     newest row that lies in its missing part, left out with everything older (a warning says how
     many rows): ids stay consecutive, and nothing that was lost is made up.
 
     Raises:
-        ConfigError: `path` exists (without overwrite) or `capacity` is below the rows held.
+        ConfigError: `path` exists (without overwrite), `capacity` is below the rows held, the
+            copy is unbounded but would keep compressed leaves as records, or `plain=True` is
+            given a compression or without hdf5plugin installed.
         EvictedError: a writer overwrote rows of a live buffer while they were being copied.
     """
     target = _h5file.file_path(path)
@@ -84,7 +95,7 @@ def export_buffer(
     tables = buffer.tables
     prioritized = [name for name, t in tables.items() if t.prioritized]
     removing = [name for name, t in tables.items() if t.removes]
-    storage_kwargs = {**_same_chunks(buffer, new_capacity, storage_kwargs), **storage_kwargs}
+    storage_kwargs = {**_same_layout(buffer, new_capacity, storage_kwargs, plain), **storage_kwargs}
     copy = type(buffer).create(
         buffer.space, new_capacity, partial, first_row_id=first_row,
         first_episode_id=episode_ids[0] if episode_ids else view.ep_end, tables=tables,
@@ -134,21 +145,60 @@ def _transition_keys(buffer: ReplayBuffer) -> dict[str, Any]:
             "truncated_key": keys.truncated}
 
 
-def _same_chunks(buffer: ReplayBuffer, capacity: int | None, asked: dict[str, Any]) -> dict[str, Any]:
-    """{"chunks": the source's chunk shape per leaf} when the caller asked for no layout of its
-    own: a copy of a served file (whose leaves SWMR keeps chunked) must stay servable, which a
-    contiguous copy is not (SWMR readers of HDF5 1.14.4+ cannot open it, HDFGroup/hdf5#5251;
-    those of 2.0 fail to refresh it once it grows). A contiguous source stays contiguous."""
-    if any(asked.get(name) is not None for name in ("chunks", "compression", "compression_level")):
-        return {}
-    shapes: dict[str, Any] = {}
+_LAYOUT_ARGS = ("chunks", "compression", "compression_level")
+
+
+def _same_layout(buffer: ReplayBuffer, capacity: int | None, asked: dict[str, Any], plain: bool) -> dict[str, Any]:
+    """The source's layout, as far as the caller asks none of its own. Compressed leaves keep
+    their codec, level and slot size unless chunks, a compression or a level are asked (even
+    None: a copy must not grow many times over unasked). The other leaves keep the source's
+    chunks unless chunks, a compression or a level other than None are asked: a copy of a served
+    file (whose leaves SWMR keeps chunked) must stay servable, which a contiguous copy is not
+    (SWMR readers of HDF5 1.14.4+ cannot open it, HDFGroup/hdf5#5251; those of 2.0 fail to
+    refresh it once it grows). A contiguous source stays contiguous; a compressed leaf stored
+    raw at the caller's `compression=None` is chunked when the source's other leaves are.
+
+    `plain`: each compressed leaf becomes an ordinary dataset through hdf5plugin's filter of its
+    codec instead (_layout.PLAIN_FILTERS); the others as above."""
     storage = buffer.file_storage
+    compressed = storage.compressed_leaves
+    if plain:
+        given = [name for name in ("compression", "compression_level", "compression_slot") if name in asked]
+        if given:
+            raise ConfigError(f"plain=True (--plain) writes each compressed leaf through the standard HDF5 filter of "
+                              f"its own codec; it takes no {', '.join(given)}")
+        if compressed:
+            _layout.register_filters("plain=True (--plain)")  # h5py refuses to write through a filter HDF5 lacks
+    records = plain or not any(name in asked for name in _LAYOUT_ARGS)
+    chunked = not any(asked.get(name) is not None for name in _LAYOUT_ARGS)
+    if compressed and records and capacity is None and not plain:
+        leaves = ", ".join(f"'{path}' ({codec})" for path, codec in compressed.items())
+        raise ConfigError(f"an unbounded copy cannot keep {leaves} compressed as h5replay's records, which need a "
+                          "fixed capacity: keep a capacity, choose the copy's compression (gzip, lzf, none), or write "
+                          "it plain (--plain)")
+    filters: dict[str, Any] = {}
+    levels: dict[str, Any] = {}
+    slots: dict[str, Any] = {}
+    shapes: dict[str, Any] = {}
     for path, _ in storage.leaves:
+        if path in compressed:
+            if records:
+                column = storage.compressed_leaf(path)
+                filters[path], level = (_layout.plain_filter(column.codec_name, column.level) if plain
+                                        else (column.codec_name, column.level))
+                if level is not None:
+                    levels[path] = level
+                if not plain:
+                    slots[path] = column.slot_bytes
+            continue
         chunks = storage.dataset(path).chunks
         if chunks is not None and capacity is not None:
             chunks = (min(chunks[0], capacity), *chunks[1:])
         shapes[path] = chunks
-    return {"chunks": shapes} if any(c is not None for c in shapes.values()) else {}
+    out: dict[str, Any] = {"compression": filters, "compression_level": levels, "compression_slot": slots}
+    if chunked and any(c is not None for c in shapes.values()):
+        out["chunks"] = {**shapes, **{path: True for path in compressed if not records}}
+    return {name: value for name, value in out.items() if value}
 
 
 Span = tuple[int, int, "bool | None", "int | None"]
@@ -186,10 +236,23 @@ def _readable_run(buffer: ReplayBuffer, spans: list[Span]) -> tuple[int, int]:
         return 0, len(spans)
     capacity, origin = buffer.capacity, buffer.last_view.origin
 
+    compressed = storage.compressed_leaves
+
+    def within(leaf: str, a: int, b: int) -> bool:
+        if leaf not in compressed:
+            return _h5file.data_end(storage.dataset(leaf), a, b) <= length
+        # A compressed leaf's rows: their slots and meta (at the same row positions), and the spill
+        # slots the meta names.
+        slots, meta, spill = storage.compressed_leaf(leaf).datasets()
+        if max(_h5file.data_end(slots, a, b), _h5file.data_end(meta, a, b)) > length:
+            return False
+        named = np.unique(np.asarray(meta[a:b, META_COLUMNS], np.int64)) - 1  # each spill slot + 1 (0: none)
+        named = named[(named >= 0) & (named < spill.shape[0])]
+        return all(_h5file.data_end(spill, int(j), int(j) + 1) <= length for j in named)
+
     def readable(first: int, stop: int) -> bool:
         pieces = Ring(capacity).pieces(first, stop, origin)
-        return all(_h5file.data_end(storage.dataset(leaf), a, b) <= length for leaf, _ in storage.leaves
-                   for a, b, _ in pieces)
+        return all(within(leaf, a, b) for leaf, _ in storage.leaves for a, b, _ in pieces)
 
     best, start = (0, 0), 0
     for k, (first, stop, _, _) in enumerate(spans):

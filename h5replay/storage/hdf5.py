@@ -40,6 +40,7 @@ from h5replay.storage._rowio import read_slice, read_sorted_unique_rows, write_r
 from h5replay.storage._storage_file import _StorageFile
 from h5replay.storage.fastread import MappedRows
 from h5replay.storage.indexing import fancy_indexing_to_supported_indexing, fancy_indexing_to_supported_set_indexing
+from h5replay.storage.packed import PackedColumn
 from h5replay.storage.segment import SegmentWriter, Staging
 
 __all__ = ["HDF5Storage", "FORMAT_VERSION", "PACKED"]
@@ -205,6 +206,19 @@ class HDF5Storage(_StorageFile):
         """{leaf path: codec} of the leaves stored as compressed records."""
         self._ensure_open()
         return {path: column.codec_name for path, column in self._packed.items()}
+
+    def compressed_leaf(self, path: str) -> PackedColumn:
+        """The layout of a compressed leaf (codec_name, level, slot_bytes, spill_slots(), and its
+        datasets(): slots, meta, spill), for what copies or describes a file; `dataset(path)` has
+        no single dataset to give for it.
+
+        Raises:
+            KeyError: `path` is not a compressed leaf.
+        """
+        self._ensure_open()
+        if path not in self._packed:
+            raise KeyError(f"'{path}' is not a compressed leaf (those are {sorted(self._packed)})")
+        return self._packed[path]
 
     def _read(self, kind: str, where: Any, decode: bool | str, row_ids: np.ndarray | None) -> Any:
         if kind == "int":

@@ -10,8 +10,9 @@ import h5py
 
 from h5replay.errors import ConfigError, StorageError
 from h5replay.sampling import described_tables, table_description
-from h5replay.spaces import BinarySpace, BoxSpace, DictSpace, Space, TextSpace
+from h5replay.spaces import BinarySpace, BoxSpace, DictSpace, LeafSpace, Space, TextSpace
 from h5replay.storage._h5file import DEFAULT_OPEN_TIMEOUT, opening
+from h5replay.storage._layout import PLAIN_FILTERS
 from h5replay.storage.hdf5 import HDF5Storage
 from h5replay.storage.replay.buffer import ReplayBuffer
 from h5replay.storage.replay.journal import REPLAY_GROUP
@@ -53,26 +54,58 @@ def _describe(path: str, open_timeout: float | None) -> dict[str, Any]:
             lengths = [n for _, n in segments]
             description["replay"]["episode_length_min"] = min(lengths, default=0)
             description["replay"]["episode_length_max"] = max(lengths, default=0)
-        datasets = []
-        for leaf_path, _ in storage.leaves:
-            ds = storage.dataset(leaf_path)
-            layout = ds.id.get_create_plist().get_layout()
-            datasets.append({
-                "path": leaf_path,
-                "dtype": str(ds.dtype),
-                "shape": list(ds.shape),
-                "maxshape": [None if m is None else int(m) for m in ds.maxshape],
-                "layout": {h5py.h5d.CONTIGUOUS: "contiguous", h5py.h5d.CHUNKED: "chunked"}.get(layout, "compact"),
-                "chunks": list(ds.chunks) if ds.chunks else None,
-                "compression": ds.compression,
-                "compression_opts": ds.compression_opts,
-                "bytes_on_disk": int(ds.id.get_storage_size()),
-            })
-        description["datasets"] = datasets
+        compressed = storage.compressed_leaves
+        description["datasets"] = [_compressed_leaf(storage, path, leaf) if path in compressed
+                                   else _dataset(path, storage.dataset(path)) for path, leaf in storage.leaves]
     finally:
         with contextlib.suppress(Exception):
             storage.close()
     return description
+
+
+def _dataset(path: str, ds: h5py.Dataset) -> dict[str, Any]:
+    dcpl = ds.id.get_create_plist()
+    compression, opts, filter_id = ds.compression, ds.compression_opts, None
+    if compression not in (None, "gzip", "lzf", "szip"):  # a plugin's filter: an `export --plain` copy's zstd, lz4?
+        names = {code: name for name, code in PLAIN_FILTERS.items()}
+        filters = [dcpl.get_filter(i) for i in range(dcpl.get_nfilters())]
+        known = [(code, values) for code, _, values, _ in filters if code in names]
+        if known:
+            filter_id, values = known[0]
+            compression = names[filter_id]
+            opts = int(values[0]) if len(values) == 1 else [int(v) for v in values] or None
+        else:
+            compression = f"HDF5 filters {[code for code, *_ in filters]}"
+    return {
+        "path": path,
+        "dtype": str(ds.dtype),
+        "shape": list(ds.shape),
+        "maxshape": [None if m is None else int(m) for m in ds.maxshape],
+        "layout": {h5py.h5d.CONTIGUOUS: "contiguous", h5py.h5d.CHUNKED: "chunked"}.get(dcpl.get_layout(), "compact"),
+        "chunks": list(ds.chunks) if ds.chunks else None,
+        "compression": compression,
+        "compression_opts": opts,
+        "filter_id": filter_id,
+        "bytes_on_disk": int(ds.id.get_storage_size()),
+    }
+
+
+def _compressed_leaf(storage: HDF5Storage, path: str, leaf: LeafSpace) -> dict[str, Any]:
+    """A leaf stored as h5replay's records (storage/packed.py): codec, level, slot and spill area."""
+    column = storage.compressed_leaf(path)
+    return {
+        "path": path,
+        "dtype": str(leaf.storage_dtype),
+        "shape": [column.capacity, *leaf.shape],
+        "maxshape": [column.capacity, *leaf.shape],
+        "layout": "records",
+        "chunks": None,
+        "compression": column.codec_name,
+        "compression_opts": column.level,
+        "slot_bytes": column.slot_bytes,
+        "spill_slots": column.spill_slots(),
+        "bytes_on_disk": sum(int(ds.id.get_storage_size()) for ds in column.datasets()),
+    }
 
 
 def space_tree(space: Space, indent: str = "") -> list[str]:
@@ -149,9 +182,18 @@ def format_description(d: dict[str, Any]) -> str:
         lines.append(f"rows      {d['rows_allocated']} (not a replay buffer file: no episode table)")
     lines.append("datasets")
     for ds in d["datasets"]:
+        if ds["layout"] == "records":
+            level = f" level {ds['compression_opts']}" if ds["compression_opts"] is not None else ""
+            lines.append(
+                f"  {ds['path']}: {ds['dtype']} {tuple(ds['shape'])} records, compression {ds['compression']}{level}, "
+                f"{ds['slot_bytes']}-byte slots, {ds['spill_slots']} spill slots, {ds['bytes_on_disk'] / 1e6:.2f} MB"
+            )
+            continue
         comp = ds["compression"] or "none"
         if ds["compression_opts"] is not None:
             comp += f"({ds['compression_opts']})"
+        if ds.get("filter_id") is not None:
+            comp += f" (HDF5 filter {ds['filter_id']})"
         chunks = f" chunks {tuple(ds['chunks'])}" if ds["chunks"] else ""
         lines.append(
             f"  {ds['path']}: {ds['dtype']} {tuple(ds['shape'])} {ds['layout']}{chunks}, "
