@@ -11,11 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import h5py
+import msgpack
 import numpy as np
 import pytest
 from compressed_helpers import SPACE, episode, mismatches
-from service_helpers import running_server, server_config
+from service_helpers import RawClient, running_server, server_config
 
+from h5replay import protocol as P
 from h5replay.client import ActorClient, LearnerClient
 from h5replay.client.aio import AsyncLearnerClient
 from h5replay.codecs import DamagedRecordError
@@ -184,3 +186,24 @@ def test_a_damaged_record_is_an_error_naming_its_row_and_the_server_keeps_servin
             _checked(raw.get_rows([0, 29, 31, 99]))
             actor.push_episode(episode(9, LENGTH))
             assert len(learner) == 5 * LENGTH
+
+
+def test_an_actor_that_sends_records_or_a_learner_that_lies_about_packed_is_refused(tmp_path: Path) -> None:
+    config = server_config(tmp_path / "rb.h5", space=SPACE, capacity=200, storage_kwargs=ZSTD)
+    with running_server(config) as server, ActorClient(server.endpoint, timeout=10) as actor:
+        receipt = actor.push_episode(episode(0, LENGTH))
+        rows = episode(1, 3)
+        forged = {"episode": rows["episode"], "step": rows["step"], "/packed/obs/image": np.zeros(6, np.uint8),
+                  "/packed-meta/obs/image": np.array([[2, 2, 0]] * 3, np.int64)}
+        with RawClient(server.endpoint, timeout=5) as raw:
+            assert isinstance(raw.call(lambda rid: P.Hello(rid, "raw", "actor")), P.HelloReply)
+            reply = raw.call(lambda rid: P.PushEpisode(rid, 3, forged))  # records are what the server stores, not takes
+            assert isinstance(reply, P.ErrorReply) and "obs/image" in reply.message, reply
+            frames = P.encode(P.Sample(raw.next_id(), 4))
+            head = msgpack.unpackb(frames[0])
+            head["fields"]["packed"] = "yes"
+            reply = raw.request([msgpack.packb(head), *frames[1:]])
+            assert isinstance(reply, P.ErrorReply) and "packed" in reply.message, reply
+        with LearnerClient(server.endpoint, timeout=10) as learner:  # served on, nothing else stored
+            assert len(learner) == receipt.length
+            _checked(learner.sample(32))

@@ -49,10 +49,16 @@ def push_every_way(actor: ActorClient, model: Model, first: int) -> int:
     return first
 
 
-@pytest.mark.parametrize("readers", [0, 2])
-def test_a_learner_draws_the_models_transitions_from_a_server(start_server: Any, readers: int) -> None:
+# The observation stored as compressed records (h5replay/storage/packed.py), `pos` in slots too
+# small for it (every record spilled): transitions read them decoded, finals stay raw.
+COMPRESSED = {"compression": {"obs/pos": "lz4", "obs/id": "zstd"}, "compression_slot": {"obs/pos": 4}}
+
+
+@pytest.mark.parametrize(("readers", "storage"), [(0, {}), (2, {}), (2, COMPRESSED)])
+def test_a_learner_draws_the_models_transitions_from_a_server(start_server: Any, readers: int,
+                                                               storage: dict[str, Any]) -> None:
     server = start_server(space=SPACE, capacity=1000, observation_keys=("obs",), num_readers=readers,
-                          multiprocessing=True)
+                          multiprocessing=True, storage_kwargs=storage)
     model = Model()
     with ActorClient(config=ClientConfig(endpoint=server.endpoint, timeout=10, batch_rows=4)) as actor:
         push_every_way(actor, model, 0)
