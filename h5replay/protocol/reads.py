@@ -53,6 +53,9 @@ class Sample(Request):
     timeout: float = 0.0  # seconds the rate limit may hold the sample back (writer-side sampling)
     table: str | None = None  # the table to draw from (None: the server's only table)
     packed: bool | None = None
+    # A later part of one batch split over several requests: an in-order sampler (fifo, lifo)
+    # passes over the first `skip` rows of its order, so no row comes twice in the batch.
+    skip: int | None = None
 
     @property
     def num_drawn(self) -> int:
@@ -105,6 +108,7 @@ class SampleTransitions(Request):
     min_seq: int = 0
     timeout: float = 0.0
     table: str | None = None
+    skip: int | None = None  # as Sample's
 
     @property
     def num_drawn(self) -> int:

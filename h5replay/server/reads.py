@@ -106,7 +106,7 @@ def _sample(buffer: ReplayBuffer, request: P.Sample, rng: np.random.Generator, l
     _check_reply_rows(buffer, request.batch_size, limits, request.batch_size * P.SAMPLE_INFO_BYTES)
     gen = rng if request.seed is None else np.random.default_rng(request.seed)
     arrays, info = buffer.sample(request.batch_size, gen, with_info=True, decode=_stored(request.packed),
-                                 table=request.table)
+                                 table=request.table, skip=request.skip or 0)
     return P.SampleReply(request.request_id, *_view(buffer), info.row_ids, info.episode_ids, info.probabilities, arrays)
 
 
@@ -133,7 +133,8 @@ def _sample_transitions(buffer: ReplayBuffer, request: P.SampleTransitions, rng:
     _check_reply_rows(buffer, request.batch_size, limits, request.batch_size * (P.SAMPLE_INFO_BYTES + 1 + extra))
     gen = rng if request.seed is None else np.random.default_rng(request.seed)
     arrays, info = buffer.sample_transitions(request.batch_size, n_step=request.n_step, gamma=request.gamma, rng=gen,
-                                             with_info=True, decode=False, table=request.table)
+                                             with_info=True, decode=False, table=request.table,
+                                             skip=request.skip or 0)
     return P.SampleTransitionsReply(request.request_id, *_view(buffer), info.row_ids, info.episode_ids,
                                     info.probabilities, info.has_final.astype(np.uint8), arrays)
 

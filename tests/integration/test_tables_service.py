@@ -17,8 +17,8 @@ from service_helpers import EPISODE_SPACE, episode_rows, free_port
 from stats_helpers import chi_square_p
 
 from h5replay.client import ActorClient, LearnerClient
-from h5replay.errors import ConfigError
-from h5replay.sampling import Fifo, Mixture, Prioritized, RateLimit, Recency, Table, Uniform
+from h5replay.errors import ConfigError, NotEnoughDataError
+from h5replay.sampling import Fifo, Lifo, Mixture, Prioritized, RateLimit, Recency, Table, Uniform
 from h5replay.storage import ReplayBuffer
 
 pytestmark = pytest.mark.timeout(120)
@@ -209,3 +209,21 @@ def test_a_tables_sample_split_over_several_messages_is_whole_and_in_order(start
         assert info.row_ids.tolist() == list(range(50))
         _, info = learner.sample(40, seed=2, with_info=True, table="replay")
         assert len(info.row_ids) == 40 and learner.info()["table.queue.sampled"] == 50
+
+
+@pytest.mark.parametrize("readers", [0, 1])
+def test_an_in_order_sample_split_over_several_messages_gives_no_row_twice(start_server: Any, readers: int) -> None:
+    """Fifo and lifo without removal, drawn by readers: each part of a split batch passes over the
+    rows the parts before it drew, so the batch is the oldest (newest) rows, each once, in order."""
+    from h5replay import protocol as P
+
+    tables = {"old": Table(Fifo()), "new": Table(Lifo())}
+    server = start_server(capacity=1000, tables=tables, num_readers=readers, limits=P.Limits(max_rows_per_message=16))
+    push(server.endpoint, 6)
+    with LearnerClient(server.endpoint, timeout=10) as learner:
+        _, info = learner.sample(50, with_info=True, table="old")  # four messages
+        assert info.row_ids.tolist() == list(range(50))
+        _, info = learner.sample(50, with_info=True, table="new")
+        assert info.row_ids.tolist() == list(range(59, 9, -1))
+        with pytest.raises(NotEnoughDataError, match="Fifo sampling of 61 rows without replacement needs 61 rows"):
+            learner.sample(61, table="old")

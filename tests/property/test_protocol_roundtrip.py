@@ -50,6 +50,7 @@ FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "idempotency_key": st.none() | st.binary(min_size=16, max_size=16),
     "first_episode": st.none() | u64, "max_episodes": st.none() | u64,
     "table": st.none() | table_names, "pad": st.none() | st.booleans(), "packed": st.none() | st.booleans(),
+    "skip": st.none() | u64,
 }
 
 wire_dtypes = (

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transition_helpers import SPACE, Model, check_every_held, check_sample, episode
 
-from h5replay.errors import ConfigError, SpaceMismatchError
+from h5replay.errors import ConfigError, NotEnoughDataError, SpaceMismatchError
 from h5replay.sampling import Prioritized, Table
 from h5replay.spaces import BoxSpace, DictSpace
 from h5replay.storage import ReplayBuffer
@@ -229,3 +229,21 @@ def test_a_final_may_be_given_as_the_observation_or_as_a_dict_of_the_one_observa
         got = rb.sample_transitions(200, rng=np.random.default_rng(0))
         ends = got["terminated"].astype(bool)
         assert ends.any() and (got["next"]["obs"]["id"][ends] == 10**6).all(), "both episodes carry the same final"
+
+
+def test_an_in_order_draw_passes_over_the_rows_a_split_batch_drew_before(tmp_path: Path) -> None:
+    from h5replay.sampling import Fifo, Lifo, Table
+
+    tables = {"old": Table(Fifo()), "new": Table(Lifo()), "any": Table()}
+    with ReplayBuffer.create(SPACE, 100, tmp_path / "rb.h5", observation_keys=("obs",), tables=tables) as rb:
+        rows, final = episode(0, 30, "terminated")
+        rb.extend(rows)
+        rb.end_episode(final=final)
+        _, info = rb.sample(10, with_info=True, table="old", skip=12)
+        assert info.row_ids.tolist() == list(range(12, 22))
+        _, info = rb.sample_transitions(5, with_info=True, table="new", skip=3)
+        assert info.row_ids.tolist() == [26, 25, 24, 23, 22]
+        _, info = rb.sample(10, with_info=True, table="any", skip=10**9)  # random draws: nothing to pass over
+        assert len(info.row_ids) == 10
+        with pytest.raises(NotEnoughDataError, match="needs 31 rows"):
+            rb.sample(1, table="old", skip=30)

@@ -58,8 +58,14 @@ def _ready(value: Any) -> Drawn:
 def sample_requests(state: LearnerState, size: int, seed: int | None, t: TableDraws) -> list[RequestFactory]:
     """The Sample requests of one batch: one per message's (and rate limit step's) worth of rows."""
     limit = state.config.rate_limit_timeout
-    return [_request(P.Sample, hi - lo, _seed(seed, k), state.min_seq, limit, t.asked, state.packed)
+    return [_request(P.Sample, hi - lo, _seed(seed, k), state.min_seq, limit, t.asked, state.packed, _skip(lo, t))
             for k, (lo, hi) in enumerate(_chunks(size, t.rows_per_sample))]
+
+
+def _skip(lo: int, t: TableDraws) -> int | None:
+    """What the part of a batch from row `lo` on asks an in-order sampler to pass over: the rows
+    the parts before it drew (a draw that removes rows has removed them already)."""
+    return lo if lo and not t.consuming else None
 
 
 def window_requests(state: LearnerState, size: int, steps: int, seed: int | None, t: TableDraws,
@@ -199,7 +205,8 @@ def sample_transitions(state: LearnerState, batch_size: Any, n_step: Any, gamma:
     limit = state.config.rate_limit_timeout
 
     def requests(count: int) -> list[RequestFactory]:
-        return [_request(P.SampleTransitions, hi - lo, n, discount_rate, _seed(seed, k), state.min_seq, limit, t.asked)
+        return [_request(P.SampleTransitions, hi - lo, n, discount_rate, _seed(seed, k), state.min_seq, limit, t.asked,
+                         _skip(lo, t))
                 for k, (lo, hi) in enumerate(_chunks(count, per))]
 
     if t.consuming:

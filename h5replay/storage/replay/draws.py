@@ -38,6 +38,19 @@ def positive_int(value: Any, name: str) -> int:
     return int(value)
 
 
+def ordered_draw(sampling: Sampling, view: State, size: int, rng: np.random.Generator,
+                 skip: int) -> tuple[np.ndarray, np.ndarray]:
+    """(row ids, probabilities) of `size` draws by `sampling`; an in-order sampler (fifo, lifo)
+    first passes over `skip` rows of its order (a later part of a batch split over requests, so
+    that no row comes twice in it). Random samplers draw each part afresh: `skip` is nothing to them."""
+    if skip < 0:
+        raise ConfigError(f"skip must be >= 0, got {skip}")
+    if not skip or not sampling.config.ordered:
+        return sampling.draw(view, size, rng)
+    g, probabilities = sampling.draw(view, size + skip, rng)
+    return g[skip:], probabilities[skip:]
+
+
 class Draws:
     """ReplayBuffer's sampling verbs: sample / sample_sequences, priorities updated, the rate
     limit asked, and the sampling counters an export carries over."""
@@ -150,12 +163,13 @@ class Draws:
 
     def sample(
         self, batch_size: int, rng: np.random.Generator | None = None, *, with_info: bool = False,
-        decode: bool | str = True, table: str | None = None,
+        decode: bool | str = True, table: str | None = None, skip: int = 0,
     ) -> Any:
         """`batch_size` rows drawn by `table`'s sampler (None: the only table): uniformly or by
         priority, with replacement; or (fifo / lifo, or when rows are removed) without. With
         `with_info=True` returns (batch, SampleInfo) with each row's id, episode and draw
-        probability.
+        probability. `skip`: an in-order sampler passes over that many rows of its order first
+        (the later part of a batch a learner splits over requests).
 
         Raises:
             ConfigError: no such table, or none named where there are several.
@@ -170,7 +184,7 @@ class Draws:
         self._check_sample(sampling, size)
 
         def attempt(view: State) -> tuple[tuple[Any, np.ndarray, np.ndarray], int]:
-            g, probabilities = sampling.draw(view, size, rng)
+            g, probabilities = ordered_draw(sampling, view, size, rng, skip)
             return (self.storage.read("array", self._phys(g, view), decode, g), g, probabilities), int(g.min())
 
         batch, g, probabilities = self._consistent(attempt)

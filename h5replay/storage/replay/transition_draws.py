@@ -13,7 +13,7 @@ import numpy as np
 from h5replay.errors import ConfigError, EvictedError
 from h5replay.records import NO_EPISODE, SampleInfo
 from h5replay.spaces import Schema
-from h5replay.storage.replay.draws import positive_int
+from h5replay.storage.replay.draws import ordered_draw, positive_int
 from h5replay.storage.replay.episodes import EpisodeTable
 from h5replay.storage.replay.finals import FinalsFile
 from h5replay.storage.replay.ring import as_row_ids, check_held
@@ -122,7 +122,7 @@ class Transitions:
 
     def sample_transitions(
         self, batch_size: int, *, n_step: int = 1, gamma: float = 0.99, with_info: bool = False,
-        rng: np.random.Generator | None = None, decode: bool = True, table: str | None = None,
+        rng: np.random.Generator | None = None, decode: bool = True, table: str | None = None, skip: int = 0,
     ) -> Any:
         """`batch_size` n-step transitions, each from a step drawn by `table`'s sampler (by the
         priority of that step when it is prioritized): the step's leaves, with `reward` the
@@ -151,7 +151,7 @@ class Transitions:
         self._check_sample(sampling, size)
 
         def attempt(view: State) -> tuple[tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray, np.ndarray], int]:
-            g, probabilities = sampling.draw(view, size, rng)
+            g, probabilities = ordered_draw(sampling, view, size, rng, skip)
             out, episode_ids, has = self._transitions_from(view, g, keys, n, discount_rate)
             return (out, g, probabilities, episode_ids, has), int(g.min())
 
