@@ -134,24 +134,10 @@ def configs(codec_names: list[str], zstd_level: int) -> list[Config]:
 
 def stacks_of(game: str, count: int, seed: int) -> np.ndarray:
     """`count` 84x84x4 stacks of `game` under a random policy, preprocessed as DQN does (the
-    collection of benchmarks/frames.py)."""
-    import ale_py
-    import gymnasium as gym
+    collection of benchmarks/frames.py, this script's neighbour)."""
+    from frames import frames_of
 
-    gym.register_envs(ale_py)
-    env = gym.make(f"ALE/{game}-v5", frameskip=1, repeat_action_probability=0.25)
-    env = gym.wrappers.AtariPreprocessing(env, frame_skip=4, screen_size=84, grayscale_obs=True)
-    env = gym.wrappers.FrameStackObservation(env, 4)
-    rng = np.random.default_rng(seed)
-    stacks = np.empty((count, 4, 84, 84), np.uint8)
-    obs, _ = env.reset(seed=seed)
-    for i in range(count):
-        stacks[i] = obs
-        obs, _, terminated, truncated, _ = env.step(int(rng.integers(env.action_space.n)))
-        if terminated or truncated:
-            obs, _ = env.reset()
-    env.close()
-    return np.ascontiguousarray(stacks.transpose(0, 2, 3, 1))
+    return frames_of(game, count, seed)[1]
 
 
 def collect(games: list[str], per_game: int, seed: int) -> np.ndarray:
