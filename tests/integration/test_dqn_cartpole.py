@@ -30,6 +30,7 @@ from torch import nn  # noqa: E402
 from h5replay.client import ActorClient, LearnerClient  # noqa: E402
 from h5replay.examples.gym_actor import gym_row_space, make_env  # noqa: E402
 from h5replay.integrations.torch import H5ReplayDataset  # noqa: E402
+from h5replay.storage import ReplayBuffer  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
@@ -177,5 +178,9 @@ def test_a_dqn_solves_cartpole_within_the_step_budget(cartpole_server: Any) -> N
     ends = batch["terminated"] | batch["truncated"]
     assert ends.any() and (batch["discount"][ends] > 0).all()
     if tally.truncated_episodes:
-        cut = batch["truncated"] & ~batch["terminated"]
-        assert cut.any() and (batch["discount"][cut] > 0).all()
+        # Every held step, not a sample: one truncated episode's few cut steps are often missed
+        # by 4096 draws (p ~ 0.4 with one such episode among 13k steps).
+        with ReplayBuffer.load_from(cartpole_server.config.path, read_only=True, multiprocessing=True) as reader:
+            every = reader.get_transitions(np.arange(reader.view.begin, reader.view.end), n_step=N_STEP, gamma=GAMMA)
+        cut = every["truncated"] & ~every["terminated"]
+        assert cut.any() and (every["discount"][cut] > 0).all()
