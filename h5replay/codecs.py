@@ -151,9 +151,9 @@ def encode_rows(rows: np.ndarray, chosen: Codec) -> list[tuple[bytes | memoryvie
     return out
 
 
-def _decoder(kind: int, where: str) -> Callable[[memoryview, np.ndarray], int]:
-    """A function that decodes one record into a row's bytes (a 1-d uint8 array) and returns how
-    many bytes it wrote."""
+def _decoder(kind: int, where: str) -> Callable[[memoryview, int], bytes]:
+    """A function that decodes one record of a row of `row_bytes` (refusing, before it allocates,
+    a record that says it holds anything else) and returns the row's bytes."""
     if kind == ZSTD:
         zstandard = _zstd()
         if zstandard is None:
@@ -161,23 +161,23 @@ def _decoder(kind: int, where: str) -> Callable[[memoryview, np.ndarray], int]:
         ctx = getattr(_local, "zstd_d", None)
         if ctx is None:
             ctx = _local.zstd_d = zstandard.ZstdDecompressor()
+        content_size = zstandard.frame_content_size
 
-        def zstd(data: memoryview, row: np.ndarray) -> int:
-            with ctx.stream_reader(data) as reader:  # straight into the row: no bytes object, no copy
-                written: int = reader.readinto(row.data)
-                if written == row.nbytes and reader.read(1):
-                    return written + 1  # more data than a row: wrong
-            return written
+        def zstd(data: memoryview, row_bytes: int) -> bytes:
+            size = content_size(data)
+            if size != row_bytes:  # a frame that claims more (or does not say): never allocated
+                raise ValueError(f"its frame holds {size} bytes")
+            out: bytes = ctx.decompress(data)
+            return out
         return zstd
     if kind == LZ4:
         block = _lz4_block()
         if block is None:
             raise _missing("lz4", f"reading the lz4 records of leaf '{where}'", reading=True)
 
-        def lz4(data: memoryview, row: np.ndarray) -> int:
-            out = block.decompress(data, uncompressed_size=row.nbytes)
-            row[: len(out)] = np.frombuffer(out, np.uint8)
-            return len(out)
+        def lz4(data: memoryview, row_bytes: int) -> bytes:
+            out: bytes = block.decompress(data, uncompressed_size=row_bytes)
+            return out
         return lz4
     raise DamagedRecordError(f"leaf '{where}': unknown record kind {kind}")
 
@@ -208,15 +208,17 @@ def decode_records(records: Sequence[Any], meta: np.ndarray, dtype: np.dtype[Any
     """Rows (n, *row_shape) from `records` (n buffers, each exactly one record) and their meta
     ((n, 3): size, kind, crc32), each checked before it is decoded (see decode_rows)."""
     n = meta.shape[0]
-    out = np.zeros((n, *row_shape), dtype=dtype)
+    out = np.empty((n, *row_shape), dtype=dtype)  # every row is written below (an empty one with zeros)
     row_bytes = out[0].nbytes if n else 0
     target = out.reshape(n, -1).view(np.uint8) if row_bytes else out.reshape(n, 0).view(np.uint8)
-    decoders: dict[int, Callable[[memoryview, np.ndarray], int]] = {}
+    decoders: dict[int, Callable[[memoryview, int], bytes]] = {}
+    crc32 = zlib.crc32
     for i, (size, kind, crc) in enumerate(meta.tolist()):
         if kind == EMPTY:
-            continue  # a row never written reads as zeros, as in an uncompressed leaf
+            target[i] = 0  # a row never written reads as zeros, as in an uncompressed leaf
+            continue
         record = records[i]
-        if zlib.crc32(record) != crc or len(record) != size:
+        if crc32(record) != crc or len(record) != size:
             raise DamagedRecordError(f"leaf '{where}' ({_KIND_NAMES.get(kind, f'kind {kind}')}): the stored record "
                                      f"of {_row(i, row_ids)} is damaged (its CRC-32 does not match); it is not "
                                      "returned")
@@ -229,15 +231,15 @@ def decode_records(records: Sequence[Any], meta: np.ndarray, dtype: np.dtype[Any
         decode = decoders.get(kind)
         if decode is None:
             decode = decoders[kind] = _decoder(kind, where)
-        name = _KIND_NAMES[kind]
         try:
-            written = decode(record, target[i])
+            data = decode(record, row_bytes)
         except Exception as exc:  # each package raises its own error type
-            raise DamagedRecordError(f"leaf '{where}' ({name}): the record of {_row(i, row_ids)} does not decode: "
-                                     f"{exc}") from exc
-        if written != row_bytes:
-            raise DamagedRecordError(f"leaf '{where}' ({name}): the record of {_row(i, row_ids)} does not decode to "
-                                     f"a row of {row_bytes} bytes")
+            raise DamagedRecordError(f"leaf '{where}' ({_KIND_NAMES[kind]}): the record of {_row(i, row_ids)} does "
+                                     f"not decode: {exc}") from exc
+        if len(data) != row_bytes:
+            raise DamagedRecordError(f"leaf '{where}' ({_KIND_NAMES[kind]}): the record of {_row(i, row_ids)} does "
+                                     f"not decode to a row of {row_bytes} bytes")
+        target[i] = np.frombuffer(data, np.uint8)
     return out
 
 
