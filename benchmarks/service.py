@@ -108,7 +108,7 @@ except ModuleNotFoundError:  # run from a checkout without `pip install -e .`
 from h5replay import protocol as P
 from h5replay.client import ActorClient, LearnerClient
 from h5replay.client.aio import AsyncLearnerClient
-from h5replay.config import ServerConfig
+from h5replay.config import ClientConfig, ServerConfig
 from h5replay.server import Server, ServerProcess
 from h5replay.storage import BoxSpace, DictSpace, ReplayBuffer
 
@@ -133,6 +133,12 @@ BATCH = 256
 PREFETCH = 8  # batches a pipelined learner keeps requested ahead
 PIPELINED = f"wire, LearnerClient.batches(prefetch={PREFETCH})"
 ASYNC_PIPELINED = f"wire, AsyncLearnerClient.batches(prefetch={PREFETCH})"
+# A learner on the file's host (ClientConfig.local_reads, the default): the server draws, the
+# learner reads the drawn rows from its own SWMR view of the file (the wire rows above turn it off).
+SAME_HOST = "same host, LearnerClient.sample (local reads)"
+SAME_HOST_PIPELINED = f"same host, LearnerClient.batches(prefetch={PREFETCH})"
+SAME_HOST_ASYNC = f"same host, AsyncLearnerClient.batches(prefetch={PREFETCH})"
+SAME_HOST_TARGET = 0.8  # same-host batches against a local SWMR reader of the same rows (issue 26)
 ASYNC_VS_BLOCKING_TARGET = 0.9  # AsyncLearnerClient.batches against the blocking batches (issue 23)
 SMALL_BATCHES_TARGET = 5_000  # sample(256) batches/s of small rows over the wire, one learner (issue 9)
 SMALL_INGEST_TARGET = 1_000_000  # rows/s, small rows, whole episodes (extend), 4 actors (issue 9)
@@ -936,12 +942,13 @@ def time_batches(fn: Any, sizes: Sizes) -> dict[str, Any]:
     return {"seconds": seconds, "batches": len(times), "batches_per_s": len(times) / seconds, **latency(times)}
 
 
-def time_async_batches(endpoint: str, sizes: Sizes) -> dict[str, Any]:
+def time_async_batches(endpoint: str, sizes: Sizes, local_reads: bool = False) -> dict[str, Any]:
     """`time_batches` of `AsyncLearnerClient.batches(BATCH, prefetch=PREFETCH)` on an event loop of its own."""
     import asyncio
 
     async def timed() -> dict[str, Any]:
-        async with AsyncLearnerClient(endpoint, timeout=30.0) as learner:
+        config = ClientConfig(endpoint=endpoint, timeout=30.0, local_reads=local_reads)
+        async with AsyncLearnerClient(endpoint, config=config) as learner:
             stream: Any = learner.batches(BATCH, prefetch=PREFETCH)
             try:
                 t0 = perf()
@@ -983,7 +990,7 @@ def sample_methods(path: str, endpoints: Endpoints, kind: str, n: int, sizes: Si
         server = ServerProcess(ServerConfig(path=path, space=space_of(kind), capacity=n, bind=bind,
                                             read_bind=read_bind, num_readers=readers))
         try:
-            with LearnerClient(bind, timeout=30.0) as learner:
+            with LearnerClient(bind, config=ClientConfig(endpoint=bind, timeout=30.0, local_reads=False)) as learner:
                 wire = learner.sample(BATCH, seed=5)["obs"]
                 if not np.array_equal(wire, expected):
                     raise AssertionError("LearnerClient.sample(seed=5) returned other rows than the local sample")
@@ -995,6 +1002,8 @@ def sample_methods(path: str, endpoints: Endpoints, kind: str, n: int, sizes: Si
                     got[PIPELINED] = time_batches(functools.partial(next, batches), sizes)
                     batches.close()
                     got[ASYNC_PIPELINED] = time_async_batches(bind, sizes)
+            if readers:
+                got.update(same_host(bind, expected, sizes))
         finally:
             server.stop()
     bind, _ = endpoints.pair()
@@ -1018,6 +1027,23 @@ def sample_methods(path: str, endpoints: Endpoints, kind: str, n: int, sizes: Si
         sock.close(0)
         ctx.term()
         sink.stop()
+    return got
+
+
+def same_host(endpoint: str, expected: np.ndarray, sizes: Sizes) -> dict[str, dict[str, Any]]:
+    """The same learner on the file's host, reading the drawn rows from its own view of the file."""
+    got: dict[str, dict[str, Any]] = {}
+    with LearnerClient(endpoint, config=ClientConfig(endpoint=endpoint, timeout=30.0)) as learner:
+        if not np.array_equal(learner.sample(BATCH, seed=5)["obs"], expected):
+            raise AssertionError("a same-host LearnerClient.sample(seed=5) returned other rows than the local sample")
+        got[SAME_HOST] = time_batches(lambda: learner.sample(BATCH), sizes)
+        batches = learner.batches(BATCH, prefetch=PREFETCH)
+        got[SAME_HOST_PIPELINED] = time_batches(functools.partial(next, batches), sizes)
+        batches.close()
+        local = learner._state.local  # a benchmark checks the rows did not travel
+        if local is None or not local.num_read or not local.usable:
+            raise AssertionError(f"the same-host learner did not read locally: {local and local.given_up}")
+    got[SAME_HOST_ASYNC] = time_async_batches(endpoint, sizes, local_reads=True)
     return got
 
 
@@ -1056,7 +1082,10 @@ def run_sample(tmp: str, endpoints: Endpoints, sizes: Sizes) -> dict[str, Any]:
                 m["target_met"] = m["vs_blocking_batches"] >= ASYNC_VS_BLOCKING_TARGET
                 check = (f"{m['vs_blocking_batches']:.2f}x batches, >={ASYNC_VS_BLOCKING_TARGET}x "
                          f"{verdict(m['vs_blocking_batches'], ASYNC_VS_BLOCKING_TARGET)}")
-            elif name.startswith("wire"):
+            elif name in (SAME_HOST_PIPELINED, SAME_HOST_ASYNC):
+                m["target_met"] = m["vs_local"] >= SAME_HOST_TARGET
+                check = f">={SAME_HOST_TARGET}x local {verdict(m['vs_local'], SAME_HOST_TARGET)}"
+            elif name.startswith(("wire", "same host")):
                 check = "info"
             table.append([name, fmt(m["batches_per_s"]), fmt(m["rows_per_s"]), fmt(m["mb_per_s"]),
                           f"{m['p50_ms']:.3f}", f"{m['p99_ms']:.3f}", str(m["batches"]), f"{m['vs_local']:.2f}x",

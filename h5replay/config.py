@@ -315,6 +315,11 @@ class ClientConfig:
     # stored and this client decodes them (a fraction of the bytes); True, the server decodes them
     # and sends raw rows (a client without the codec's package).
     raw_rows: bool = False
+    # A learner on the host of the server's file (the same kernel, a path to the same file): True,
+    # the server draws and this client reads the drawn rows from its own SWMR view of the file,
+    # with no copy through the socket (draws that change the server's state, queues and rate
+    # limits, still carry their rows); False, every row travels over the socket.
+    local_reads: bool = True
 
     def __post_init__(self) -> None:
         check_seconds("timeout", self.timeout, most=_MAX_CLIENT_SECONDS)

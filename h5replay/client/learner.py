@@ -405,6 +405,7 @@ class LearnerClient:
         if self._reads is not None and self._reads is not self._conn:
             self._reads.close()
         self._conn.close()
+        self._state.close()
 
     def __enter__(self) -> LearnerClient:
         return self

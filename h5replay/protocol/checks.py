@@ -248,12 +248,12 @@ _SCALAR_CHECKS: dict[str, Callable[[Any, str, Limits], Any]] = {
     "with_rows": _bool, "timeout": _seconds, "ignored": _uint, "sampling": _stats, "idempotency_key": _key,
     "first_episode": _optional_uint, "max_episodes": _optional_uint, "table": _table, "priority_tables": _tables,
     "n_step": _uint, "gamma": _fraction, "pad": _bool, "packed": _bool,
-    "skip": _optional_uint,
+    "skip": _optional_uint, "local_file": _stats,
 }
 # Fields added within version 3, which earlier version 3 peers leave out: decoded as the message's
 # default when absent. `encode` leaves one out only when it is None.
 _OPTIONAL_SCALARS = frozenset({"idempotency_key", "timeout", "first_episode", "max_episodes", "table",
-                               "priority_tables", "pad", "packed", "skip"})
+                               "priority_tables", "pad", "packed", "skip", "with_rows", "local_file"})
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from h5replay import __version__
 from h5replay import protocol as P
 from h5replay.errors import (
     AccessDeniedError,
+    ConfigError,
     DiskFullError,
     LimitExceededError,
     ProtocolError,
@@ -29,9 +30,10 @@ from h5replay.errors import (
     SegmentStateError,
     StorageError,
 )
+from h5replay.hosts import describe_file
 from h5replay.sampling import describe_tables
 from h5replay.server.disk import DiskReserve
-from h5replay.server.reads import read_reply, reply_rows
+from h5replay.server.reads import drawn_rows, read_reply, reply_rows
 from h5replay.server.sessions import Session, Stats, check_admission
 from h5replay.server.waiting import Side, WaitingRoom
 from h5replay.storage.replay.buffer import ReplayBuffer
@@ -46,6 +48,18 @@ _WAITING_BYTES = 256 << 20  # rows of waiting push_episode requests held in memo
 
 #: (identity, request, granted role, key): a request waiting for the rate limit.
 Parked = tuple[bytes, P.Request, str | None, str | None]
+
+
+def _local_file(buffer: ReplayBuffer) -> dict[str, Any] | None:
+    """The served file's path, device, inode and host (None when they cannot be told, or the rows
+    are in no file)."""
+    path = getattr(buffer.storage, "filename", None)
+    if not isinstance(path, str):
+        return None
+    try:
+        return describe_file(path, *buffer.file_storage.file_identity())
+    except (StorageError, ConfigError):
+        return None
 
 
 class Service:
@@ -80,6 +94,8 @@ class Service:
         self.disk = DiskReserve(buffer.storage.filename, min_free_bytes)
         self.instance_id = instance_id
         self.limits = limits
+        #: What the hello says of the file, for learners on this host to read rows from it themselves.
+        self.local_file = _local_file(buffer)
         self.read_endpoint = read_endpoint
         self.fsync = fsync
         self.priority_publish_interval = priority_publish_interval
@@ -338,9 +354,8 @@ class Service:
                     f"to the read endpoint, {self.read_endpoint} (its hello names it; LearnerClient reads there)"
                 )
             reply = read_reply(self.buffer, request, self._rng, self.limits)
-            rows = reply_rows(reply)
-            self.stats.rows_out += rows
-            self.stats.rows_sampled += rows if reply.DRAWN else 0
+            self.stats.rows_out += reply_rows(reply)
+            self.stats.rows_sampled += drawn_rows(request, reply)
             return reply
         if request.WRITES and session.role != "actor":
             raise ReadOnlyError(f"a {session.role} may not {request.KIND.value.replace('_', ' ')}; connect as an actor")
@@ -377,7 +392,7 @@ class Service:
         return P.HelloReply(
             request.request_id, buffer.space.to_json(), buffer.capacity, len(buffer), buffer.num_episodes,
             __version__, P.PROTOCOL_VERSION, self.limits, self.read_endpoint, buffer.replay_id, self.instance_id,
-            sampling,
+            sampling, self.local_file,
         )
 
     def _writer(self, session: Session, segment_id: int) -> SegmentWriter:

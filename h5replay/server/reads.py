@@ -19,7 +19,7 @@ from h5replay.storage.hdf5 import PACKED
 from h5replay.storage.replay.buffer import ReplayBuffer
 from h5replay.windows import unmasked
 
-__all__ = ["read_reply", "reply_rows"]
+__all__ = ["drawn_rows", "read_reply", "reply_rows"]
 
 
 def reply_rows(reply: P.Reply) -> int:
@@ -29,6 +29,14 @@ def reply_rows(reply: P.Reply) -> int:
         return 0
     first = next(iter(arrays.values()))
     return int(np.prod(first.shape[:2]) if reply.KIND is P.Kind.SAMPLE_SEQUENCES else first.shape[0])
+
+
+def drawn_rows(request: P.Request, reply: P.Reply) -> int:
+    """Rows a draw handed out (what it sampled), whether they travel with the reply or the
+    learner reads them from the file (a window counts each of its rows)."""
+    if not reply.DRAWN:
+        return 0
+    return int(getattr(request, "num_drawn", 0) or reply_rows(reply))
 
 
 def _stored(packed: bool | None) -> bool | str:
@@ -103,11 +111,13 @@ def _get_rows(buffer: ReplayBuffer, request: P.GetRows, rng: np.random.Generator
 
 
 def _sample(buffer: ReplayBuffer, request: P.Sample, rng: np.random.Generator, limits: P.Limits) -> P.Reply:
-    _check_reply_rows(buffer, request.batch_size, limits, request.batch_size * P.SAMPLE_INFO_BYTES)
+    rows = request.with_rows is not False  # False: the learner reads the rows from its own view of the file
+    _check_reply_rows(buffer, request.batch_size if rows else 0, limits, request.batch_size * P.SAMPLE_INFO_BYTES)
     gen = rng if request.seed is None else np.random.default_rng(request.seed)
     arrays, info = buffer.sample(request.batch_size, gen, with_info=True, decode=_stored(request.packed),
-                                 table=request.table, skip=request.skip or 0)
-    return P.SampleReply(request.request_id, *_view(buffer), info.row_ids, info.episode_ids, info.probabilities, arrays)
+                                 table=request.table, skip=request.skip or 0, rows=rows)
+    return P.SampleReply(request.request_id, *_view(buffer), info.row_ids, info.episode_ids, info.probabilities,
+                         arrays if rows else {})
 
 
 def _sample_sequences(buffer: ReplayBuffer, request: P.SampleSequences, rng: np.random.Generator,

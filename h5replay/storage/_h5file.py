@@ -37,7 +37,7 @@ import numpy as np
 
 from h5replay.errors import ConfigError, FormatVersionError, StorageError
 from h5replay.spaces import LeafSpace, Space, TextSpace, space_from_json
-from h5replay.storage import _layout, packed
+from h5replay.storage import _layout, _readers, packed
 from h5replay.storage.recovery import (
     WriterLock,
     clear_status_flags,
@@ -447,16 +447,23 @@ def open_file(
     # the superblock's consistency flags already keep plain readers off a file being written.
     kwargs.setdefault("locking", False)
     mode = "r+" if writable else "r"
+    _readers.before_open(path)  # the library's own readers of the file give way (see _readers.py)
     with h5_errors(f"opening {path}"), _bounded_metadata_reads():
         try:
-            return h5py.File(path, mode, **kwargs), multiprocessing and not writable, kwargs
+            f = h5py.File(path, mode, **kwargs)
         except TypeError as exc:
             raise ConfigError(f"invalid h5py.File option: {exc}") from exc
         except OSError:
             if writable or multiprocessing or not status_flags(path) & _SWMR_WRITE_FLAG:
                 raise
+        else:
+            if multiprocessing or writable:
+                _readers.opened(path, f, reader=not writable)
+            return f, multiprocessing and not writable, kwargs
         kwargs.update(swmr=True, locking=False)
-        return h5py.File(path, mode, **kwargs), True, kwargs
+        f = h5py.File(path, mode, **kwargs)
+        _readers.opened(path, f)
+        return f, True, kwargs
 
 
 def recover(path: str, lock: WriterLock) -> tuple[int, int | None]:

@@ -51,6 +51,7 @@ FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "first_episode": st.none() | u64, "max_episodes": st.none() | u64,
     "table": st.none() | table_names, "pad": st.none() | st.booleans(), "packed": st.none() | st.booleans(),
     "skip": st.none() | u64,
+    "local_file": st.none() | st.dictionaries(st.text(max_size=12), json_scalars, max_size=5),
 }
 
 wire_dtypes = (

@@ -647,3 +647,87 @@ def test_a_commit_refused_for_a_full_disk_leaves_the_segment_open_and_a_lost_one
     assert seg.status == "failed" and seg.in_doubt
     with pytest.raises(SegmentStateError, match="never opened"):
         plan_segments.commit_request(plan_segments.SegmentState(), 1.0)
+
+
+# ------------------------------------------------------------------ a learner on the file's host
+
+
+class FileRows:
+    """A learner's own view of the file, as the plans see it (client/_local.py's LocalRows): the
+    rows of a draw, or None for the draws `missing` names (their rows left the file since)."""
+
+    def __init__(self, missing: set[int] | None = None) -> None:
+        self.usable = True
+        self.missing = missing or set()
+        self.read_ids: list[list[int]] = []
+
+    def read(self, reply: P.SampleReply) -> dict[str, np.ndarray] | None:
+        ids = reply.row_ids.astype(np.int64)
+        self.read_ids.append(ids.tolist())
+        if int(ids[0]) in self.missing:
+            return None
+        return {"x": ids.astype(np.float32)}
+
+
+def ids_reply(request: Any, first: int = 0, seq: int = 1) -> P.SampleReply:
+    """A draw's reply as the server sends it: rows only when the request asked for them."""
+    reply = rows_reply(request, first, seq)
+    return reply if request.with_rows is not False else P.SampleReply(
+        reply.request_id, *view(seq), reply.row_ids, reply.episode_ids, reply.probabilities, {})
+
+
+def test_a_learner_on_the_files_host_asks_for_draws_alone_and_reads_their_rows_itself() -> None:
+    state = make_state()
+    state.local = FileRows()  # type: ignore[assignment]
+    starts = iter([0, 100, 200])
+    script = Script(lambda r: ids_reply(r, next(starts)))
+    batch, info = script.run(plan_draws.sample(state, 25, 3, True, None)).result()
+    assert [r.with_rows for _, r in script.sent] == [False] * 3
+    assert state.local.read_ids == [list(range(10)), list(range(100, 110)), list(range(200, 205))]
+    assert batch["x"].tolist() == [*range(10), *range(100, 110), *range(200, 205)]
+    assert info.row_ids.tolist() == batch["x"].astype(int).tolist()
+
+
+def test_a_draw_whose_rows_left_the_file_before_they_were_read_is_made_again_with_its_rows() -> None:
+    state = make_state()
+    state.local = FileRows(missing={100})  # type: ignore[assignment]
+    starts = iter([0, 100, 200, 500])  # the server's draws, in the order they are answered
+    script = Script(lambda r: ids_reply(r, next(starts)))
+    batch, info = script.run(plan_draws.sample(state, 25, 3, True, None)).result()
+    sent = [r for _, r in script.sent]
+    assert [(r.batch_size, r.seed, r.with_rows) for r in sent] == [(10, 3, False), (10, 4, False), (5, 5, False),
+                                                                  (10, 4, None)]
+    assert batch["x"].tolist() == [*range(10), *range(500, 510), *range(200, 205)], "the draw made again, in its place"
+    assert info.row_ids.tolist() == batch["x"].astype(int).tolist()
+
+
+def test_draws_of_a_consuming_table_carry_their_rows_even_on_the_files_host() -> None:
+    state = make_state(QUEUE)
+    state.local = FileRows()  # type: ignore[assignment]
+    script = Script(ids_reply)
+    batch = script.run(plan_draws.sample(state, 5, None, False, None)).result()
+    assert [r.with_rows for _, r in script.sent] == [None] and state.local.read_ids == []
+    assert batch["x"].tolist() == list(range(5))
+
+
+def test_a_view_given_up_leaves_the_rows_to_travel() -> None:
+    state = make_state()
+    state.local = FileRows()  # type: ignore[assignment]
+    state.local.usable = False
+    script = Script(ids_reply)
+    script.run(plan_draws.sample(state, 5, None, False, None))
+    assert [r.with_rows for _, r in script.sent] == [None] and state.local.read_ids == []
+
+
+def test_batches_on_the_files_host_group_by_what_travels_and_make_a_missed_draw_again() -> None:
+    state = make_state(limits=P.Limits(max_rows_per_message=100, max_message_bytes=1 << 20))
+    state.local = FileRows(missing={40})  # type: ignore[assignment]
+    starts = itertools.count(0, 40)
+    script = Script(lambda r: ids_reply(r, next(starts)))
+    got = script.run(plan_batches.batches(state, 10, 8, None, False, None, None), stop_after=8)
+    requests = [r for _, r in script.sent]
+    assert [r.with_rows for r in requests[:3]] == [False] * 3 and {r.batch_size for r in requests} == {40}
+    remade = [r for r in requests if r.with_rows is None]
+    assert len(remade) == 1, "the group whose rows left the file is drawn again, with its rows"
+    firsts = [int(b["x"][0]) for b in got]
+    assert firsts[:4] == [0, 10, 20, 30] and 40 not in firsts, "no batch of the missed draw is delivered"

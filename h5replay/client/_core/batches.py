@@ -15,7 +15,8 @@ from collections import deque
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from h5replay.client._core.draws import sample, sample_requests, sample_sequences, window_requests
+from h5replay import protocol as P
+from h5replay.client._core.draws import sample, sample_requests, sample_sequences, window_requests, with_rows
 from h5replay.client._core.exchange import collect, fresh, joined
 from h5replay.client._core.ops import READS, Deliver, Forget, Plan, RequestFactory, Send, Wait, checked
 from h5replay.client._core.state import LearnerState
@@ -88,7 +89,8 @@ def _batches_per_request(state: LearnerState, rows: int, ahead: int, t: TableDra
     (two requests or more stay in flight), within one message and 1 MiB."""
     if t.samples != READS:
         return 1
-    fit = min(state.rows_per_message // rows, _REQUEST_BYTES // max(1, rows * int(state.schema.row_bytes)))
+    row_bytes = P.SAMPLE_INFO_BYTES if state.reads_locally(t) else int(state.schema.row_bytes)  # what travels
+    fit = min(state.rows_per_message // rows, _REQUEST_BYTES // max(1, rows * row_bytes))
     return int(max(1, min(ahead // 2, fit)))
 
 
@@ -101,19 +103,23 @@ def _pipelined(state: LearnerState, group_requests: Callable[[int], list[Request
     target = t.samples
     timeout = state.draw_timeout(t)
     in_flight: deque[list[int]] = deque()
+    asked: deque[list[RequestFactory]] = deque()  # the requests of each group in flight (a draw made again)
     drawn: list[Part] = []  # parts of the oldest group read so far (an interrupted read keeps them)
     try:
         for k in itertools.count():
             while len(in_flight) < ahead:
                 yield from fresh(state)
                 sent = []
-                for request in group_requests(k + len(in_flight)):
+                factories = group_requests(k + len(in_flight))
+                for request in factories:
                     sent.append((yield Send(target, request)))
                 in_flight.append(sent)
+                asked.append(factories)
             if t.consuming:
                 parts, error = yield from collect(state, target, in_flight[0], cancel=False,
                                                   timeout=timeout or state.config.timeout, parts=drawn)
                 in_flight.popleft()
+                asked.popleft()
                 drawn = []
                 if error is not None:
                     state.kept.give_back(kind, parts)
@@ -127,6 +133,7 @@ def _pipelined(state: LearnerState, group_requests: Callable[[int], list[Request
                 replies.append(checked((yield Wait(target, request_id, timeout))))
             for reply in replies:
                 state.observe(reply)
+            replies = yield from with_rows(state, replies, asked.popleft(), t)
             for batch in _split(state, replies, group, with_info):
                 yield Deliver(batch)
     except GeneratorExit:

@@ -11,6 +11,7 @@ instead (`Drawn.keep`). Pure plans (see ops.py).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +31,8 @@ from h5replay.spaces import Schema
 from h5replay.transitions import check_n_step
 from h5replay.windows import check_pad_space, masked, window_rows
 
-__all__ = ["Drawn", "sample", "sample_requests", "sample_sequences", "sample_transitions", "window_requests"]
+__all__ = ["Drawn", "sample", "sample_requests", "sample_sequences", "sample_transitions", "window_requests",
+           "with_rows"]
 
 
 @dataclass
@@ -58,8 +60,39 @@ def _ready(value: Any) -> Drawn:
 def sample_requests(state: LearnerState, size: int, seed: int | None, t: TableDraws) -> list[RequestFactory]:
     """The Sample requests of one batch: one per message's (and rate limit step's) worth of rows."""
     limit = state.config.rate_limit_timeout
-    return [_request(P.Sample, hi - lo, _seed(seed, k), state.min_seq, limit, t.asked, state.packed, _skip(lo, t))
+    rows = False if state.reads_locally(t) else None  # False: this client reads the rows from the file
+    return [_request(P.Sample, hi - lo, _seed(seed, k), state.min_seq, limit, t.asked, state.packed, _skip(lo, t),
+                     rows)
             for k, (lo, hi) in enumerate(_chunks(size, t.rows_per_sample))]
+
+
+def with_rows(state: LearnerState, replies: list[Any], factories: list[RequestFactory],
+              t: TableDraws) -> Plan[list[Any]]:
+    """The replies of draws made without their rows (a learner on the file's host, see
+    client/_local.py), with the rows read from this client's own view of the file. A draw whose
+    rows cannot be read so (evicted or cleared since it was made) is made again, with its rows:
+    draws that change nothing on the server can be."""
+    local = state.local
+    out = []
+    for reply, factory in zip(replies, factories):
+        if local is None or reply.arrays or not len(reply.row_ids):
+            out.append(reply)
+            continue
+        arrays = local.read(reply)
+        if arrays is None:
+            again = yield from read_many(state, t.samples, [_rows_too(factory)], state.draw_timeout(t))
+            out.append(again[0])
+        else:
+            out.append(dataclasses.replace(reply, arrays=arrays))
+    return out
+
+
+def _rows_too(factory: RequestFactory) -> RequestFactory:
+    """The request `factory` makes (a Sample), asking for its rows."""
+    def request(request_id: int) -> P.Request:
+        drawn = factory(request_id)
+        return dataclasses.replace(drawn, with_rows=None) if isinstance(drawn, P.Sample) else drawn
+    return request
 
 
 def _skip(lo: int, t: TableDraws) -> int | None:
@@ -121,7 +154,8 @@ def sampled(state: LearnerState, replies: list[Any], with_info: bool, schema: Sc
 def sample_many(state: LearnerState, factories: list[RequestFactory], t: TableDraws) -> Plan[list[Any]]:
     """Sample requests go to whoever draws them: readers, or the writer when samples change the
     buffer (then each may wait up to `rate_limit_timeout` for the rate limit)."""
-    return (yield from read_many(state, t.samples, factories, state.draw_timeout(t)))
+    replies = yield from read_many(state, t.samples, factories, state.draw_timeout(t))
+    return (yield from with_rows(state, replies, factories, t))
 
 
 def sample(state: LearnerState, batch_size: Any, seed: int | None, with_info: bool, table: str | None) -> Plan[Drawn]:

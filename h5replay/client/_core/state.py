@@ -15,6 +15,7 @@ import numpy as np
 from h5replay import protocol as P
 from h5replay.client._core.ops import READS, WRITER
 from h5replay.client._kept import Kept
+from h5replay.client._local import LocalRows
 from h5replay.client._reads import TableDraws, View, table_draws
 from h5replay.codecs import PackedRows, decode_rows
 from h5replay.config import ClientConfig
@@ -77,6 +78,8 @@ class LearnerState:
         self.updates_seq: Callable[[], int] = lambda: 0
         self._tables: dict[str | None, TableDraws] = {}
         self._leaf_of = dict(self.schema.leaves)
+        #: This process's own view of the server's file, when it is on the file's host (ClientConfig.local_reads).
+        self.local = LocalRows.of(hello, config.local_reads)
 
     # ------------------------------------------------------------------ tables
 
@@ -90,6 +93,16 @@ class LearnerState:
         if found is None:
             found = self._tables[table] = table_draws(self.sampling, table, WRITER, READS, self.rows_per_message)
         return found
+
+    def close(self) -> None:
+        """Let go of what this state holds open (its view of the file). Safe twice."""
+        if self.local is not None:
+            self.local.close()
+
+    def reads_locally(self, t: TableDraws) -> bool:
+        """Whether draws from `t` leave their rows for this client to read from its own view of
+        the file: on the file's host, from a table whose draws change nothing on the server."""
+        return self.local is not None and self.local.usable and not t.consuming
 
     def table_figure(self, t: TableDraws, figure: str) -> Any:
         return self.sampling.get(f"table.{t.name}.{figure}", self.sampling.get(figure))

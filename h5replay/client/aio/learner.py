@@ -428,6 +428,8 @@ class AsyncLearnerClient:
             self._state.kept.take_all()
         for conn in {id(c): c for c in (self._reads, self._conn) if c is not None}.values():
             await conn.aclose()
+        if self._state is not None:
+            self._state.close()
 
     def _drop(self) -> None:
         """Close both sockets now, without waiting (a shard router drops the client of a shard that
@@ -435,6 +437,8 @@ class AsyncLearnerClient:
         self._closed = True
         for conn in {id(c): c for c in (self._reads, self._conn) if c is not None}.values():
             conn.close()
+        if self._state is not None:
+            self._state.close()
 
     async def __aenter__(self) -> AsyncLearnerClient:
         return await self.connect()
