@@ -1,46 +1,50 @@
-"""Rows read from the server's file itself, by a learner on the file's host.
+"""Rows drawn from the server's file itself, by a learner on the file's host.
 
 When a server's hello names a file this process reaches (`hosts.same_file`: the same kernel, a
-path that leads to the same device and inode), the learner asks for draws alone (ids,
-episodes, probabilities: `Sample(with_rows=False)`) and reads the rows from its own SWMR view of
-the file: no batch is copied through a socket. The draw keeps every guarantee of the service
-(the server's sampler and priorities, a view no older than the client has seen); only the copy
-of the rows moves here. Draws that change the server's state (queues, rate limits) still carry
-their rows: a row such a draw hands out cannot be drawn again, so it must not be lost to an
-eviction between the draw and the read.
+path that leads to the same device and inode), the learner draws from its own SWMR view of that
+file, with the server's own sampling code over the state the writer published: no request, no
+batch copied through a socket. What the service promises holds: the tables' samplers and the
+priorities are the file's (a learner's own updates are published before their reply, so its next
+draw sees them); a draw is one consistent read (a row the ring overwrote mid-read is never
+returned); the view is never older than one this client has seen. Draws that change the
+server's state (queues, rate limits, rows removed as sampled) go to the server as before: only
+its writer may make them.
 
-No row evicted or cleared between the draw and the read is returned: the view's own consistent
-read (`ReplayBuffer.get_rows`: every id held, re-read when the writer overwrote what was read)
-runs in a state of the draw's generation and no older than it, or the read gives up (`None`) and
-the caller makes the draw again with its rows. A view that cannot be opened, or turns out not to
-be the server's file, is given up for good, and the rows travel as before.
+A server restarted on another file would leave the view behind: at most every
+`CONFIRM_INTERVAL` seconds the learner asks the server which file it serves (its info: device and
+inode), and the view is given up when that is not the file it holds. A view that does not open,
+holds another replay, shows an older publish than the client has seen, or fails a read is given
+up too, and the learner draws over the socket from then on.
 
 Every learner of a process reads a file through one view (HDF5 opens a file once per process, and
 a dataset refreshed through one handle goes stale through another: storage/_readers.py). The view
-is not opened where the process already holds another SWMR reader of the file, and gives way
-(closes, and the rows travel again) when the caller opens one.
+is not opened where the process already holds another reader or the writer of the file, and
+gives way (closes, and draws travel again) when the caller opens one.
 
-h5py and the storage load here only when a learner first reads locally: nothing at module level,
+h5py and the storage load here only when a learner first draws locally: nothing at module level,
 so actors and DataLoader workers that import the client stay light.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from typing import Any
 
 import numpy as np
 
 from h5replay import protocol as P
+from h5replay.client._reads import View
 from h5replay.codecs import DamagedRecordError
-from h5replay.errors import EvictedError, H5ReplayError
+from h5replay.errors import ConfigError, H5ReplayError, NotEnoughDataError
 from h5replay.hosts import same_file
 
-__all__ = ["LocalRows"]
+__all__ = ["CONFIRM_INTERVAL", "LocalRows"]
 
 log = logging.getLogger("h5replay.client")
-_OPEN_TIMEOUT = 5.0  # seconds the view may take to open; a slower file is read over the socket
+_OPEN_TIMEOUT = 5.0  # seconds the view may take to open; a slower file is drawn from over the socket
+CONFIRM_INTERVAL = 1.0  # seconds between two questions to the server: is this still the file it serves?
 
 
 class _View:
@@ -53,6 +57,7 @@ class _View:
         self.buffer: Any = None  # the ReplayBuffer reader, once open
         self.users = 0
         self.given_up: str | None = None  # why it is not used (None: it is, or will be)
+        self.pid = os.getpid()  # a child (fork) never uses its parent's view: it opens none of its own
 
     def open(self) -> Any:
         """The reader (opened now if need be), or None when it cannot be used."""
@@ -81,7 +86,7 @@ class _View:
     def give_up(self, why: str) -> None:
         if self.given_up is None:
             self.given_up = why
-            log.info("rows of %s travel over the socket from now on: %s", self.path, why)
+            log.info("draws from %s travel over the socket from now on: %s", self.path, why)
         buffer, self.buffer = self.buffer, None
         if buffer is not None:
             buffer.close()
@@ -94,7 +99,7 @@ _views_lock = threading.Lock()
 def _take(path: str, replay_id: str) -> _View:
     with _views_lock:
         view = _views.get((path, replay_id))
-        if view is None or view.given_up is not None:
+        if view is None or view.given_up is not None or view.pid != os.getpid():
             view = _views[(path, replay_id)] = _View(path, replay_id)
         view.users += 1
         return view
@@ -124,9 +129,9 @@ class LocalRows:
         self.replay_id = replay_id
         self._view: _View | None = None
         self._closed = False
-        #: Draws whose rows were read here, and those made again with their rows (evicted meanwhile).
-        self.num_read = 0
-        self.num_missed = 0
+        self._confirmed_at: float | None = None  # when the server last said it serves this file
+        #: Draws made from the file.
+        self.num_draws = 0
 
     @classmethod
     def of(cls, hello: P.HelloReply, enabled: bool) -> LocalRows | None:
@@ -138,7 +143,7 @@ class LocalRows:
 
     @property
     def given_up(self) -> str | None:
-        """Why rows are not read here (None: they are, or will be at the first read)."""
+        """Why draws are not made here (None: they are, or will be at the first draw)."""
         if self._closed:
             return "closed"
         return None if self._view is None else self._view.given_up
@@ -147,44 +152,68 @@ class LocalRows:
     def usable(self) -> bool:
         return self.given_up is None
 
-    def read(self, reply: P.SampleReply) -> dict[str, np.ndarray] | None:
-        """The rows (wire form: stored dtypes, compressed leaves decoded) of a draw made without
-        them, from a state of the draw's generation and no older than it; None when they cannot
-        be read so (evicted or cleared since the draw, or this view given up): draw again.
+    def due(self, now: float) -> bool:
+        """Whether the server must be asked which file it serves before the next draw."""
+        return self._confirmed_at is None or now - self._confirmed_at >= CONFIRM_INTERVAL
+
+    def confirm(self, stats: dict[str, Any], now: float) -> None:
+        """The server's info `stats` name the file it serves: given up unless it is this view's."""
+        if self._closed:
+            return
+        view = self._take()
+        with view.lock:
+            buffer = view.open()
+            if buffer is None:
+                return
+            try:
+                held = buffer.file_storage.file_identity()
+            except H5ReplayError as exc:
+                view.give_up(f"it cannot be looked at: {exc}")
+                return
+            served = (stats.get("file_device"), stats.get("file_inode"))
+            if served != held or stats.get("replay_id", self.replay_id) != self.replay_id:
+                view.give_up(f"the server now serves another file (device {served[0]}, inode {served[1]})")
+                return
+        self._confirmed_at = now
+
+    def draw(self, method: str, min_seq: int, *args: Any, **kwargs: Any) -> tuple[dict[str, np.ndarray], Any, View] | None:
+        """(rows in wire form: stored dtypes, compressed leaves decoded; their SampleInfo; the
+        view they were drawn in) of `ReplayBuffer.<method>(*args, with_info=True, decode=False,
+        **kwargs)` on this view, in a state no older than `min_seq`; None when this view is given
+        up (the caller draws over the socket).
 
         Raises:
-            DamagedRecordError: a stored record does not decode (never returned as data).
+            NotEnoughDataError, ConfigError, DamagedRecordError: as the server's draw would.
         """
         if self._closed:
             return None
-        if self._view is None:
-            self._view = _take(self.path, self.replay_id)
-        view = self._view
+        view = self._take()
         with view.lock:
             buffer = view.open()
             if buffer is None:
                 return None
             try:
-                arrays = buffer.get_rows(np.asarray(reply.row_ids).astype(np.int64), decode=False)
-            except DamagedRecordError:
+                buffer.refresh()
+                if buffer.view.seq < min_seq:  # this client saw a newer publish: not the file served
+                    view.give_up(f"the file shows publish {buffer.view.seq}, older than {min_seq} this client has seen")
+                    return None
+                arrays, info = getattr(buffer, method)(*args, with_info=True, decode=False, **kwargs)
+            except (NotEnoughDataError, ConfigError, DamagedRecordError):
                 raise
-            except EvictedError:
-                self.num_missed += 1
-                return None
             except (H5ReplayError, IndexError, OSError, ValueError, TypeError) as exc:
-                view.give_up(f"reading rows failed: {exc}")  # not the file the server draws from
+                view.give_up(f"a draw from it failed: {exc}")
                 return None
             state = buffer.last_view
-            if state.generation != reply.generation or state.seq < reply.seq:
-                if state.seq < reply.seq:  # the server published more than this file shows: another file
-                    view.give_up(f"the file shows publish {state.seq}, older than the server's {reply.seq}")
-                self.num_missed += 1
-                return None
-            self.num_read += 1
-            return dict(arrays)
+            self.num_draws += 1
+            return dict(arrays), info, View(state.seq, state.generation, state.begin, state.end)
+
+    def _take(self) -> _View:
+        if self._view is None:
+            self._view = _take(self.path, self.replay_id)
+        return self._view
 
     def close(self) -> None:
-        """No read is made here afterwards; the view closes with its last learner. Safe twice."""
+        """No draw is made here afterwards; the view closes with its last learner. Safe twice."""
         if self._closed:
             return
         self._closed = True

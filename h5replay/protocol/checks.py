@@ -253,7 +253,7 @@ _SCALAR_CHECKS: dict[str, Callable[[Any, str, Limits], Any]] = {
 # Fields added within version 3, which earlier version 3 peers leave out: decoded as the message's
 # default when absent. `encode` leaves one out only when it is None.
 _OPTIONAL_SCALARS = frozenset({"idempotency_key", "timeout", "first_episode", "max_episodes", "table",
-                               "priority_tables", "pad", "packed", "skip", "with_rows", "local_file"})
+                               "priority_tables", "pad", "packed", "skip", "local_file"})
 
 
 @dataclass(frozen=True)

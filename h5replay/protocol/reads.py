@@ -56,9 +56,6 @@ class Sample(Request):
     # A later part of one batch split over several requests: an in-order sampler (fifo, lifo)
     # passes over the first `skip` rows of its order, so no row comes twice in the batch.
     skip: int | None = None
-    # False: the draw alone (ids and probabilities, no rows): a learner on the file's host reads
-    # the rows from its own view of the file. None: the rows travel.
-    with_rows: bool | None = None
 
     @property
     def num_drawn(self) -> int:

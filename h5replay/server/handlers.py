@@ -683,6 +683,8 @@ class Service:
             "errors": self.stats.errors,
             "rows_out": self.stats.rows_out,
             "rows_sampled": self.stats.rows_sampled, "role": "writer",  # (readers' rows_sampled: added below)
+            # The file served, by device and inode: a learner reading it itself checks it is still this one.
+            "file_device": (self.local_file or {}).get("device"), "file_inode": (self.local_file or {}).get("inode"),
             "file_bytes": os.path.getsize(path) if path and os.path.exists(path) else 0,
             "uptime": round(uptime, 3),
             "server_version": __version__,

@@ -111,13 +111,11 @@ def _get_rows(buffer: ReplayBuffer, request: P.GetRows, rng: np.random.Generator
 
 
 def _sample(buffer: ReplayBuffer, request: P.Sample, rng: np.random.Generator, limits: P.Limits) -> P.Reply:
-    rows = request.with_rows is not False  # False: the learner reads the rows from its own view of the file
-    _check_reply_rows(buffer, request.batch_size if rows else 0, limits, request.batch_size * P.SAMPLE_INFO_BYTES)
+    _check_reply_rows(buffer, request.batch_size, limits, request.batch_size * P.SAMPLE_INFO_BYTES)
     gen = rng if request.seed is None else np.random.default_rng(request.seed)
     arrays, info = buffer.sample(request.batch_size, gen, with_info=True, decode=_stored(request.packed),
-                                 table=request.table, skip=request.skip or 0, rows=rows)
-    return P.SampleReply(request.request_id, *_view(buffer), info.row_ids, info.episode_ids, info.probabilities,
-                         arrays if rows else {})
+                                 table=request.table, skip=request.skip or 0)
+    return P.SampleReply(request.request_id, *_view(buffer), info.row_ids, info.episode_ids, info.probabilities, arrays)
 
 
 def _sample_sequences(buffer: ReplayBuffer, request: P.SampleSequences, rng: np.random.Generator,

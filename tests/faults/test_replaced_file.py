@@ -17,6 +17,7 @@ from fault_helpers import file_holders
 from service_helpers import EPISODE_SPACE, episode_rows, server_config, wait_until
 
 from h5replay.client import ActorClient, LearnerClient
+from h5replay.config import ClientConfig
 from h5replay.errors import ServerUnavailableError, StorageError
 from h5replay.server import ServerProcess
 from h5replay.storage import ReplayBuffer
@@ -37,7 +38,9 @@ def test_a_reader_restarted_after_the_file_was_replaced_never_serves_the_other_f
         assert wait_until(lambda: len(file_holders(server.pid, path)) == readers, timeout=10)
         pids = file_holders(server.pid, path)
         assert len(pids) == readers, pids
-        with LearnerClient(server.endpoint, timeout=2) as learner:
+        # Over the socket: the reader processes are what this checks (a learner on the file's host
+        # would draw from the file itself).
+        with LearnerClient(config=ClientConfig(endpoint=server.endpoint, timeout=2, local_reads=False)) as learner:
             assert set(learner.sample(16)["actor"].tolist()) == {1}
             os.replace(other, path)  # `mv backup.h5 rb.h5` while the server runs
             for pid in pids:

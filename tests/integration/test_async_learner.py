@@ -24,6 +24,7 @@ from transition_helpers import Model, check_sample, episode
 
 from h5replay import protocol as P
 from h5replay.client import ActorClient, LearnerClient
+from h5replay.client._local import CONFIRM_INTERVAL
 from h5replay.client.aio import AsyncLearnerClient
 from h5replay.config import ClientConfig
 from h5replay.errors import ConfigError, NotEnoughDataError, RateLimitedError, ServerUnavailableError
@@ -214,6 +215,7 @@ def test_a_server_that_goes_away_mid_session_raises_server_unavailable(start_ser
     learner = learner_of(server.endpoint, timeout=1.0)
     assert learner.sample(5)["step"].shape == (5,)
     server.stop(timeout=10)
+    time.sleep(CONFIRM_INTERVAL)  # on the file's host the learner draws from the file, and asks the server this often
     started = time.monotonic()
     with pytest.raises(ServerUnavailableError):
         learner.sample(5)

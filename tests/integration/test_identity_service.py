@@ -26,6 +26,7 @@ from service_helpers import (
 
 from h5replay import protocol as P
 from h5replay.client import ActorClient, LearnerClient, Receipt
+from h5replay.config import ClientConfig
 from h5replay.errors import SegmentStateError, ServerUnavailableError
 from h5replay.storage import BoxSpace, DictSpace, HDF5Storage, ReplayBuffer
 
@@ -351,7 +352,8 @@ def test_case8_an_empty_episode_gives_no_ids_on_every_path(start_server):
 @pytest.mark.timeout(60)
 def test_case8_rows_out_counts_every_row_of_a_window(start_server):
     server = start_server()
-    with ActorClient(server.endpoint, timeout=10) as actor, LearnerClient(server.endpoint, timeout=10) as learner:
+    wire = ClientConfig(endpoint=server.endpoint, timeout=10, local_reads=False)  # rows sent by the readers
+    with ActorClient(server.endpoint, timeout=10) as actor, LearnerClient(config=wire) as learner:
         _commit_rows(actor, 1, 60)
         before = learner.info()["rows_out"]
         learner.sample_sequences(10, 50)
@@ -374,7 +376,8 @@ def test_case8_a_dead_reader_is_replaced_without_stalling_ingest(start_server):
                 latencies.append(time.monotonic() - started)
                 time.sleep(0.01)
 
-    with ActorClient(server.endpoint, timeout=30) as actor, LearnerClient(server.endpoint, timeout=0.3) as learner:
+    wire = ClientConfig(endpoint=server.endpoint, timeout=0.3, local_reads=False)  # the readers answer
+    with ActorClient(server.endpoint, timeout=30) as actor, LearnerClient(config=wire) as learner:
         _commit_rows(actor, 1, 5)
         learner.sample(4)
         readers = child_pids(server.pid)

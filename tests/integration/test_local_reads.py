@@ -1,7 +1,8 @@
-"""A learner on the host of the server's file reads drawn rows from its own view of the file
-(ClientConfig.local_reads, client/_local.py): the same draws and rows as over the socket, none of
-them carried by it; no row a ring overwrote between the draw and the read; queues and rate limits
-still carry their rows; a file that is not the server's is never read."""
+"""A learner on the host of the server's file draws from its own view of the file
+(ClientConfig.local_reads, client/_local.py): the same draws and rows as the server's with the same
+seed (samples, windows, padded windows, transitions), none of them through the socket; no row the
+ring overwrites while it reads; its own priority updates seen; queues and rate limits still drawn
+by the server; a file that is not the one the server serves is never read; one view per process."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from service_helpers import EPISODE_SPACE, episode_rows, processes, row_problems
 
 from h5replay import protocol as P
 from h5replay.client import ActorClient, LearnerClient
-from h5replay.client._local import LocalRows
+from h5replay.client._local import CONFIRM_INTERVAL, LocalRows
 from h5replay.config import ClientConfig
 from h5replay.hosts import boot_id, describe_file, same_file
 from h5replay.sampling import Fifo, Prioritized, RateLimit, SamplingConfig
@@ -44,26 +45,65 @@ def _rows_sent(learner: Any) -> int:
     return int(learner.info()["rows_out"])
 
 
-def test_a_learner_on_the_files_host_draws_on_the_server_and_reads_the_rows_itself(start_server: Any,
-                                                                                  learner_of: Any) -> None:
+def test_a_learner_on_the_files_host_draws_what_the_server_would_and_nothing_travels(start_server: Any,
+                                                                                    learner_of: Any) -> None:
     server = start_server()
     _push(server.endpoint, 20)
     with _wire(server.endpoint) as wire:
-        expected, expected_info = wire.sample(256, seed=7, with_info=True)
         learner = learner_of(server.endpoint, timeout=10)
-        before = _rows_sent(wire)
-        batch, info = learner.sample(256, seed=7, with_info=True)
-        for key in EPISODE_SPACE.keys():
-            np.testing.assert_array_equal(batch[key], expected[key])
-        np.testing.assert_array_equal(info.row_ids, expected_info.row_ids)
-        np.testing.assert_array_equal(info.episode_ids, expected_info.episode_ids)
+        for seed in (7, 8):
+            expected, expected_info = wire.sample(256, seed=seed, with_info=True)
+            batch, info = learner.sample(256, seed=seed, with_info=True)
+            for key in EPISODE_SPACE.keys():
+                np.testing.assert_array_equal(batch[key], expected[key])
+            for field in ("row_ids", "episode_ids", "probabilities"):
+                np.testing.assert_array_equal(getattr(info, field), getattr(expected_info, field))
+        for pad in (False, True):
+            expected, expected_info = wire.sample_sequences(16, 8, seed=3, with_info=True, pad=pad)
+            batch, info = learner.sample_sequences(16, 8, seed=3, with_info=True, pad=pad)
+            assert sorted(batch) == sorted(expected)
+            for key in expected:
+                np.testing.assert_array_equal(batch[key], expected[key])
+            np.testing.assert_array_equal(info.row_ids, expected_info.row_ids)
+        before = wire.info()
         stream = learner.batches(64, prefetch=8)
         for _ in range(10):
             assert not row_problems(next(stream))
         stream.close()
-        assert _rows_sent(wire) == before, "no row travelled to the learner on the file's host"
+        assert not row_problems(learner.sample(100))
+        after = wire.info()
+        assert after["rows_out"] == before["rows_out"], "no row travelled to the learner on the file's host"
+        assert after["rows_sampled"] == before["rows_sampled"], "nor did the server draw for it"
         wire.sample(10)
-        assert _rows_sent(wire) == before + 10, "the learner with local_reads=False gets its rows over the socket"
+        assert wire.info()["rows_out"] == after["rows_out"] + 10, "local_reads=False: rows over the socket"
+
+
+def test_transitions_drawn_on_the_files_host_are_the_servers(start_server: Any) -> None:
+    from transition_helpers import SPACE as TRANSITION_SPACE
+    from transition_helpers import episode as transition_episode
+
+    server = start_server(space=TRANSITION_SPACE, capacity=1000, observation_keys=("obs",))
+    with ActorClient(server.endpoint, timeout=10) as actor:
+        first = 0
+        for length, kind in ((10, "terminated"), (7, "truncated"), (5, "cut"), (12, "terminated")):
+            rows, final = transition_episode(first, length, kind)
+            actor.push_episode(rows, final=final)
+            first += length
+    with _wire(server.endpoint) as wire, LearnerClient(server.endpoint, timeout=10) as learner:
+        expected, expected_info = wire.sample_transitions(200, n_step=3, gamma=0.9, seed=11, with_info=True)
+        batch, info = learner.sample_transitions(200, n_step=3, gamma=0.9, seed=11, with_info=True)
+        _assert_same_tree(batch, expected)
+        np.testing.assert_array_equal(info.has_final, expected_info.has_final)
+        assert learner._state.local is not None and learner._state.local.num_draws == 1
+
+
+def _assert_same_tree(a: Any, b: Any) -> None:
+    if isinstance(b, dict):
+        assert sorted(a) == sorted(b)
+        for key in b:
+            _assert_same_tree(a[key], b[key])
+    else:
+        np.testing.assert_array_equal(a, b)
 
 
 def test_a_prioritized_learner_on_the_host_sees_its_own_updates_in_the_next_draw(start_server: Any) -> None:
@@ -74,7 +114,7 @@ def test_a_prioritized_learner_on_the_host_sees_its_own_updates_in_the_next_draw
         batch, info = learner.sample(500, with_info=True)
         assert set(batch["step"].tolist()) == {4}, "read-your-writes: only the rows left with a priority"
         assert np.allclose(info.probabilities, 0.25)
-        assert learner._state.local is not None and learner._state.local.num_read > 0
+        assert learner._state.local is not None and learner._state.local.num_draws > 0
 
 
 def test_queues_and_rate_limits_still_carry_their_rows(start_server: Any) -> None:
@@ -86,14 +126,14 @@ def test_queues_and_rate_limits_still_carry_their_rows(start_server: Any) -> Non
         seen = {(e, s) for b in drawn for e, s in zip(b["episode"].tolist(), b["step"].tolist())}
         assert len(seen) == 40, "every row handed out once"
         local = learner._state.local
-        assert local is not None and local.num_read == 0, "a consuming draw's rows travel with it"
+        assert local is not None and local.num_draws == 0, "only the server's writer may draw from a queue"
     limited = start_server("r.h5", sampling=SamplingConfig(rate_limit=RateLimit(samples_per_insert=4.0,
                                                                                  min_size_to_sample=10,
                                                                                  error_buffer=200.0)))
     _push(limited.endpoint, 3, length=10)
     with LearnerClient(limited.endpoint, timeout=10) as learner:
         assert not row_problems(learner.sample(20))
-        assert learner._state.local is not None and learner._state.local.num_read == 0
+        assert learner._state.local is not None and learner._state.local.num_draws == 0
 
 
 def _flood(endpoint: str, seconds: float) -> None:
@@ -110,7 +150,7 @@ def _flood(endpoint: str, seconds: float) -> None:
 def test_rows_the_ring_overwrites_while_a_learner_reads_them_are_never_returned(start_server: Any) -> None:
     """An actor wraps a ring of 256 rows over and over while the learner samples: every row the
     learner gets is whole, and its row id is the one its episode's first row id and step give (a
-    row read from a slot overwritten since the draw would name another episode or step)."""
+    row read from a slot overwritten under the read would name another episode or step)."""
     server = start_server(capacity=256)
     _push(server.endpoint, 13)
     first_id: dict[tuple[int, int], int] = {}
@@ -130,8 +170,7 @@ def test_rows_the_ring_overwrites_while_a_learner_reads_them_are_never_returned(
         proc.join(30)
         assert proc.exitcode == 0
         local = learner._state.local
-        assert local is not None and local.usable and local.num_read > 0
-        print(f"{batches} batches, {local.num_read} read from the file, {local.num_missed} drawn again")
+        assert local is not None and local.usable and local.num_draws == batches
         assert learner.info()["length"] <= 256
 
 
@@ -159,54 +198,56 @@ def test_the_hello_names_the_file_and_only_that_very_file_on_this_host_is_read(t
         rb.close()
 
 
-def _draw(server: Any, n: int) -> tuple[P.HelloReply, P.SampleReply]:
-    """A hello of `server` and a draw of `n` rows as a reply without them (what a learner on the
-    file's host gets), drawn over the socket by a learner that reads no file."""
+def _hello_of(server: Any, replay_id: str | None = None) -> P.HelloReply:
     st = os.stat(server.config.path)
     with _wire(server.endpoint) as wire:
-        _, info = wire.sample(n, with_info=True)
-        v = wire._state.view
-        hello = P.HelloReply(1, EPISODE_SPACE.to_json(), 100, 0, 0, "test", P.PROTOCOL_VERSION, P.Limits(),
-                             "tcp://127.0.0.1:2", wire.replay_id, "instance", {"sampler": "Uniform"},
-                             describe_file(server.config.path, st.st_dev, st.st_ino))
-    assert v is not None
-    return hello, P.SampleReply(1, v.seq, v.generation, v.begin, v.end, info.row_ids, info.episode_ids,
-                                info.probabilities, {})
+        return P.HelloReply(1, EPISODE_SPACE.to_json(), 100, 0, 0, "test", P.PROTOCOL_VERSION, P.Limits(),
+                            "tcp://127.0.0.1:2", replay_id or wire.replay_id, "instance", {"sampler": "Uniform"},
+                            describe_file(server.config.path, st.st_dev, st.st_ino))
 
 
 def test_a_file_that_is_not_the_servers_replay_is_given_up_and_never_read(start_server: Any) -> None:
     server = start_server()
     _push(server.endpoint, 2, length=10)
-    hello, drawn = _draw(server, 4)
+    hello = _hello_of(server)
     assert LocalRows.of(hello, enabled=False) is None
     assert LocalRows.of(dataclasses.replace(hello, local_file=None), enabled=True) is None
     other = LocalRows.of(dataclasses.replace(hello, replay_id="another-replay"), enabled=True)
-    assert other is not None and other.read(drawn) is None
+    assert other is not None and other.draw("sample", 0, 4, np.random.default_rng(0)) is None
     assert other.given_up is not None and "another-replay" in other.given_up
     other.close()
     mine = LocalRows.of(hello, enabled=True)
     assert mine is not None
-    arrays = mine.read(drawn)
-    assert arrays is not None and not row_problems(arrays) and mine.num_read == 1
+    drawn = mine.draw("sample", 0, 4, np.random.default_rng(0))
+    assert drawn is not None and not row_problems(drawn[0]) and mine.num_draws == 1
+    assert mine.draw("sample", 10**9, 4, np.random.default_rng(0)) is None, "a publish newer than the file shows"
+    assert "older than" in (mine.given_up or "")
     mine.close()
     mine.close()
-    assert not mine.usable and mine.read(drawn) is None
+    assert not mine.usable and mine.draw("sample", 0, 4, np.random.default_rng(0)) is None
 
 
-def test_rows_evicted_since_the_draw_are_not_read_from_the_file(start_server: Any) -> None:
-    server = start_server(capacity=64)
-    _push(server.endpoint, 3, length=10)
-    hello, drawn = _draw(server, 16)
-    local = LocalRows.of(hello, enabled=True)
-    assert local is not None
-    with ActorClient(server.endpoint, timeout=10) as actor:
-        for e in range(10, 19):  # 90 more rows: the first 30 leave the ring of 64
-            actor.push_episode(episode_rows(1, e, 10))
-    assert int(drawn.row_ids.min()) < 30
-    assert local.read(drawn) is None and local.num_missed == 1 and local.usable
-    _, fresh = _draw(server, 16)
-    assert local.read(fresh) is not None and local.num_read == 1
-    local.close()
+def test_a_server_restarted_on_another_file_is_noticed_within_a_second(start_server: Any, tmp_path: Path) -> None:
+    """The learner stays connected while its endpoint comes back serving another file: within
+    CONFIRM_INTERVAL it stops drawing from the first file, and reads the second one's rows."""
+    from service_helpers import free_port
+
+    port = free_port()
+    first = start_server("a.h5", bind=f"tcp://127.0.0.1:{port}", num_readers=0)
+    with ActorClient(first.endpoint, timeout=10) as actor:
+        actor.push_episode(episode_rows(1, 0, 10))
+    learner = LearnerClient(first.endpoint, timeout=10)
+    try:
+        assert set(learner.sample(32)["actor"].tolist()) == {1}
+        first.stop()
+        second = start_server("b.h5", bind=f"tcp://127.0.0.1:{port}", num_readers=0)
+        with ActorClient(second.endpoint, timeout=10) as actor:
+            actor.push_episode(episode_rows(2, 0, 10))
+        time.sleep(CONFIRM_INTERVAL + 0.1)
+        assert set(learner.sample(32)["actor"].tolist()) == {2}, "the rows of the file served now"
+        assert "another file" in (learner._state.local.given_up or "")
+    finally:
+        learner.close()
 
 
 def test_one_view_serves_every_learner_of_a_process_and_gives_way_to_the_callers_reader(start_server: Any) -> None:
@@ -227,8 +268,8 @@ def test_one_view_serves_every_learner_of_a_process_and_gives_way_to_the_callers
                 rounds += 1
             proc.join(30)
         assert first._state.local is not None and second._state.local is not None
-        assert (first._state.local.num_read, second._state.local.num_read) == (rounds, rounds), \
-            "every draw's rows read from the file, by both learners"
+        assert (first._state.local.num_draws, second._state.local.num_draws) == (rounds, rounds), \
+            "every draw made from the file, by both learners"
         assert first._state.local._view is second._state.local._view
         mine = ReplayBuffer.load_from(server.config.path, read_only=True, multiprocessing=True)
         try:
@@ -237,10 +278,10 @@ def test_one_view_serves_every_learner_of_a_process_and_gives_way_to_the_callers
                 _push(server.endpoint, 1)
                 assert not row_problems(first.sample(64))
                 assert not row_problems(mine.sample(64))
-            assert first._state.local.num_read == rounds, "the rows travel once the caller's reader is open"
+            assert first._state.local.num_draws == rounds, "draws travel once the caller's reader is open"
             with LearnerClient(server.endpoint, timeout=10) as third:
                 assert not row_problems(third.sample(64))
-                assert third._state.local is not None and third._state.local.num_read == 0
+                assert third._state.local is not None and third._state.local.num_draws == 0
                 assert "another reader" in (third._state.local.given_up or "")
         finally:
             mine.close()

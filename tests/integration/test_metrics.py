@@ -50,7 +50,7 @@ def test_metrics_follow_the_service(tmp_path):
             seg.append(np.zeros(4, np.float32))
             seg._send_buffered()
             with LearnerClient(server.endpoint, timeout=10) as learner:
-                learner.sample(7)  # on the file's host: drawn by the server, read from the file
+                learner.sample(7)  # on the file's host: drawn from the file by the learner itself
             wire = ClientConfig(endpoint=server.endpoint, timeout=10, local_reads=False)
             with LearnerClient(config=wire) as learner:
                 learner.sample(2)  # rows sent over the socket
@@ -59,8 +59,7 @@ def test_metrics_follow_the_service(tmp_path):
             assert after["h5replay_rows_in_total"] == 16
             assert after["h5replay_length"] == 15 and after["h5replay_num_episodes"] == 3
             assert after["h5replay_open_segments"] == 1
-            assert after["h5replay_rows_out_total"] == 2
-            assert after["h5replay_rows_sampled_total"] == 9
+            assert after["h5replay_rows_out_total"] == 2 and after["h5replay_rows_sampled_total"] == 2
             assert after["h5replay_file_bytes"] > 0
             assert after['h5replay_request_seconds_count{kind="push_episode"}'] == 3
             seg.abort()

@@ -31,6 +31,7 @@ from service_helpers import (
 )
 
 from h5replay.client import ActorClient, LearnerClient, Receipt
+from h5replay.config import ClientConfig
 from h5replay.errors import NotEnoughDataError, SegmentStateError, ServerUnavailableError, SpaceMismatchError
 from h5replay.storage import BinarySpace, BoxSpace, DictSpace, TextSpace
 
@@ -301,7 +302,8 @@ def test_writer_serves_reads_when_there_are_no_reader_processes(start_server, tm
 @pytest.mark.timeout(60)
 def test_several_reader_processes_behind_the_proxy(start_server, tmp_path):
     server = start_server(num_readers=2)
-    with ActorClient(server.endpoint, timeout=10) as actor, LearnerClient(server.endpoint, timeout=10) as learner:
+    wire = ClientConfig(endpoint=server.endpoint, timeout=10, local_reads=False)  # the readers draw
+    with ActorClient(server.endpoint, timeout=10) as actor, LearnerClient(config=wire) as learner:
         episodes = [episode_rows(4, e, 20) for e in range(5)]
         for rows in episodes:
             actor.push_episode(rows)

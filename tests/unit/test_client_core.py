@@ -37,6 +37,7 @@ from h5replay.client._core.ops import (
     finished,
 )
 from h5replay.client._core.state import LearnerState
+from h5replay.client._reads import View
 from h5replay.config import ClientConfig
 from h5replay.errors import (
     ConfigError,
@@ -48,7 +49,7 @@ from h5replay.errors import (
     SegmentStateError,
     ServerUnavailableError,
 )
-from h5replay.records import Receipt
+from h5replay.records import Receipt, SampleInfo
 from h5replay.spaces import BoxSpace, DictSpace
 
 pytestmark = pytest.mark.timeout(30)
@@ -652,82 +653,101 @@ def test_a_commit_refused_for_a_full_disk_leaves_the_segment_open_and_a_lost_one
 # ------------------------------------------------------------------ a learner on the file's host
 
 
-class FileRows:
-    """A learner's own view of the file, as the plans see it (client/_local.py's LocalRows): the
-    rows of a draw, or None for the draws `missing` names (their rows left the file since)."""
+class FileView:
+    """A learner's own view of the server's file, as the plans see it (client/_local.py's
+    LocalRows): draws rows 0, 1, 2, ... of `x`, until `give_up_after` draws."""
 
-    def __init__(self, missing: set[int] | None = None) -> None:
+    def __init__(self, give_up_after: int = 1000) -> None:
         self.usable = True
-        self.missing = missing or set()
-        self.read_ids: list[list[int]] = []
+        self.calls: list[tuple[str, int, tuple[Any, ...], dict[str, Any]]] = []
+        self.confirmed: list[dict[str, Any]] = []
+        self.give_up_after = give_up_after
+        self._next = 0
+        self._confirmed_at: float | None = None
 
-    def read(self, reply: P.SampleReply) -> dict[str, np.ndarray] | None:
-        ids = reply.row_ids.astype(np.int64)
-        self.read_ids.append(ids.tolist())
-        if int(ids[0]) in self.missing:
+    def due(self, now: float) -> bool:
+        return self._confirmed_at is None or now - self._confirmed_at >= 1.0
+
+    def confirm(self, stats: dict[str, Any], now: float) -> None:
+        self.confirmed.append(stats)
+        self._confirmed_at = now
+        if stats.get("file_inode") != 7:
+            self.usable = False
+
+    def draw(self, method: str, min_seq: int, *args: Any, **kwargs: Any) -> Any:
+        self.calls.append((method, min_seq, args, kwargs))
+        if len(self.calls) > self.give_up_after:
+            self.usable = False
             return None
-        return {"x": ids.astype(np.float32)}
+        n = args[0]
+        ids = np.arange(self._next, self._next + n, dtype=np.int64)
+        self._next += n
+        info = SampleInfo(ids.astype(np.uint64), ids.astype(np.uint64), np.full(n, 0.5))
+        return {"x": ids.astype(np.float32)}, info, View(9, 0, 0, 1000)
 
 
-def ids_reply(request: Any, first: int = 0, seq: int = 1) -> P.SampleReply:
-    """A draw's reply as the server sends it: rows only when the request asked for them."""
-    reply = rows_reply(request, first, seq)
-    return reply if request.with_rows is not False else P.SampleReply(
-        reply.request_id, *view(seq), reply.row_ids, reply.episode_ids, reply.probabilities, {})
+def info_or(answer: Callable[[P.Request], Any], inode: int = 7) -> Callable[[P.Request], Any]:
+    """The server: Info answered with the file it serves (inode `inode`), the rest by `answer`."""
+    def reply(request: P.Request) -> Any:
+        if isinstance(request, P.Info):
+            return P.InfoReply(request.request_id, {"file_device": 1, "file_inode": inode, "replay_id": "replay"})
+        return answer(request)
+    return reply
 
 
-def test_a_learner_on_the_files_host_asks_for_draws_alone_and_reads_their_rows_itself() -> None:
+def test_a_learner_on_the_files_host_draws_from_its_own_view_after_the_server_confirms_the_file() -> None:
     state = make_state()
-    state.local = FileRows()  # type: ignore[assignment]
-    starts = iter([0, 100, 200])
-    script = Script(lambda r: ids_reply(r, next(starts)))
-    batch, info = script.run(plan_draws.sample(state, 25, 3, True, None)).result()
-    assert [r.with_rows for _, r in script.sent] == [False] * 3
-    assert state.local.read_ids == [list(range(10)), list(range(100, 110)), list(range(200, 205))]
-    assert batch["x"].tolist() == [*range(10), *range(100, 110), *range(200, 205)]
-    assert info.row_ids.tolist() == batch["x"].astype(int).tolist()
+    state.local = FileView()  # type: ignore[assignment]
+    script = Script(info_or(rows_reply))
+    batch, info = script.run(plan_draws.sample(state, 25, None, True, None)).result()
+    assert [type(r).__name__ for _, r in script.sent] == ["Info"] and script.sent[0][0] == WRITER
+    assert batch["x"].tolist() == list(range(25)) and info.row_ids.tolist() == list(range(25))
+    assert [c[0] for c in state.local.calls] == ["sample"] and state.local.calls[0][2][0] == 25, "one draw of 25"
+    assert state.view is not None and state.view.seq == 9, "the view drawn in is this client's view"
+    script.run(plan_draws.sample(state, 5, None, False, None))
+    assert len(script.sent) == 1, "confirmed a moment ago: no request at all"
+    script.clock += 1.5
+    script.run(plan_draws.sample(state, 5, None, False, None))
+    assert [type(r).__name__ for _, r in script.sent] == ["Info", "Info"], "asked again a second later"
 
 
-def test_a_draw_whose_rows_left_the_file_before_they_were_read_is_made_again_with_its_rows() -> None:
+def test_seeded_draws_from_the_view_come_in_the_parts_and_seeds_the_server_would_draw() -> None:
     state = make_state()
-    state.local = FileRows(missing={100})  # type: ignore[assignment]
-    starts = iter([0, 100, 200, 500])  # the server's draws, in the order they are answered
-    script = Script(lambda r: ids_reply(r, next(starts)))
-    batch, info = script.run(plan_draws.sample(state, 25, 3, True, None)).result()
-    sent = [r for _, r in script.sent]
-    assert [(r.batch_size, r.seed, r.with_rows) for r in sent] == [(10, 3, False), (10, 4, False), (5, 5, False),
-                                                                  (10, 4, None)]
-    assert batch["x"].tolist() == [*range(10), *range(500, 510), *range(200, 205)], "the draw made again, in its place"
-    assert info.row_ids.tolist() == batch["x"].astype(int).tolist()
+    state.local = FileView()  # type: ignore[assignment]
+    script = Script(info_or(rows_reply))
+    script.run(plan_draws.sample(state, 25, 3, False, None))
+    sizes = [c[2][0] for c in state.local.calls]
+    rngs = [c[2][1] for c in state.local.calls]
+    assert sizes == [10, 10, 5], "as the server splits a batch over messages"
+    expected = [np.random.default_rng(seed).random() for seed in (3, 4, 5)]
+    assert [g.random() for g in rngs] == expected, "each part's generator made from seed + part"
 
 
-def test_draws_of_a_consuming_table_carry_their_rows_even_on_the_files_host() -> None:
-    state = make_state(QUEUE)
-    state.local = FileRows()  # type: ignore[assignment]
-    script = Script(ids_reply)
+def test_a_view_that_is_not_the_file_the_server_serves_is_given_up_and_the_draw_travels() -> None:
+    state = make_state()
+    state.local = FileView()  # type: ignore[assignment]
+    script = Script(info_or(rows_reply, inode=8))
     batch = script.run(plan_draws.sample(state, 5, None, False, None)).result()
-    assert [r.with_rows for _, r in script.sent] == [None] and state.local.read_ids == []
+    assert [type(r).__name__ for _, r in script.sent] == ["Info", "Sample"] and not state.local.calls
     assert batch["x"].tolist() == list(range(5))
 
 
-def test_a_view_given_up_leaves_the_rows_to_travel() -> None:
-    state = make_state()
-    state.local = FileRows()  # type: ignore[assignment]
-    state.local.usable = False
-    script = Script(ids_reply)
+def test_draws_of_a_consuming_table_go_to_the_server_even_on_the_files_host() -> None:
+    state = make_state(QUEUE)
+    state.local = FileView()  # type: ignore[assignment]
+    script = Script(info_or(rows_reply))
     script.run(plan_draws.sample(state, 5, None, False, None))
-    assert [r.with_rows for _, r in script.sent] == [None] and state.local.read_ids == []
+    assert [(target, type(r).__name__) for target, r in script.sent] == [(WRITER, "Sample")]
+    assert not state.local.calls
 
 
-def test_batches_on_the_files_host_group_by_what_travels_and_make_a_missed_draw_again() -> None:
-    state = make_state(limits=P.Limits(max_rows_per_message=100, max_message_bytes=1 << 20))
-    state.local = FileRows(missing={40})  # type: ignore[assignment]
-    starts = itertools.count(0, 40)
-    script = Script(lambda r: ids_reply(r, next(starts)))
-    got = script.run(plan_batches.batches(state, 10, 8, None, False, None, None), stop_after=8)
-    requests = [r for _, r in script.sent]
-    assert [r.with_rows for r in requests[:3]] == [False] * 3 and {r.batch_size for r in requests} == {40}
-    remade = [r for r in requests if r.with_rows is None]
-    assert len(remade) == 1, "the group whose rows left the file is drawn again, with its rows"
-    firsts = [int(b["x"][0]) for b in got]
-    assert firsts[:4] == [0, 10, 20, 30] and 40 not in firsts, "no batch of the missed draw is delivered"
+def test_batches_come_from_the_view_one_at_a_time_then_pipelined_once_it_is_given_up() -> None:
+    state = make_state(limits=P.Limits(max_rows_per_message=100))
+    state.local = FileView(give_up_after=3)  # type: ignore[assignment]
+    script = Script(info_or(lambda r: rows_reply(r, 500)))
+    got = script.run(plan_batches.batches(state, 10, 8, None, False, None, None), stop_after=6)
+    # The fourth draw finds the view given up and goes to the server; the pipelined ones follow.
+    assert [int(b["x"][0]) for b in got] == [0, 10, 20, 500, 500, 510]
+    kinds = [type(r).__name__ for _, r in script.sent]
+    assert kinds[0] == "Info" and kinds.count("Sample") >= 2, "after the view gave up: requests kept in flight"
+    assert len(state.local.calls) == 4, "three batches drawn from the view, the fourth draw found it given up"

@@ -15,8 +15,7 @@ from collections import deque
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from h5replay import protocol as P
-from h5replay.client._core.draws import sample, sample_requests, sample_sequences, window_requests, with_rows
+from h5replay.client._core.draws import sample, sample_requests, sample_sequences, window_requests
 from h5replay.client._core.exchange import collect, fresh, joined
 from h5replay.client._core.ops import READS, Deliver, Forget, Plan, RequestFactory, Send, Wait, checked
 from h5replay.client._core.state import LearnerState
@@ -62,9 +61,22 @@ def batches(state: LearnerState, batch_size: Any, prefetch: Any, sequence_length
     kind = (("rows",) if steps is None else ("windows", steps)) + t.kind
     pipelined = _pipelined(state, lambda k: requests(_seed(seed, k * parts)), -(-ahead // group), with_info, t,
                            group, kind)
+    if state.reads_locally(t):  # drawn from this client's view of the file: nothing to keep in flight
+        return _while_local(state, t, one_batch, seed, parts, pipelined)
     if not t.consuming:
         return pipelined
     return _kept_first(state, kind, one_batch, pipelined)
+
+
+def _while_local(state: LearnerState, t: TableDraws, one_batch: Callable[[int], Plan[Any]], seed: int | None,
+                 parts: int, then: Plan[None]) -> Plan[None]:
+    """Batches drawn one at a time from this client's own view of the file (as the pipelined ones
+    would be: with a seed, the same parts and seeds), then, once the view is given up, `then`."""
+    k = 0
+    while state.reads_locally(t):
+        yield Deliver((yield from one_batch(k * parts if seed is not None else k)))
+        k += 1
+    yield from then
 
 
 def _one_at_a_time(one_batch: Callable[[int], Plan[Any]], start: int) -> Plan[None]:
@@ -89,8 +101,7 @@ def _batches_per_request(state: LearnerState, rows: int, ahead: int, t: TableDra
     (two requests or more stay in flight), within one message and 1 MiB."""
     if t.samples != READS:
         return 1
-    row_bytes = P.SAMPLE_INFO_BYTES if state.reads_locally(t) else int(state.schema.row_bytes)  # what travels
-    fit = min(state.rows_per_message // rows, _REQUEST_BYTES // max(1, rows * row_bytes))
+    fit = min(state.rows_per_message // rows, _REQUEST_BYTES // max(1, rows * int(state.schema.row_bytes)))
     return int(max(1, min(ahead // 2, fit)))
 
 
@@ -103,23 +114,19 @@ def _pipelined(state: LearnerState, group_requests: Callable[[int], list[Request
     target = t.samples
     timeout = state.draw_timeout(t)
     in_flight: deque[list[int]] = deque()
-    asked: deque[list[RequestFactory]] = deque()  # the requests of each group in flight (a draw made again)
     drawn: list[Part] = []  # parts of the oldest group read so far (an interrupted read keeps them)
     try:
         for k in itertools.count():
             while len(in_flight) < ahead:
                 yield from fresh(state)
                 sent = []
-                factories = group_requests(k + len(in_flight))
-                for request in factories:
+                for request in group_requests(k + len(in_flight)):
                     sent.append((yield Send(target, request)))
                 in_flight.append(sent)
-                asked.append(factories)
             if t.consuming:
                 parts, error = yield from collect(state, target, in_flight[0], cancel=False,
                                                   timeout=timeout or state.config.timeout, parts=drawn)
                 in_flight.popleft()
-                asked.popleft()
                 drawn = []
                 if error is not None:
                     state.kept.give_back(kind, parts)
@@ -133,7 +140,6 @@ def _pipelined(state: LearnerState, group_requests: Callable[[int], list[Request
                 replies.append(checked((yield Wait(target, request_id, timeout))))
             for reply in replies:
                 state.observe(reply)
-            replies = yield from with_rows(state, replies, asked.popleft(), t)
             for batch in _split(state, replies, group, with_info):
                 yield Deliver(batch)
     except GeneratorExit:

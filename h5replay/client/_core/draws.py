@@ -11,7 +11,6 @@ instead (`Drawn.keep`). Pure plans (see ops.py).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
@@ -20,19 +19,20 @@ import numpy as np
 
 from h5replay import protocol as P
 from h5replay.client._core.exchange import draw_all, fresh, joined, read_many
-from h5replay.client._core.ops import Plan, RequestFactory
-from h5replay.client._core.reads import rows_by_id
+from h5replay.client._core.ops import WRITER, Now, Plan, RequestFactory
+from h5replay.client._core.reads import rows_by_id, server_stats
 from h5replay.client._core.state import LearnerState
 from h5replay.client._kept import Part, join_parts, kept_error
+from h5replay.client._local import LocalRows
 from h5replay.client._reads import TableDraws, _chunks, _positive, _request, _seed, sample_info
 from h5replay.errors import ConfigError, ProtocolError
 from h5replay.records import SampleInfo
 from h5replay.spaces import Schema
 from h5replay.transitions import check_n_step
-from h5replay.windows import check_pad_space, masked, window_rows
+from h5replay.windows import check_pad_space, masked, unmasked, window_rows
 
-__all__ = ["Drawn", "sample", "sample_requests", "sample_sequences", "sample_transitions", "window_requests",
-           "with_rows"]
+__all__ = ["Drawn", "local_view", "sample", "sample_requests", "sample_sequences", "sample_transitions",
+           "window_requests"]
 
 
 @dataclass
@@ -53,6 +53,12 @@ class Drawn:
             state.kept.give_back(self.kind, self.parts)
 
 
+def _rng(state: LearnerState, seed: int | None) -> np.random.Generator:
+    """The generator a part is drawn with: as a reader makes it from a seed (the same rows), else
+    this client's own."""
+    return state.rng if seed is None else np.random.default_rng(seed)
+
+
 def _ready(value: Any) -> Drawn:
     return Drawn(None, [], lambda _: value)
 
@@ -60,39 +66,43 @@ def _ready(value: Any) -> Drawn:
 def sample_requests(state: LearnerState, size: int, seed: int | None, t: TableDraws) -> list[RequestFactory]:
     """The Sample requests of one batch: one per message's (and rate limit step's) worth of rows."""
     limit = state.config.rate_limit_timeout
-    rows = False if state.reads_locally(t) else None  # False: this client reads the rows from the file
-    return [_request(P.Sample, hi - lo, _seed(seed, k), state.min_seq, limit, t.asked, state.packed, _skip(lo, t),
-                     rows)
+    return [_request(P.Sample, hi - lo, _seed(seed, k), state.min_seq, limit, t.asked, state.packed, _skip(lo, t))
             for k, (lo, hi) in enumerate(_chunks(size, t.rows_per_sample))]
 
 
-def with_rows(state: LearnerState, replies: list[Any], factories: list[RequestFactory],
-              t: TableDraws) -> Plan[list[Any]]:
-    """The replies of draws made without their rows (a learner on the file's host, see
-    client/_local.py), with the rows read from this client's own view of the file. A draw whose
-    rows cannot be read so (evicted or cleared since it was made) is made again, with its rows:
-    draws that change nothing on the server can be."""
+def local_view(state: LearnerState, t: TableDraws) -> Plan[LocalRows | None]:
+    """This client's own view of the server's file, when draws from `t` are made from it
+    (client/_local.py): on the file's host, from a table whose draws change nothing on the server,
+    and the server confirmed (at most every CONFIRM_INTERVAL seconds) that it serves that file."""
     local = state.local
-    out = []
-    for reply, factory in zip(replies, factories):
-        if local is None or reply.arrays or not len(reply.row_ids):
-            out.append(reply)
-            continue
-        arrays = local.read(reply)
-        if arrays is None:
-            again = yield from read_many(state, t.samples, [_rows_too(factory)], state.draw_timeout(t))
-            out.append(again[0])
-        else:
-            out.append(dataclasses.replace(reply, arrays=arrays))
-    return out
+    if local is None or not state.reads_locally(t):
+        return None
+    now = yield Now()
+    if local.due(now):
+        local.confirm((yield from server_stats(WRITER)), now)
+    return local if local.usable else None
 
 
-def _rows_too(factory: RequestFactory) -> RequestFactory:
-    """The request `factory` makes (a Sample), asking for its rows."""
-    def request(request_id: int) -> P.Request:
-        drawn = factory(request_id)
-        return dataclasses.replace(drawn, with_rows=None) if isinstance(drawn, P.Sample) else drawn
-    return request
+def drawn_here(state: LearnerState, local: LocalRows, method: str, size: int, per: int, seed: int | None,
+               draw: Callable[[int, int | None, int], tuple[Any, ...]]) -> tuple[dict[str, np.ndarray], SampleInfo] | None:
+    """(rows, info) of `size` draws made from this client's view: `draw(n, seed, lo)` gives the
+    arguments of `ReplayBuffer.<method>` for the part from `lo` on. With a seed, in the parts (of
+    `per`) and seeds the server would draw, so the rows are the ones it would give; None when the
+    view is given up (then draw over the socket)."""
+    parts = [(0, size)] if seed is None else _chunks(size, per)
+    got: list[tuple[dict[str, np.ndarray], SampleInfo]] = []
+    for k, (lo, hi) in enumerate(parts):
+        args, kwargs = draw(hi - lo, _seed(seed, k), lo)
+        drawn = local.draw(method, state.min_seq, *args, **kwargs)
+        if drawn is None:
+            return None
+        arrays, info, view = drawn
+        state.observe_view(view)
+        got.append((arrays, info))
+    info = got[0][1]
+    for _, more in got[1:]:
+        info = info.concatenate(more)
+    return joined([arrays for arrays, _ in got], list(got[0][0])), info
 
 
 def _skip(lo: int, t: TableDraws) -> int | None:
@@ -154,8 +164,7 @@ def sampled(state: LearnerState, replies: list[Any], with_info: bool, schema: Sc
 def sample_many(state: LearnerState, factories: list[RequestFactory], t: TableDraws) -> Plan[list[Any]]:
     """Sample requests go to whoever draws them: readers, or the writer when samples change the
     buffer (then each may wait up to `rate_limit_timeout` for the rate limit)."""
-    replies = yield from read_many(state, t.samples, factories, state.draw_timeout(t))
-    return (yield from with_rows(state, replies, factories, t))
+    return (yield from read_many(state, t.samples, factories, state.draw_timeout(t)))
 
 
 def sample(state: LearnerState, batch_size: Any, seed: int | None, with_info: bool, table: str | None) -> Plan[Drawn]:
@@ -166,6 +175,14 @@ def sample(state: LearnerState, batch_size: Any, seed: int | None, with_info: bo
         return (yield from consume(state, ("rows", *t.kind), size, lambda n: sample_requests(state, n, seed, t),
                                    decoded(state.schema, with_info)))
     yield from fresh(state)
+    local = yield from local_view(state, t)
+    if local is not None:
+        here = drawn_here(state, local, "sample", size, t.rows_per_sample, seed,
+                          lambda n, part_seed, lo: ((n, _rng(state, part_seed)), {"table": t.asked, "skip": _skip(lo, t) or 0}))
+        if here is not None:
+            arrays, info = here
+            batch = state.schema.decode(arrays)
+            return _ready((batch, info) if with_info else batch)
     replies = yield from sample_many(state, sample_requests(state, size, seed, t), t)
     return _ready(sampled(state, replies, with_info))
 
@@ -191,6 +208,14 @@ def sample_sequences(state: LearnerState, batch_size: Any, length: Any, seed: in
         rows = decoded(state.schema, True)
         return (yield from consume(state, kind, size, lambda n: window_requests(state, n, steps, seed, t, pad) or [],
                                    lambda parts: finish(rows(parts))))
+    local = yield from local_view(state, t)
+    if local is not None:
+        per = t.rows_per_sample // steps if requests is not None else state.limits.max_rows_per_message
+        here = drawn_here(state, local, "sample_sequences", size, per, seed,
+                          lambda n, part_seed, lo: ((n, steps, _rng(state, part_seed)), {"table": t.asked, "pad": pad}))
+        if here is not None:
+            arrays, info = here
+            return _ready(finish((state.schema.decode(unmasked(arrays)), info)))
     if requests is not None:
         return _ready(finish(sampled(state, (yield from sample_many(state, requests, t)), True)))
     return _ready(finish((yield from _by_row_ids(state, size, steps, seed, t, pad))))
@@ -247,5 +272,14 @@ def sample_transitions(state: LearnerState, batch_size: Any, n_step: Any, gamma:
         return (yield from consume(state, ("transitions", n, discount_rate, *t.kind), size, requests,
                                    decoded(schema, with_info)))
     yield from fresh(state)
+    local = yield from local_view(state, t)
+    if local is not None:
+        here = drawn_here(state, local, "sample_transitions", size, per, seed, lambda count, part_seed, lo: (
+            (count,), {"n_step": n, "gamma": discount_rate, "rng": _rng(state, part_seed), "table": t.asked,
+                       "skip": _skip(lo, t) or 0}))
+        if here is not None:
+            arrays, info = here
+            batch = schema.decode(arrays)
+            return _ready((batch, info) if with_info else batch)
     replies = yield from read_many(state, t.samples, requests(size))
     return _ready(sampled(state, replies, with_info, schema))

@@ -39,7 +39,8 @@ def hello(name: str) -> Plan[P.HelloReply]:
     return reply
 
 
-def _stats(state: LearnerState, target: Any) -> Plan[dict[str, Any]]:
+def server_stats(target: Any) -> Plan[dict[str, Any]]:
+    """The figures of an Info request to `target` (the writer, or a reader)."""
     request_id = yield Send(target, lambda rid: P.Info(rid))
     return dict(checked((yield Wait(target, request_id))).stats)
 
@@ -47,18 +48,18 @@ def _stats(state: LearnerState, target: Any) -> Plan[dict[str, Any]]:
 def info(state: LearnerState) -> Plan[dict[str, Any]]:
     """The server's figures, with the buffer's own as this client's view of the file shows them
     (from a reader when reads have a socket of their own)."""
-    writer = yield from _stats(state, WRITER)
+    writer = yield from server_stats(WRITER)
     if not state.separate_reads:
         state.observe_stats(writer)
         return writer
-    reads = yield from _stats(state, READS)
+    reads = yield from server_stats(READS)
     state.observe_stats(reads)
     return {**writer, **reads}
 
 
 def length(state: LearnerState) -> Plan[int]:
     """Rows held, as a reader sees them."""
-    stats = yield from _stats(state, READS)
+    stats = yield from server_stats(READS)
     state.observe_stats(stats)
     return int(stats["length"])
 

@@ -80,6 +80,7 @@ class LearnerState:
         self._leaf_of = dict(self.schema.leaves)
         #: This process's own view of the server's file, when it is on the file's host (ClientConfig.local_reads).
         self.local = LocalRows.of(hello, config.local_reads)
+        self.rng = np.random.default_rng()  # draws from that view without a seed
 
     # ------------------------------------------------------------------ tables
 
@@ -100,9 +101,9 @@ class LearnerState:
             self.local.close()
 
     def reads_locally(self, t: TableDraws) -> bool:
-        """Whether draws from `t` leave their rows for this client to read from its own view of
-        the file: on the file's host, from a table whose draws change nothing on the server."""
-        return self.local is not None and self.local.usable and not t.consuming
+        """Whether draws from `t` are made from this client's own view of the file: on the file's
+        host, from a table whose draws change nothing on the server (readers may make them)."""
+        return self.local is not None and self.local.usable and not t.consuming and t.samples == READS
 
     def table_figure(self, t: TableDraws, figure: str) -> Any:
         return self.sampling.get(f"table.{t.name}.{figure}", self.sampling.get(figure))
@@ -169,6 +170,11 @@ class LearnerState:
         if self.view is None or view.seq >= self.view.seq:
             self.view = view
         return view
+
+    def observe_view(self, view: View) -> None:
+        """A view this client read the file in itself; its view moves to it unless it is older."""
+        if self.view is None or view.seq >= self.view.seq:
+            self.view = view
 
     def observe_stats(self, stats: Mapping[str, Any]) -> None:
         """The view an info reply's figures describe (seq, oldest_row_id, length, generation)."""

@@ -163,14 +163,13 @@ class Draws:
 
     def sample(
         self, batch_size: int, rng: np.random.Generator | None = None, *, with_info: bool = False,
-        decode: bool | str = True, table: str | None = None, skip: int = 0, rows: bool = True,
+        decode: bool | str = True, table: str | None = None, skip: int = 0,
     ) -> Any:
         """`batch_size` rows drawn by `table`'s sampler (None: the only table): uniformly or by
         priority, with replacement; or (fifo / lifo, or when rows are removed) without. With
         `with_info=True` returns (batch, SampleInfo) with each row's id, episode and draw
         probability. `skip`: an in-order sampler passes over that many rows of its order first
-        (the later part of a batch a learner splits over requests). `rows=False` draws without
-        reading the rows (batch is None): a learner on the file's host reads them itself.
+        (the later part of a batch a learner splits over requests).
 
         Raises:
             ConfigError: no such table, or none named where there are several.
@@ -186,8 +185,7 @@ class Draws:
 
         def attempt(view: State) -> tuple[tuple[Any, np.ndarray, np.ndarray], int]:
             g, probabilities = ordered_draw(sampling, view, size, rng, skip)
-            batch = self.storage.read("array", self._phys(g, view), decode, g) if rows else None
-            return (batch, g, probabilities), int(g.min())
+            return (self.storage.read("array", self._phys(g, view), decode, g), g, probabilities), int(g.min())
 
         batch, g, probabilities = self._consistent(attempt)
         self._count_sampled(sampling, g, size)
