@@ -133,9 +133,9 @@ BATCH = 256
 PREFETCH = 8  # batches a pipelined learner keeps requested ahead
 PIPELINED = f"wire, LearnerClient.batches(prefetch={PREFETCH})"
 ASYNC_PIPELINED = f"wire, AsyncLearnerClient.batches(prefetch={PREFETCH})"
-# A learner on the file's host (ClientConfig.local_reads, the default): the server draws, the
-# learner reads the drawn rows from its own SWMR view of the file (the wire rows above turn it off).
-SAME_HOST = "same host, LearnerClient.sample (local reads)"
+# A learner on the file's host (ClientConfig.local_reads, the default) draws from its own SWMR view
+# of the file (the wire rows above turn it off).
+SAME_HOST = "same host, LearnerClient.sample"
 SAME_HOST_PIPELINED = f"same host, LearnerClient.batches(prefetch={PREFETCH})"
 SAME_HOST_ASYNC = f"same host, AsyncLearnerClient.batches(prefetch={PREFETCH})"
 SAME_HOST_TARGET = 0.8  # same-host batches against a local SWMR reader of the same rows (issue 26)
@@ -1031,7 +1031,7 @@ def sample_methods(path: str, endpoints: Endpoints, kind: str, n: int, sizes: Si
 
 
 def same_host(endpoint: str, expected: np.ndarray, sizes: Sizes) -> dict[str, dict[str, Any]]:
-    """The same learner on the file's host, reading the drawn rows from its own view of the file."""
+    """The same learner on the file's host, drawing from its own view of the file."""
     got: dict[str, dict[str, Any]] = {}
     with LearnerClient(endpoint, config=ClientConfig(endpoint=endpoint, timeout=30.0)) as learner:
         if not np.array_equal(learner.sample(BATCH, seed=5)["obs"], expected):
@@ -1041,8 +1041,8 @@ def same_host(endpoint: str, expected: np.ndarray, sizes: Sizes) -> dict[str, di
         got[SAME_HOST_PIPELINED] = time_batches(functools.partial(next, batches), sizes)
         batches.close()
         local = learner._state.local  # a benchmark checks the rows did not travel
-        if local is None or not local.num_read or not local.usable:
-            raise AssertionError(f"the same-host learner did not read locally: {local and local.given_up}")
+        if local is None or not local.num_draws or not local.usable:
+            raise AssertionError(f"the same-host learner did not draw from the file: {local and local.given_up}")
     got[SAME_HOST_ASYNC] = time_async_batches(endpoint, sizes, local_reads=True)
     return got
 

@@ -176,11 +176,12 @@ class LocalRows:
                 return
         self._confirmed_at = now
 
-    def draw(self, method: str, min_seq: int, *args: Any, **kwargs: Any) -> tuple[dict[str, np.ndarray], Any, View] | None:
-        """(rows in wire form: stored dtypes, compressed leaves decoded; their SampleInfo; the
-        view they were drawn in) of `ReplayBuffer.<method>(*args, with_info=True, decode=False,
-        **kwargs)` on this view, in a state no older than `min_seq`; None when this view is given
-        up (the caller draws over the socket).
+    def draw(self, method: str, min_seq: int, *args: Any, with_info: bool = True,
+             **kwargs: Any) -> tuple[dict[str, np.ndarray], Any, View] | None:
+        """(rows in wire form: stored dtypes, compressed leaves decoded; their SampleInfo, or None
+        without `with_info`; the view they were drawn in) of `ReplayBuffer.<method>(*args,
+        decode=False, **kwargs)` on this view, in a state no older than `min_seq`; None when this
+        view is given up (the caller draws over the socket).
 
         Raises:
             NotEnoughDataError, ConfigError, DamagedRecordError: as the server's draw would.
@@ -193,17 +194,20 @@ class LocalRows:
             if buffer is None:
                 return None
             try:
-                buffer.refresh()
-                if buffer.view.seq < min_seq:  # this client saw a newer publish: not the file served
+                drawn = getattr(buffer, method)(*args, with_info=with_info, decode=False, **kwargs)
+            except (NotEnoughDataError, ConfigError, DamagedRecordError):
+                if buffer.view.seq < min_seq:
                     view.give_up(f"the file shows publish {buffer.view.seq}, older than {min_seq} this client has seen")
                     return None
-                arrays, info = getattr(buffer, method)(*args, with_info=True, decode=False, **kwargs)
-            except (NotEnoughDataError, ConfigError, DamagedRecordError):
                 raise
             except (H5ReplayError, IndexError, OSError, ValueError, TypeError) as exc:
                 view.give_up(f"a draw from it failed: {exc}")
                 return None
             state = buffer.last_view
+            if state.seq < min_seq:  # this client saw a newer publish: not the file served
+                view.give_up(f"the file shows publish {state.seq}, older than {min_seq} this client has seen")
+                return None
+            arrays, info = drawn if with_info else (drawn, None)
             self.num_draws += 1
             return dict(arrays), info, View(state.seq, state.generation, state.begin, state.end)
 

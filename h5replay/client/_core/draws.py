@@ -84,16 +84,24 @@ def local_view(state: LearnerState, t: TableDraws) -> Plan[LocalRows | None]:
 
 
 def drawn_here(state: LearnerState, local: LocalRows, method: str, size: int, per: int, seed: int | None,
-               draw: Callable[[int, int | None, int], tuple[Any, ...]]) -> tuple[dict[str, np.ndarray], SampleInfo] | None:
-    """(rows, info) of `size` draws made from this client's view: `draw(n, seed, lo)` gives the
-    arguments of `ReplayBuffer.<method>` for the part from `lo` on. With a seed, in the parts (of
-    `per`) and seeds the server would draw, so the rows are the ones it would give; None when the
-    view is given up (then draw over the socket)."""
-    parts = [(0, size)] if seed is None else _chunks(size, per)
-    got: list[tuple[dict[str, np.ndarray], SampleInfo]] = []
+               draw: Callable[[int, int | None, int], tuple[Any, ...]],
+               with_info: bool = True) -> tuple[dict[str, np.ndarray], SampleInfo | None] | None:
+    """(rows, info: None without `with_info`) of `size` draws made from this client's view:
+    `draw(n, seed, lo)` gives the arguments of `ReplayBuffer.<method>` for the part from `lo` on.
+    With a seed, in the parts (of `per`) and seeds the server would draw, so the rows are the
+    ones it would give; None when the view is given up (then draw over the socket)."""
+    if seed is None:  # one draw of them all (the common case: no parts to join)
+        args, kwargs = draw(size, None, 0)
+        drawn = local.draw(method, state.min_seq, *args, with_info=with_info, **kwargs)
+        if drawn is None:
+            return None
+        state.observe_view(drawn[2])
+        return drawn[0], drawn[1]
+    parts = _chunks(size, per)
+    got: list[tuple[dict[str, np.ndarray], SampleInfo | None]] = []
     for k, (lo, hi) in enumerate(parts):
         args, kwargs = draw(hi - lo, _seed(seed, k), lo)
-        drawn = local.draw(method, state.min_seq, *args, **kwargs)
+        drawn = local.draw(method, state.min_seq, *args, with_info=with_info, **kwargs)
         if drawn is None:
             return None
         arrays, info, view = drawn
@@ -101,7 +109,7 @@ def drawn_here(state: LearnerState, local: LocalRows, method: str, size: int, pe
         got.append((arrays, info))
     info = got[0][1]
     for _, more in got[1:]:
-        info = info.concatenate(more)
+        info = info.concatenate(more) if info is not None and more is not None else None
     return joined([arrays for arrays, _ in got], list(got[0][0])), info
 
 
@@ -178,7 +186,8 @@ def sample(state: LearnerState, batch_size: Any, seed: int | None, with_info: bo
     local = yield from local_view(state, t)
     if local is not None:
         here = drawn_here(state, local, "sample", size, t.rows_per_sample, seed,
-                          lambda n, part_seed, lo: ((n, _rng(state, part_seed)), {"table": t.asked, "skip": _skip(lo, t) or 0}))
+                          lambda n, part_seed, lo: ((n, _rng(state, part_seed)), {"table": t.asked, "skip": _skip(lo, t) or 0}),
+                          with_info)
         if here is not None:
             arrays, info = here
             batch = state.schema.decode(arrays)
@@ -213,8 +222,8 @@ def sample_sequences(state: LearnerState, batch_size: Any, length: Any, seed: in
         per = t.rows_per_sample // steps if requests is not None else state.limits.max_rows_per_message
         here = drawn_here(state, local, "sample_sequences", size, per, seed,
                           lambda n, part_seed, lo: ((n, steps, _rng(state, part_seed)), {"table": t.asked, "pad": pad}))
-        if here is not None:
-            arrays, info = here
+        arrays, info = here if here is not None else ({}, None)
+        if info is not None:  # (drawn with their info: padded windows need it)
             return _ready(finish((state.schema.decode(unmasked(arrays)), info)))
     if requests is not None:
         return _ready(finish(sampled(state, (yield from sample_many(state, requests, t)), True)))
