@@ -5,8 +5,9 @@ holds open, and the host, as the kernel's boot id. A learner whose kernel has th
 and whose path leads to the same device and inode, reads rows from its own view of that file
 (client/_local.py) instead of over the socket. The boot id, not the host name: containers of one
 machine share a kernel (and its page cache) but not a name, and two machines may share a name.
-The inode check settles the rest (another mount, another file at the same path). Pure: the
-standard library only.
+The inode check settles the rest (another mount, another file at the same path). Which process
+writes a file is the holder of its flock (storage/recovery.py's WriterLock), as /proc/locks
+shows it. Pure: the standard library only.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-__all__ = ["boot_id", "describe_file", "same_file"]
+__all__ = ["boot_id", "describe_file", "flock_holder", "same_file"]
 
 _BOOT_ID = "/proc/sys/kernel/random/boot_id"  # Linux: a UUID drawn at each boot
 
@@ -54,3 +55,21 @@ def same_file(described: Any) -> str | None:
     except (OSError, ValueError):  # ValueError: a path with a NUL byte
         return None
     return path if (st.st_dev, st.st_ino) == (device, inode) else None
+
+
+def flock_holder(device: int, inode: int) -> int | None:
+    """The pid (as this process sees it) holding a flock on the file (device, inode), from
+    /proc/locks; None when no process does, the system does not say, or the holder is in a pid
+    namespace this process cannot see (shown as pid 0)."""
+    where = f"{os.major(device):02x}:{os.minor(device):02x}:{inode}"
+    try:
+        with open("/proc/locks", encoding="ascii", errors="replace") as locks:
+            for line in locks:
+                fields = line.split()
+                # "1: FLOCK  ADVISORY  WRITE 12345 fe:00:2146868 0 EOF" (a "->" marks a waiter)
+                if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == where and fields[4].isdigit():
+                    pid = int(fields[4])
+                    return pid or None
+    except OSError:
+        pass
+    return None

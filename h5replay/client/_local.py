@@ -12,7 +12,13 @@ its writer may make them.
 
 A server restarted on another file would leave the view behind: at most every
 `CONFIRM_INTERVAL` seconds the learner asks the server which file it serves (its info: device and
-inode), and the view is given up when that is not the file it holds. A view that does not open,
+inode, and the server process), and the view is given up when that is not the file it holds. A
+view never spans two writers of the file either (a reader opened under one writer reads stale
+metadata under the next, after its recovery): before a draw, every `WRITER_CHECK_INTERVAL` at
+most, the learner looks at which process holds the file's writer lock (/proc/locks), and when it
+is no longer the one the server confirmed, the server is asked again before the next draw; a
+restarted server's file is then opened afresh. A writer that cannot be seen from here (another
+pid namespace) leaves the draws to the server. A view that does not open,
 holds another replay, shows an older publish than the client has seen, or fails a read is given
 up too, and the learner draws over the socket from then on.
 
@@ -30,6 +36,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -38,13 +45,14 @@ from h5replay import protocol as P
 from h5replay.client._reads import View
 from h5replay.codecs import DamagedRecordError
 from h5replay.errors import ConfigError, H5ReplayError, NotEnoughDataError
-from h5replay.hosts import same_file
+from h5replay.hosts import flock_holder, same_file
 
 __all__ = ["CONFIRM_INTERVAL", "LocalRows"]
 
 log = logging.getLogger("h5replay.client")
 _OPEN_TIMEOUT = 5.0  # seconds the view may take to open; a slower file is drawn from over the socket
 CONFIRM_INTERVAL = 1.0  # seconds between two questions to the server: is this still the file it serves?
+WRITER_CHECK_INTERVAL = 0.005  # seconds between two looks at who holds the file's writer lock
 
 
 class _View:
@@ -58,6 +66,8 @@ class _View:
         self.users = 0
         self.given_up: str | None = None  # why it is not used (None: it is, or will be)
         self.pid = os.getpid()  # a child (fork) never uses its parent's view: it opens none of its own
+        # Given up because the server restarted: opened under another writer, it is reopened.
+        self.restarted = False
 
     def open(self) -> Any:
         """The reader (opened now if need be), or None when it cannot be used."""
@@ -122,14 +132,19 @@ class LocalRows:
     Args:
         path: the file, as this process reaches it.
         replay_id: the replay the server serves; a file holding another is not used.
+        instance_id: the server process the hello came from.
     """
 
-    def __init__(self, path: str, replay_id: str) -> None:
+    def __init__(self, path: str, replay_id: str, instance_id: str = "") -> None:
         self.path = path
         self.replay_id = replay_id
+        self._instance = instance_id
         self._view: _View | None = None
         self._closed = False
         self._confirmed_at: float | None = None  # when the server last said it serves this file
+        self._file: tuple[int, int] | None = None  # (device, inode) of the file the view holds
+        self._writer: int | None = None  # the pid holding the file's writer lock, when confirmed
+        self._writer_seen = 0.0  # when it was last seen holding it
         #: Draws made from the file.
         self.num_draws = 0
 
@@ -139,14 +154,16 @@ class LocalRows:
         if not enabled:
             return None
         path = same_file(hello.local_file)
-        return None if path is None else cls(path, hello.replay_id)
+        return None if path is None else cls(path, hello.replay_id, hello.instance_id)
 
     @property
     def given_up(self) -> str | None:
-        """Why draws are not made here (None: they are, or will be at the first draw)."""
+        """Why draws are not made here (None: they are, or will be after the next confirmation)."""
         if self._closed:
             return "closed"
-        return None if self._view is None else self._view.given_up
+        if self._view is None or self._view.restarted:
+            return None
+        return self._view.given_up
 
     @property
     def usable(self) -> bool:
@@ -154,12 +171,18 @@ class LocalRows:
 
     def due(self, now: float) -> bool:
         """Whether the server must be asked which file it serves before the next draw."""
-        return self._confirmed_at is None or now - self._confirmed_at >= CONFIRM_INTERVAL
+        return (self._confirmed_at is None or now - self._confirmed_at >= CONFIRM_INTERVAL
+                or (self._view is not None and self._view.restarted))
 
     def confirm(self, stats: dict[str, Any], now: float) -> None:
-        """The server's info `stats` name the file it serves: given up unless it is this view's."""
+        """The server's info `stats` name the file it serves and the server process: the view is
+        reopened when that process is another (it was opened under another writer), given up
+        unless the file is the view's and a writer of it is visible from here."""
         if self._closed:
             return
+        instance = stats.get("instance_id")
+        if self._view is not None and (self._view.restarted or instance != self._instance):
+            self._reopen()
         view = self._take()
         with view.lock:
             buffer = view.open()
@@ -174,7 +197,36 @@ class LocalRows:
             if served != held or stats.get("replay_id", self.replay_id) != self.replay_id:
                 view.give_up(f"the server now serves another file (device {served[0]}, inode {served[1]})")
                 return
-        self._confirmed_at = now
+            writer = flock_holder(*held)
+            if writer is None:  # its writer cannot be watched from here (another pid namespace)
+                view.give_up("no writer of the file is visible from this process")
+                return
+        self._instance, self._file, self._writer = str(instance), held, writer
+        self._confirmed_at, self._writer_seen = now, time.monotonic()
+
+    def _reopen(self) -> None:
+        """The server restarted: the view, opened under the writer before, closes (for every
+        learner of the process) and a fresh one is taken."""
+        old, self._view = self._view, None
+        if old is None:
+            return
+        with old.lock:
+            old.give_up("the server restarted: a view opened under its writer before is opened again")
+            old.restarted = True
+        _let_go(old)
+
+    def _writer_unchanged(self) -> bool:
+        """Whether the process that held the file's writer lock at the confirmation still does
+        (looked at every WRITER_CHECK_INTERVAL at most). A writer that died, and the next one, are
+        noticed before the next one can change the file: a view must not span two writers."""
+        now = time.monotonic()
+        if now - self._writer_seen < WRITER_CHECK_INTERVAL:
+            return True
+        if self._file is None or flock_holder(*self._file) != self._writer:
+            self._confirmed_at = None  # ask the server again before the next draw from here
+            return False
+        self._writer_seen = now
+        return True
 
     def draw(self, method: str, min_seq: int, *args: Any, with_info: bool = True,
              **kwargs: Any) -> tuple[dict[str, np.ndarray], Any, View] | None:
@@ -186,7 +238,7 @@ class LocalRows:
         Raises:
             NotEnoughDataError, ConfigError, DamagedRecordError: as the server's draw would.
         """
-        if self._closed:
+        if self._closed or self._confirmed_at is None or not self._writer_unchanged():
             return None
         view = self._take()
         with view.lock:

@@ -22,6 +22,7 @@ import os
 from typing import IO
 
 from h5replay.errors import StorageError
+from h5replay.hosts import flock_holder
 
 __all__ = [
     "WriterLock", "clear_status_flags", "restore_status_flags", "status_flags", "superblock_end", "lock_holder", "lookup3",
@@ -156,17 +157,8 @@ def _write_status_flags(path: str | os.PathLike[str], flags: int) -> int:
 def lock_holder(fd: int) -> str:
     """The pid holding a flock on the file open as `fd` (from /proc/locks), or 'unknown'."""
     st = os.fstat(fd)
-    where = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
-    try:
-        with open("/proc/locks") as locks:
-            for line in locks:
-                fields = line.split()
-                # "1: FLOCK  ADVISORY  WRITE 12345 fe:00:2146868 0 EOF" (a "->" marks a waiter)
-                if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == where and fields[4].isdigit():
-                    return fields[4]
-    except OSError:
-        pass
-    return "unknown"
+    holder = flock_holder(st.st_dev, st.st_ino)
+    return "unknown" if holder is None else str(holder)
 
 
 class WriterLock:

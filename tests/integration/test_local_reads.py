@@ -213,11 +213,18 @@ def test_a_file_that_is_not_the_servers_replay_is_given_up_and_never_read(start_
     assert LocalRows.of(hello, enabled=False) is None
     assert LocalRows.of(dataclasses.replace(hello, local_file=None), enabled=True) is None
     other = LocalRows.of(dataclasses.replace(hello, replay_id="another-replay"), enabled=True)
-    assert other is not None and other.draw("sample", 0, 4, np.random.default_rng(0)) is None
+    assert other is not None
+    with _wire(server.endpoint) as wire:
+        other.confirm({**wire.info(), "replay_id": "another-replay"}, time.monotonic())
+    assert other.draw("sample", 0, 4, np.random.default_rng(0)) is None
     assert other.given_up is not None and "another-replay" in other.given_up
     other.close()
     mine = LocalRows.of(hello, enabled=True)
     assert mine is not None
+    assert mine.draw("sample", 0, 4, np.random.default_rng(0)) is None, "never before the server confirms the file"
+    with _wire(server.endpoint) as wire:
+        stats = wire.info()
+    mine.confirm(stats, time.monotonic())
     drawn = mine.draw("sample", 0, 4, np.random.default_rng(0))
     assert drawn is not None and not row_problems(drawn[0]) and mine.num_draws == 1
     assert mine.draw("sample", 10**9, 4, np.random.default_rng(0)) is None, "a publish newer than the file shows"
@@ -288,3 +295,42 @@ def test_one_view_serves_every_learner_of_a_process_and_gives_way_to_the_callers
     finally:
         first.close()
         second.close()
+
+
+def test_a_view_never_spans_two_writers_of_the_file(start_server: Any) -> None:
+    """A writer SIGKILLed and restarted on the same file: the learner stops drawing from its view
+    as the writer's lock goes (its draws then go to the server, which is down), and after the
+    restart draws from a view opened afresh (one opened under the dead writer would read stale
+    metadata once the next one recovers the file)."""
+    from service_helpers import free_port
+
+    from h5replay.errors import ServerUnavailableError
+
+    port = free_port()
+    server = start_server("k.h5", bind=f"tcp://127.0.0.1:{port}", num_readers=0)
+    _push(server.endpoint, 3)
+    learner = LearnerClient(config=ClientConfig(endpoint=server.endpoint, timeout=1.0))
+    try:
+        assert not row_problems(learner.sample(32))
+        local = learner._state.local
+        assert local is not None and local.num_draws == 1
+        first_view = local._view
+        server.kill()
+        time.sleep(0.05)
+        with pytest.raises(ServerUnavailableError):
+            learner.sample(32)
+        assert local.num_draws == 1, "no draw from the view once its writer was gone"
+        again = start_server("k.h5", bind=f"tcp://127.0.0.1:{port}", num_readers=0)
+        with ActorClient(again.endpoint, timeout=10) as actor:
+            actor.push_episode(episode_rows(3, 0, 20))
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                batch = learner.sample(200)
+                break
+            except ServerUnavailableError:
+                assert time.monotonic() < deadline
+        assert not row_problems(batch) and 3 in set(batch["actor"].tolist())
+        assert local.num_draws == 2 and local._view is not first_view, "drawn from a view opened afresh"
+    finally:
+        learner.close()
