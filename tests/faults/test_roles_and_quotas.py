@@ -38,7 +38,7 @@ from service_helpers import (
 
 from h5replay import protocol as P
 from h5replay.client import ActorClient, LearnerClient
-from h5replay.config import ServerConfig
+from h5replay.config import ClientConfig, ServerConfig
 from h5replay.errors import AccessDeniedError, ConfigError, ProtocolError, ReadOnlyError, ServerUnavailableError
 from h5replay.server import ServerProcess
 from h5replay.server.auth import RoleAuthenticator, generate_keys
@@ -330,9 +330,10 @@ def test_a_stopped_reader_is_replaced_after_a_deadline(start_server):
     stopped = _reader_pids(server)[0]
     os.kill(stopped, signal.SIGSTOP)
     try:
-        def served() -> bool:
+        def served() -> bool:  # by a reader process (a learner on the file's host would draw itself)
             try:
-                with LearnerClient(server.endpoint, timeout=1.0) as learner:
+                wire = ClientConfig(endpoint=server.endpoint, timeout=1.0, local_reads=False)
+                with LearnerClient(config=wire) as learner:
                     return learner.sample(4)["step"].shape == (4,)
             except ServerUnavailableError:
                 return False
