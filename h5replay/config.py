@@ -316,9 +316,9 @@ class ClientConfig:
     # and sends raw rows (a client without the codec's package).
     raw_rows: bool = False
     # A learner on the host of the server's file (the same kernel, a path to the same file): True,
-    # the server draws and this client reads the drawn rows from its own SWMR view of the file,
-    # with no copy through the socket (draws that change the server's state, queues and rate
-    # limits, still carry their rows); False, every row travels over the socket.
+    # it draws from its own SWMR view of the file with the server's sampling code, nothing copied
+    # through the socket (draws that change the server's state, queues and rate limits, are still
+    # the server's); False, every draw goes to the server.
     local_reads: bool = True
 
     def __post_init__(self) -> None:
@@ -332,4 +332,7 @@ class ClientConfig:
                               f"{self.heartbeat_interval!r}")
         for name in ("max_in_flight", "batch_rows", "batch_bytes", "commit_attempts"):
             _check_int(name, getattr(self, name), 1)
+        for name in ("raw_rows", "local_reads"):  # a string such as "false" would read as True
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         check_endpoint(self.endpoint, "endpoint")

@@ -2,8 +2,8 @@
 
 A server's hello names its file (`local_file`): its path, the device and inode of the file it
 holds open, and the host, as the kernel's boot id. A learner whose kernel has the same boot id,
-and whose path leads to the same device and inode, reads rows from its own view of that file
-(client/_local.py) instead of over the socket. The boot id, not the host name: containers of one
+and whose path leads to the same device and inode, draws from its own view of that file
+(client/_local.py) instead of asking the server. The boot id, not the host name: containers of one
 machine share a kernel (and its page cache) but not a name, and two machines may share a name.
 The inode check settles the rest (another mount, another file at the same path). Which process
 writes a file is the holder of its flock (storage/recovery.py's WriterLock), as /proc/locks

@@ -55,7 +55,7 @@ class HelloReply(Reply):
     instance_id: str  # this server process's UUID: tells a restarted server from the same one
     # {name: scalar}: sampler, writer_samples (learners send samples to the writer), ...
     sampling: dict[str, Any] = field(default_factory=dict)
-    # Where the file is, for a learner on the same host to read rows from its own view of it:
+    # Where the file is, for a learner on the same host to draw from its own view of it:
     # path, device, inode (of the file the server holds) and host (the kernel's boot id). None:
     # the server does not say (an older one, or no boot id to tell hosts apart).
     local_file: dict[str, Any] | None = None

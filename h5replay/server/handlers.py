@@ -33,7 +33,7 @@ from h5replay.errors import (
 from h5replay.hosts import describe_file
 from h5replay.sampling import describe_tables
 from h5replay.server.disk import DiskReserve
-from h5replay.server.reads import drawn_rows, read_reply, reply_rows
+from h5replay.server.reads import read_reply, reply_rows
 from h5replay.server.sessions import Session, Stats, check_admission
 from h5replay.server.waiting import Side, WaitingRoom
 from h5replay.storage.replay.buffer import ReplayBuffer
@@ -53,11 +53,9 @@ Parked = tuple[bytes, P.Request, str | None, str | None]
 def _local_file(buffer: ReplayBuffer) -> dict[str, Any] | None:
     """The served file's path, device, inode and host (None when they cannot be told, or the rows
     are in no file)."""
-    path = getattr(buffer.storage, "filename", None)
-    if not isinstance(path, str):
-        return None
     try:
-        return describe_file(path, *buffer.file_storage.file_identity())
+        storage = buffer.file_storage
+        return None if storage.filename is None else describe_file(storage.filename, *storage.file_identity())
     except (StorageError, ConfigError):
         return None
 
@@ -94,7 +92,7 @@ class Service:
         self.disk = DiskReserve(buffer.storage.filename, min_free_bytes)
         self.instance_id = instance_id
         self.limits = limits
-        #: What the hello says of the file, for learners on this host to read rows from it themselves.
+        #: What the hello says of the file, for learners on this host to draw from it themselves.
         self.local_file = _local_file(buffer)
         self.read_endpoint = read_endpoint
         self.fsync = fsync
@@ -354,8 +352,9 @@ class Service:
                     f"to the read endpoint, {self.read_endpoint} (its hello names it; LearnerClient reads there)"
                 )
             reply = read_reply(self.buffer, request, self._rng, self.limits)
-            self.stats.rows_out += reply_rows(reply)
-            self.stats.rows_sampled += drawn_rows(request, reply)
+            rows = reply_rows(reply)
+            self.stats.rows_out += rows
+            self.stats.rows_sampled += rows if reply.DRAWN else 0
             return reply
         if request.WRITES and session.role != "actor":
             raise ReadOnlyError(f"a {session.role} may not {request.KIND.value.replace('_', ' ')}; connect as an actor")
@@ -683,7 +682,7 @@ class Service:
             "errors": self.stats.errors,
             "rows_out": self.stats.rows_out,
             "rows_sampled": self.stats.rows_sampled, "role": "writer",  # (readers' rows_sampled: added below)
-            # The file served, by device and inode: a learner reading it itself checks it is still this one.
+            # The file served, by device and inode: a learner drawing from it itself checks it is still this one.
             "file_device": (self.local_file or {}).get("device"), "file_inode": (self.local_file or {}).get("inode"),
             "file_bytes": os.path.getsize(path) if path and os.path.exists(path) else 0,
             "uptime": round(uptime, 3),

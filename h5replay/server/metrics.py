@@ -23,8 +23,8 @@ _COUNTERS = {
     "requests": "requests served by the writer",
     "errors": "requests refused with an error reply",
     "read_requests": "requests served by the reader processes",
-    "rows_out": "rows sent to learners over the socket",
-    "rows_sampled": "rows drawn for learners by the writer and the readers (learners on the file's host read them from the file)",
+    "rows_out": "rows sent to learners (not those a learner on the file's host draws itself)",
+    "rows_sampled": "rows drawn for learners by the writer and the readers (of rows_out)",
 }
 _GAUGES = {
     "open_segments": "segments being streamed",

@@ -49,7 +49,7 @@ from h5replay.config import ServerConfig
 from h5replay.errors import AccessDeniedError, LimitExceededError, ProtocolError, ServerUnavailableError, StorageError
 from h5replay.server.auth import RefusalLog, RoleAuthenticator, server_keys
 from h5replay.server.guard import MONITOR_EVENTS, Budgets, ConnectionGuard, max_connections
-from h5replay.server.reads import drawn_rows, read_reply, reply_rows
+from h5replay.server.reads import read_reply, reply_rows
 from h5replay.server.sockets import Started, bound_endpoint, configure_router
 from h5replay.storage.replay.buffer import ReplayBuffer
 
@@ -280,8 +280,10 @@ def reader_main(
                 if wrong_file is not None:
                     raise wrong_file
                 reply = answer(buffer, request, rng, config, instance_id, served)
-                counters[_COUNTERS * index + 1] += reply_rows(reply)
-                counters[_COUNTERS * index + 2] += drawn_rows(request, reply)
+                rows = reply_rows(reply)
+                counters[_COUNTERS * index + 1] += rows
+                if reply.DRAWN:
+                    counters[_COUNTERS * index + 2] += rows
             except Exception as exc:  # every refusal becomes an error reply; the reader keeps serving
                 reply = P.ErrorReply.from_exception(P.peek_request_id(frames, limits), exc)
                 if reply.code == P.ErrorCode.INTERNAL.value:

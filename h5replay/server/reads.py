@@ -19,7 +19,7 @@ from h5replay.storage.hdf5 import PACKED
 from h5replay.storage.replay.buffer import ReplayBuffer
 from h5replay.windows import unmasked
 
-__all__ = ["drawn_rows", "read_reply", "reply_rows"]
+__all__ = ["read_reply", "reply_rows"]
 
 
 def reply_rows(reply: P.Reply) -> int:
@@ -29,14 +29,6 @@ def reply_rows(reply: P.Reply) -> int:
         return 0
     first = next(iter(arrays.values()))
     return int(np.prod(first.shape[:2]) if reply.KIND is P.Kind.SAMPLE_SEQUENCES else first.shape[0])
-
-
-def drawn_rows(request: P.Request, reply: P.Reply) -> int:
-    """Rows a draw handed out (what it sampled), whether they travel with the reply or the
-    learner reads them from the file (a window counts each of its rows)."""
-    if not reply.DRAWN:
-        return 0
-    return int(getattr(request, "num_drawn", 0) or reply_rows(reply))
 
 
 def _stored(packed: bool | None) -> bool | str:

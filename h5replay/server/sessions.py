@@ -44,7 +44,7 @@ class Stats:
     requests: int = 0
     errors: int = 0
     rows_out: int = 0
-    rows_sampled: int = 0  # rows drawn (sample, sample_sequences, sample_transitions), sent or read from the file
+    rows_sampled: int = 0  # of rows_out, those drawn (sample, sample_sequences, sample_transitions)
     started: float = field(default_factory=time.monotonic)
 
 

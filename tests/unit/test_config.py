@@ -93,6 +93,7 @@ BAD_CLIENT = [
     ("rate_limit_timeout", NAN), ("rate_limit_timeout", INF), ("rate_limit_timeout", -1.0),
     ("batch_seconds", NAN), ("batch_seconds", INF), ("batch_seconds", -1.0),
     ("max_in_flight", 0), ("batch_rows", 1.5), ("batch_bytes", 0), ("commit_attempts", True),
+    ("local_reads", "false"), ("local_reads", 0), ("raw_rows", None),
 ]
 
 

@@ -90,14 +90,7 @@ def drawn_here(state: LearnerState, local: LocalRows, method: str, size: int, pe
     `draw(n, seed, lo)` gives the arguments of `ReplayBuffer.<method>` for the part from `lo` on.
     With a seed, in the parts (of `per`) and seeds the server would draw, so the rows are the
     ones it would give; None when the view is given up (then draw over the socket)."""
-    if seed is None:  # one draw of them all (the common case: no parts to join)
-        args, kwargs = draw(size, None, 0)
-        drawn = local.draw(method, state.min_seq, *args, with_info=with_info, **kwargs)
-        if drawn is None:
-            return None
-        state.observe_view(drawn[2])
-        return drawn[0], drawn[1]
-    parts = _chunks(size, per)
+    parts = [(0, size)] if seed is None else _chunks(size, per)  # without a seed: one draw of them all
     got: list[tuple[dict[str, np.ndarray], SampleInfo | None]] = []
     for k, (lo, hi) in enumerate(parts):
         args, kwargs = draw(hi - lo, _seed(seed, k), lo)

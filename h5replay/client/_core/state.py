@@ -167,12 +167,12 @@ class LearnerState:
     def observe(self, reply: P.ReadReply) -> View:
         """The view `reply` came from; this client's view moves to it unless it is older."""
         view = View(reply.seq, reply.generation, reply.begin, reply.end)
-        if self.view is None or view.seq >= self.view.seq:
-            self.view = view
+        self.observe_view(view)
         return view
 
     def observe_view(self, view: View) -> None:
-        """A view this client read the file in itself; its view moves to it unless it is older."""
+        """A view this client read in (a reply came from, or it drew from the file in itself); its
+        view moves to it unless it is older."""
         if self.view is None or view.seq >= self.view.seq:
             self.view = view
 
